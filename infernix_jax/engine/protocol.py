@@ -1,0 +1,137 @@
+"""The contract between the API server and the engine.
+
+The server depends on these types only, never on model modules: an `Engine` takes a
+`GenerationRequest` and streams `TokenEvent`s back. The offline `LLM` API and the tests use the
+same types, so a fake engine that honours this protocol can stand in for the real one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+FINISH_STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or the context limit was reached
+FINISH_ABORT = "abort"  # the client went away or the request was cancelled
+FINISH_ERROR = "error"  # the request failed; the engine and other requests go on
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Defaults are greedy decoding."""
+
+    max_tokens: int = 256  # tokens to generate at most (the context limit also applies)
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus: keep the smallest set whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 turns it off
+    min_p: float = 0.0  # drop tokens whose probability is below min_p * the top probability
+    repetition_penalty: float = 1.0  # CTRL-style: divide positive / multiply negative logits of seen tokens
+    presence_penalty: float = 0.0  # OpenAI: subtract once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    seed: int | None = None  # the same seed gives the same tokens, whatever else is batched
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output text)
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
+    ignore_eos: bool = False  # keep going past the end-of-sequence tokens
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and k alternatives
+    min_tokens: int = 0  # stop tokens are suppressed until this many tokens were generated
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.max_tokens < 0:
+            errors.append(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.temperature < 0:
+            errors.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            errors.append(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            errors.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            errors.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            errors.append(f"logprobs must be >= 0, got {self.logprobs}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class GenerationRequest:
+    """One request as the engine sees it: token ids in, sampling rules, optional constraint."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    constraint: object | None = None  # a compiled structured-output constraint (structured/)
+    arrival_time: float = 0.0  # time.monotonic() when the server received it (for metrics)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token, with the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass
+class TokenEvent:
+    """What the engine streams back: new tokens since the last event, and the end when it comes."""
+
+    request_id: str
+    token_ids: list[int]  # newly generated token ids (may be empty on the final event)
+    text: str  # newly decoded text, UTF-8 safe (a partial character waits for the next event)
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids when requested
+    finish_reason: str | None = None  # FINISH_* on the last event, else None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    completion_tokens: int = 0  # generated so far, including this event
+    error: str | None = None  # a readable message when finish_reason is FINISH_ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics and /health."""
+
+    running: int = 0  # requests being advanced
+    waiting: int = 0  # requests queued for admission
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    max_context: int = 0
+
+
+class Engine(Protocol):
+    """What the server needs from an engine. Implementations own all device state."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Queue a request and stream its events; the last event has finish_reason set.
+
+        Invalid requests (empty prompt, prompt longer than the context) end with one
+        FINISH_ERROR event rather than an exception, so the server can answer with a 400.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request: its blocks and state slot are freed at once; its stream ends with FINISH_ABORT."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+

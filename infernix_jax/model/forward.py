@@ -1,0 +1,105 @@
+"""The one forward: embeddings -> decoder layers -> final norm -> logits.
+
+`forward(params, tokens, positions, cache, cfg)` is pure and jittable (cfg static). Prefill,
+decode, verification, perplexity and training all call it; they differ only in the shapes they
+pass and the cache view they hand in.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from infernix_jax.cache.sequence import SequenceCache
+from infernix_jax.config import FULL_ATTENTION, ModelConfig
+from infernix_jax.model.attention import attention
+from infernix_jax.model.gated_deltanet import gated_deltanet
+from infernix_jax.model.mlp import mlp, moe
+from infernix_jax.model.norm import rms_norm
+from infernix_jax.model.params import LayerParams, Params
+from infernix_jax.weights.quant import matmul
+
+
+def decoder_layer(p: LayerParams, x: jax.Array, positions: jax.Array, entry, cfg: ModelConfig):
+    """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry)."""
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+    h = rms_norm(x, p.input_norm, eps, zc)
+    if p.attn is not None:
+        h, entry = attention(p.attn, h, positions, entry, cfg)
+    else:
+        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg)
+    x = x + h
+    h = rms_norm(x, p.post_norm, eps, zc)
+    h = moe(p.moe, h, cfg) if p.moe is not None else mlp(p.mlp, h)
+    return x + h, entry
+
+
+def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
+    """Logits in float32 from final hidden states."""
+    w = params.output_embedding
+    if hasattr(w, "matmul"):
+        return w.matmul(hidden).astype(jnp.float32)
+    return jnp.einsum("...d,vd->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def embed(params: Params, tokens: jax.Array, dtype) -> jax.Array:
+    return jnp.take(params.embed, tokens, axis=0).astype(dtype)
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: SequenceCache,
+    cfg: ModelConfig,
+    logit_indices: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, SequenceCache]:
+    """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
+
+    Returns (logits float32 [B, T, V] — or [B, N, V] at `logit_indices` [B, N] when given —,
+    hidden [B, T, D] after the final norm (what lm_head and the MTP head read), the updated cache).
+    """
+    dtype = params.final_norm.dtype
+    x = embed(params, tokens, dtype)
+    entries = list(cache.layers)
+    for i, layer in enumerate(params.layers):
+        kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
+        with jax.named_scope(f"layer{i}_{kind}"):
+            x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg)
+    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
+    selected = hidden
+    if logit_indices is not None:
+        selected = jnp.take_along_axis(hidden, logit_indices[..., None], axis=1)
+    logits = lm_head(params, selected)
+    return logits, hidden, SequenceCache(layers=tuple(entries), mtp=cache.mtp)
+
+
+def mtp_forward(
+    params: Params,
+    tokens: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+    cache: SequenceCache,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, jax.Array, SequenceCache]:
+    """The MTP head (vLLM's qwen3_next_mtp semantics).
+
+    At index i it reads token x_{i+1} (tokens [B, T], already shifted by the caller) and the
+    target's final hidden state h_i (hidden [B, T, D]) at the target's position i, and predicts
+    x_{i+2}. Returns (logits [B, T, V], its own post-norm hidden [B, T, D] — fed back in when
+    drafting several tokens —, the cache with the MTP layers' KV updated).
+    """
+    m = params.mtp
+    if m is None:
+        raise ValueError("this model has no MTP weights")
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+    dtype = params.final_norm.dtype
+    e = rms_norm(embed(params, tokens, dtype), m.pre_fc_norm_embedding, eps, zc)
+    h = rms_norm(hidden.astype(dtype), m.pre_fc_norm_hidden, eps, zc)
+    x = matmul(jnp.concatenate([e, h], axis=-1), m.fc)
+    entries = list(cache.mtp)
+    for j, layer in enumerate(m.layers):
+        with jax.named_scope(f"mtp{j}"):
+            x, entries[j] = decoder_layer(layer, x, positions, entries[j], cfg)
+    out = rms_norm(x, m.norm, eps, zc)
+    return lm_head(params, out), out, SequenceCache(layers=cache.layers, mtp=tuple(entries))

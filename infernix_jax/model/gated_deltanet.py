@@ -1,0 +1,150 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5).
+
+Causal depthwise conv over [q | k | v] channels with a carried conv state, then the gated delta
+rule with an fp32 recurrent state per value head: the chunked form (chunks of 64, as the FLA
+kernels and transformers' reference compute it) for multi-token input, the per-token recurrence
+for short windows. Padding tokens (position -1) must come after a row's valid tokens; they get
+beta = 0 and decay 1, so they leave the state untouched.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from infernix_jax.cache.sequence import GDNState
+from infernix_jax.config import ModelConfig
+from infernix_jax.model.norm import gated_rms_norm
+from infernix_jax.model.params import GDNParams
+from infernix_jax.weights.quant import matmul
+
+CHUNK = 64
+# Windows up to this length run the per-token recurrence (decode, draft verification); longer
+# ones use the chunked form.
+RECURRENT_MAX_TOKENS = 16
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(
+    x: jax.Array, conv_state: jax.Array, weight: jax.Array, n_valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv + SiLU.
+
+    x [B, T, C] raw inputs, conv_state [B, C, K-1] the previous K-1 raw inputs, weight [C, K],
+    n_valid [B] valid tokens per row. Returns (out [B, T, C], new conv state [B, C, K-1]).
+    """
+    b, t, c = x.shape
+    k = weight.shape[-1]
+    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    w = weight.astype(x.dtype)
+    out = sum(ext[:, j : j + t, :] * w[:, j] for j in range(k))
+    new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, k - 1, axis=0))(ext, n_valid)
+    return jax.nn.silu(out), jnp.swapaxes(new_state, 1, 2).astype(conv_state.dtype)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Per-token recurrence. q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dk, Dv].
+
+    All fp32; q already L2-normalised and scaled. Returns (out [B, T, H, Dv], final state).
+    """
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.swapaxes(out, 0, 1), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked form of the same recurrence (WY representation within each chunk); same contract."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    n = (t + pad) // chunk
+
+    def to_chunks(a):  # [B, T, H, ...] -> [B, H, N, C, ...]
+        a = jnp.moveaxis(a, 2, 1)
+        return a.reshape(a.shape[0], a.shape[1], n, chunk, *a.shape[3:])
+
+    q, k, v, g, beta = (to_chunks(a) for a in (q, k, v, g, beta))
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    strictly_lower = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    system = jnp.where(strictly_lower, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
+    unit = system + jnp.eye(chunk, dtype=system.dtype)
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
+        unit, rhs, left_side=True, lower=True, unit_diagonal=True
+    )
+    new_values = solve(v_beta)  # [B, H, N, C, Dv]
+    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # [B, H, N, C, Dk]
+    intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
+
+    def step(s, inputs):
+        nv, kc, qd, kd, intra_i, cd = inputs
+        v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s)
+        out = jnp.einsum("bhck,bhkv->bhcv", qd, s) + jnp.einsum("bhcj,bhjv->bhcv", intra_i, v_new)
+        s = s * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
+        return s, out
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
+    state, out = jax.lax.scan(step, state, xs)  # out [N, B, H, C, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2), state
+
+
+def gated_deltanet(p: GDNParams, x: jax.Array, positions: jax.Array, state: GDNState, cfg: ModelConfig):
+    """x [B, T, D] at positions [B, T] -> (out [B, T, D], new state). A row starting at position 0 starts fresh."""
+    b, t, _ = x.shape
+    hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
+    dk, dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
+    valid = positions >= 0
+    n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
+    fresh = positions[:, 0] == 0
+    conv_state = jnp.where(fresh[:, None, None], 0, state.conv)
+    rec_state = jnp.where(fresh[:, None, None, None], 0, state.recurrent)
+
+    mixed = matmul(x, p.in_proj_qkv)
+    z = matmul(x, p.in_proj_z).reshape(b, t, hv, dv)
+    b_in = matmul(x, p.in_proj_b)
+    a_in = matmul(x, p.in_proj_a)
+
+    mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid)
+    key_dim = cfg.linear_key_dim
+    q = mixed[..., :key_dim].reshape(b, t, hk, dk)
+    k = mixed[..., key_dim : 2 * key_dim].reshape(b, t, hk, dk)
+    v = mixed[..., 2 * key_dim :].reshape(b, t, hv, dv)
+
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(b_in.astype(jnp.float32)), 0.0)
+    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(
+        a_in.astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
+    )
+    g = jnp.where(valid[..., None], g, 0.0)
+
+    if hv != hk:  # v-head h reads k-head h // (hv / hk)
+        q = jnp.repeat(q, hv // hk, axis=2)
+        k = jnp.repeat(k, hv // hk, axis=2)
+    q = l2_normalize(q.astype(jnp.float32)) * (dk**-0.5)
+    k = l2_normalize(k.astype(jnp.float32))
+    v = v.astype(jnp.float32)
+    rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
+    out, new_rec = rule(q, k, v, g, beta, rec_state)
+    out = gated_rms_norm(out.astype(x.dtype), z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
+    return matmul(out, p.out_proj), GDNState(conv=new_conv, recurrent=new_rec)

@@ -1,0 +1,284 @@
+"""Hugging Face checkpoint -> `Params`: the name mapping in one table, and the loader.
+
+Each pytree leaf of a decoder layer has one or more `Rule`s: the Hugging Face tensor names it
+reads (relative to `layers.{i}.`) and a transform. Alternatives cover the layouts the Qwen3
+family ships: fused (Qwen3-Next `in_proj_qkvz` / `in_proj_ba`) or split (Qwen3.5) GDN
+projections, per-expert (`experts.{e}.gate_proj`) or fused (`experts.gate_up_proj`) experts.
+The first rule whose tensors are all present wins. Every problem (missing, unexpected or
+mis-shaped tensors) is collected and reported in one error.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from infernix_jax.config import ModelConfig
+from infernix_jax.model.params import Decl, Params, declare_params, param_dtype
+from infernix_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
+
+Transform = Callable[..., np.ndarray]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Fill the leaf at `path` from the tensors `names` (templates with {e} for the expert index)."""
+
+    path: str
+    names: tuple[str, ...]
+    transform: Transform | None = None  # (cfg, *arrays) -> array; None: the single tensor as is
+    per_expert: bool = False  # names contain {e}: read every expert and stack them
+
+
+# ---- transforms ------------------------------------------------------------------------------
+
+
+def _fused_qkvz_parts(cfg: ModelConfig, w: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Qwen3-Next's in_proj_qkvz rows are grouped per k-head: [q_g | k_g | v_g (r heads) | z_g (r heads)]."""
+    hk, dk, dv = cfg.linear_num_k_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim
+    r = cfg.linear_num_v_heads // hk
+    grouped = w.reshape(hk, 2 * dk + 2 * r * dv, -1)
+    q = grouped[:, :dk]
+    k = grouped[:, dk : 2 * dk]
+    v = grouped[:, 2 * dk : 2 * dk + r * dv]
+    z = grouped[:, 2 * dk + r * dv :]
+    d = w.shape[-1]
+    return q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d), z.reshape(-1, d)
+
+
+def qkv_from_fused(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    q, k, v, _ = _fused_qkvz_parts(cfg, w)
+    return np.concatenate([q, k, v], axis=0)
+
+
+def z_from_fused(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    return _fused_qkvz_parts(cfg, w)[3]
+
+
+def _fused_ba_parts(cfg: ModelConfig, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """in_proj_ba rows are grouped per k-head: [b (r) | a (r)]."""
+    hk = cfg.linear_num_k_heads
+    r = cfg.linear_num_v_heads // hk
+    grouped = w.reshape(hk, 2 * r, -1)
+    return grouped[:, :r].reshape(-1, w.shape[-1]), grouped[:, r:].reshape(-1, w.shape[-1])
+
+
+def b_from_fused(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    return _fused_ba_parts(cfg, w)[0]
+
+
+def a_from_fused(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    return _fused_ba_parts(cfg, w)[1]
+
+
+def conv_weight(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    return w.reshape(w.shape[0], w.shape[-1])  # [C, 1, K] -> [C, K]
+
+
+def gate_from_fused_experts(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    return w[:, : cfg.moe_intermediate_size]  # gate_up_proj [E, 2I, D]: gate rows first
+
+
+def up_from_fused_experts(cfg: ModelConfig, w: np.ndarray) -> np.ndarray:
+    return w[:, cfg.moe_intermediate_size :]
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+ATTN = "self_attn."
+GDN = "linear_attn."
+
+LAYER_RULES: tuple[Rule, ...] = (
+    Rule("input_norm", ("input_layernorm.weight",)),
+    Rule("post_norm", ("post_attention_layernorm.weight",)),
+    # full attention
+    Rule("attn.q_proj", (ATTN + "q_proj.weight",)),
+    Rule("attn.k_proj", (ATTN + "k_proj.weight",)),
+    Rule("attn.v_proj", (ATTN + "v_proj.weight",)),
+    Rule("attn.o_proj", (ATTN + "o_proj.weight",)),
+    Rule("attn.q_norm", (ATTN + "q_norm.weight",)),
+    Rule("attn.k_norm", (ATTN + "k_norm.weight",)),
+    Rule("attn.q_bias", (ATTN + "q_proj.bias",)),
+    Rule("attn.k_bias", (ATTN + "k_proj.bias",)),
+    Rule("attn.v_bias", (ATTN + "v_proj.bias",)),
+    Rule("attn.o_bias", (ATTN + "o_proj.bias",)),
+    # Gated DeltaNet: split (Qwen3.5) or fused (Qwen3-Next) projections
+    Rule("gdn.in_proj_qkv", (GDN + "in_proj_qkv.weight",)),
+    Rule("gdn.in_proj_qkv", (GDN + "in_proj_qkvz.weight",), qkv_from_fused),
+    Rule("gdn.in_proj_z", (GDN + "in_proj_z.weight",)),
+    Rule("gdn.in_proj_z", (GDN + "in_proj_qkvz.weight",), z_from_fused),
+    Rule("gdn.in_proj_b", (GDN + "in_proj_b.weight",)),
+    Rule("gdn.in_proj_b", (GDN + "in_proj_ba.weight",), b_from_fused),
+    Rule("gdn.in_proj_a", (GDN + "in_proj_a.weight",)),
+    Rule("gdn.in_proj_a", (GDN + "in_proj_ba.weight",), a_from_fused),
+    Rule("gdn.conv_weight", (GDN + "conv1d.weight",), conv_weight),
+    Rule("gdn.dt_bias", (GDN + "dt_bias",)),
+    Rule("gdn.A_log", (GDN + "A_log",)),
+    Rule("gdn.norm", (GDN + "norm.weight",)),
+    Rule("gdn.out_proj", (GDN + "out_proj.weight",)),
+    # dense MLP
+    Rule("mlp.gate_proj", ("mlp.gate_proj.weight",)),
+    Rule("mlp.up_proj", ("mlp.up_proj.weight",)),
+    Rule("mlp.down_proj", ("mlp.down_proj.weight",)),
+    # MoE: per-expert or fused experts, shared expert with its gate
+    Rule("moe.router", ("mlp.gate.weight",)),
+    Rule("moe.gate_proj", ("mlp.experts.{e}.gate_proj.weight",), per_expert=True),
+    Rule("moe.gate_proj", ("mlp.experts.gate_up_proj",), gate_from_fused_experts),
+    Rule("moe.up_proj", ("mlp.experts.{e}.up_proj.weight",), per_expert=True),
+    Rule("moe.up_proj", ("mlp.experts.gate_up_proj",), up_from_fused_experts),
+    Rule("moe.down_proj", ("mlp.experts.{e}.down_proj.weight",), per_expert=True),
+    Rule("moe.down_proj", ("mlp.experts.down_proj",)),
+    Rule("moe.shared.gate_proj", ("mlp.shared_expert.gate_proj.weight",)),
+    Rule("moe.shared.up_proj", ("mlp.shared_expert.up_proj.weight",)),
+    Rule("moe.shared.down_proj", ("mlp.shared_expert.down_proj.weight",)),
+    Rule("moe.shared_gate", ("mlp.shared_expert_gate.weight",)),
+)
+
+# Global tensors, relative to the text model's prefix (`model.` or `model.language_model.`)
+MODEL_RULES = (Rule("embed", ("embed_tokens.weight",)), Rule("final_norm", ("norm.weight",)))
+MTP_RULES = (
+    Rule("fc", ("fc.weight",)),
+    Rule("pre_fc_norm_embedding", ("pre_fc_norm_embedding.weight",)),
+    Rule("pre_fc_norm_hidden", ("pre_fc_norm_hidden.weight",)),
+    Rule("norm", ("norm.weight",)),
+)
+
+# Tensors a checkpoint may carry that the text model does not use.
+IGNORED = ("model.visual.*", "visual.*", "*.rotary_emb.inv_freq", "model.vision_tower.*", "mtp.*")
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+def path_str(path_keys) -> str:
+    """A pytree key path as a dotted string, e.g. ("layers", 3, "attn", "q_proj") -> "layers.3.attn.q_proj"."""
+    parts = []
+    for key in path_keys:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        else:
+            parts.append(str(getattr(key, "key", key)))
+    return ".".join(parts)
+
+
+def _leaf_paths(tree) -> dict[str, Decl]:
+    """Flatten a declaration tree into {dotted path: Decl}."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Decl))[0]
+    return {path_str(path): decl for path, decl in flat}
+
+
+class _Reader:
+    """Resolves rules against a checkpoint, recording every tensor it reads and every problem."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, cfg: ModelConfig):
+        self.ckpt, self.cfg = ckpt, cfg
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+        self.misshaped: list[str] = []
+
+    def _names(self, rule: Rule, base: str) -> list[str] | None:
+        if rule.per_expert:
+            names = [base + n.format(e=e) for n in rule.names for e in range(self.cfg.num_experts)]
+        else:
+            names = [base + n for n in rule.names]
+        return names if all(n in self.ckpt for n in names) else None
+
+    def read(self, path: str, rules: list[Rule], base: str, decl: Decl) -> np.ndarray | None:
+        for rule in rules:
+            names = self._names(rule, base)
+            if names is None:
+                continue
+            arrays = [self.ckpt.get(n) for n in names]
+            self.used.update(names)
+            if rule.per_expert:
+                value = np.stack(arrays)
+            elif rule.transform is not None:
+                value = rule.transform(self.cfg, *arrays)
+            else:
+                value = arrays[0]
+            if tuple(value.shape) != tuple(decl.shape):
+                self.misshaped.append(
+                    f"{', '.join(names[:1])}{' ...' if len(names) > 1 else ''}: expected {list(decl.shape)} "
+                    f"for {path}, found {list(value.shape)}"
+                )
+                return None
+            return value
+        tried = " or ".join(base + r.names[0].replace("{e}", "<e>") for r in rules) or path
+        self.missing.append(tried)
+        return None
+
+
+def _rules_by_path(rules: tuple[Rule, ...]) -> dict[str, list[Rule]]:
+    by_path: dict[str, list[Rule]] = {}
+    for rule in rules:
+        by_path.setdefault(rule.path, []).append(rule)
+    return by_path
+
+
+def load_params(
+    model_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    dtype=jnp.float32,
+    with_mtp: bool = True,
+    progress: bool = True,
+) -> Params:
+    """Read a Hugging Face checkpoint into `Params` on the default device, cast to `dtype`.
+
+    Raises CheckpointError listing every missing, unexpected or mis-shaped tensor at once.
+    """
+    ckpt = SafetensorsCheckpoint(model_dir)
+    with_mtp = with_mtp and cfg.mtp_num_layers > 0 and any(n.startswith("mtp.") for n in ckpt.names())
+    decls = declare_params(cfg, with_mtp=with_mtp)
+    reader = _Reader(ckpt, cfg)
+    layer_rules = _rules_by_path(LAYER_RULES)
+    model_rules = _rules_by_path(MODEL_RULES)
+    mtp_rules = _rules_by_path(MTP_RULES)
+    prefix = cfg.weight_prefix
+
+    leaves = _leaf_paths(decls)
+    values: dict[str, np.ndarray | None] = {}
+    for path, decl in tqdm(leaves.items(), desc="loading weights", disable=not progress, unit="tensor"):
+        parts = path.split(".")
+        if parts[0] == "layers":
+            base, sub, rules = f"{prefix}layers.{parts[1]}.", ".".join(parts[2:]), layer_rules
+        elif parts[0] == "mtp" and parts[1] == "layers":
+            base, sub, rules = f"mtp.layers.{parts[2]}.", ".".join(parts[3:]), layer_rules
+        elif parts[0] == "mtp":
+            base, sub, rules = "mtp.", ".".join(parts[1:]), mtp_rules
+        elif parts[0] == "lm_head":
+            base, sub, rules = "", "lm_head", {"lm_head": [Rule("lm_head", ("lm_head.weight",))]}
+        else:
+            base, sub, rules = prefix, path, model_rules
+        values[path] = reader.read(path, rules.get(sub, []), base, decl)
+
+    unexpected = [
+        n
+        for n in ckpt.names()
+        if n not in reader.used
+        and not any(fnmatch.fnmatch(n, pat) for pat in IGNORED if not (with_mtp and pat == "mtp.*"))
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    ]
+    problems = []
+    if reader.missing:
+        problems.append(f"missing tensors ({len(reader.missing)}): " + "; ".join(reader.missing[:20]))
+    if reader.misshaped:
+        problems.append(f"mis-shaped tensors ({len(reader.misshaped)}): " + "; ".join(reader.misshaped[:20]))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + "; ".join(sorted(unexpected)[:20]))
+    if problems:
+        raise CheckpointError(f"checkpoint {model_dir} does not match {cfg.architecture}: " + " | ".join(problems))
+
+    def to_device(path_keys, decl: Decl):
+        return jnp.asarray(values[path_str(path_keys)], dtype=param_dtype(decl, dtype))
+
+    return jax.tree_util.tree_map_with_path(to_device, decls, is_leaf=lambda x: isinstance(x, Decl))
+
