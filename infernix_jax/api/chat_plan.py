@@ -1,0 +1,72 @@
+"""From normalised chat messages and tools to a `ChatPlan`: render, encode, pick parser, force calls.
+
+Every chat-style protocol (OpenAI chat, Responses, Anthropic Messages) first turns its own request
+shape into chat-template messages and OpenAI-style tools, then calls `plan_chat`.
+"""
+
+from __future__ import annotations
+
+from infernix_jax.api import chat_support
+from infernix_jax.api.errors import bad_request
+from infernix_jax.api.generation import clamp_max_tokens, make_sampling
+from infernix_jax.api.requests import ChatPlan
+from infernix_jax.api.state import ServerState
+
+
+def normalize_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[str, str | None]:
+    """("auto" | "none" | "required", forced function name) from OpenAI's tool_choice forms."""
+    if tool_choice is None:
+        return "auto", None
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "none", "required"):
+            raise bad_request(f"tool_choice must be auto, none, required or a function, got {tool_choice!r}",
+                              param="tool_choice")
+        if tool_choice == "required" and not tools:
+            raise bad_request('tool_choice "required" needs tools', param="tool_choice")
+        return tool_choice, None
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function") or {}
+        name = function.get("name") if isinstance(function, dict) else None
+        name = name or tool_choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("tool_choice names no function", param="tool_choice")
+        known = {t["function"]["name"] for t in tools or ()}
+        if name not in known:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return "required", name
+    raise bad_request("tool_choice has an unknown form", param="tool_choice")
+
+
+def check_tools(tools) -> list[dict] | None:
+    """OpenAI chat tools, checked: [{"type": "function", "function": {"name", "parameters", ...}}]."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list", param="tools")
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request('each tool must be {"type": "function", "function": {"name": ...}}', param="tools")
+    return tools
+
+
+def plan_chat(state: ServerState, *, model: str, messages: list[dict], tools: list[dict] | None,
+              tool_choice: str, forced_name: str | None, template_kwargs: dict, max_tokens: int | None,
+              sampling_options: dict, parallel_tool_calls: bool = True) -> ChatPlan:
+    """Render and encode the conversation and fix the sampling for one chat request."""
+    config = state.config
+    rendered_tools = None if tool_choice == "none" else tools
+    prompt = chat_support.render_prompt(state.tokenizer, messages, rendered_tools, template_kwargs)
+    parser = chat_support.tool_parser_name(state.tokenizer, config.tool_call_parser)
+    forced = ""
+    if rendered_tools and tool_choice == "required":
+        forced = chat_support.forced_tool_prefix(parser, forced_name)
+    prompt_ids = chat_support.encode(state.tokenizer, prompt + forced)
+    sampling = make_sampling(max_tokens=clamp_max_tokens(state, len(prompt_ids), max_tokens), **sampling_options)
+    return ChatPlan(
+        model=model, prompt_text=prompt + forced, prompt_ids=prompt_ids, sampling=sampling,
+        tools=rendered_tools, parser_name=parser, tolerant=config.tolerant_tool_calls,
+        starts_in_reasoning=not forced and chat_support.prompt_opens_thinking(prompt),
+        forced_prefix=forced, parallel_tool_calls=parallel_tool_calls,
+        stop_sequences=tuple(sampling_options.get("stop") or ()),
+    )

@@ -1,0 +1,63 @@
+"""Prometheus metrics for /metrics: requests, tokens, latency, queue depth, KV usage.
+
+Each app owns its own registry, so several apps (tests, several servers in a process) never clash.
+Gauges that mirror the engine are read from `engine.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from infernix_jax.engine.protocol import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The counters, histograms and gauges of one server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "infernix_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("infernix_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "infernix_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.generation_tokens = Counter("infernix_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("infernix_finished_requests", "Generations by finish reason", ["reason"], registry=r)
+        self.time_to_first_token = Histogram(
+            "infernix_time_to_first_token_seconds", "From arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "infernix_inter_token_latency_seconds", "Mean time between generated tokens, per event",
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+        )
+        self.request_latency = Histogram(
+            "infernix_e2e_request_latency_seconds", "From arrival to the last token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.running = Gauge("infernix_requests_running", "Requests being advanced by the engine", registry=r)
+        self.waiting = Gauge("infernix_requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_blocks_used = Gauge("infernix_kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("infernix_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
+        self.kv_usage = Gauge("infernix_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_blocks_total.set(stats.kv_blocks_total)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The Prometheus text exposition, with the engine gauges refreshed first."""
+        self.observe_stats(stats)
+        return generate_latest(self.registry)

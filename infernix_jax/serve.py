@@ -1,0 +1,145 @@
+"""The server command line: `python -m infernix_jax.serve --model DIR [--host H] [--port P] ...`.
+
+It loads the tokenizer, builds the engine through `build_engine(args)` (the one seam between the
+command line and the engine package), wraps both in the API app and runs it on Hypercorn until
+Ctrl+C or SIGTERM, then shuts down cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from infernix_jax.api.config import ServerConfig
+
+log = logging.getLogger("infernix_jax.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m infernix_jax.serve",
+        description="Serve a Qwen hybrid model over the OpenAI and Anthropic HTTP APIs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True, help="model folder (HF checkpoint or converted artifact)")
+    model.add_argument("--tokenizer", default=None, help="tokenizer folder, when not the model folder")
+    model.add_argument("--served-model-name", default=None,
+                       help="model id clients send and /v1/models lists (default: the folder name)")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-concurrency", type=int, default=16, help="requests decoded together at most")
+    engine.add_argument("--max-context", type=int, default=None,
+                        help="context length in tokens (default: the model's)")
+    engine.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"],
+                        help="storage format of the KV cache")
+    engine.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill step")
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--api-key", default=None,
+                        help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
+    server.add_argument("--max-waiting", type=int, default=0,
+                        help="answer 503 + Retry-After when this many requests already wait (0: no limit)")
+    server.add_argument("--accept-any-model", action="store_true",
+                        help="answer requests naming any model (clients with fixed model names)")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    tools = parser.add_argument_group("tools and reasoning")
+    tools.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
+                       help="tool-call format (auto: read from the chat template)")
+    tools.add_argument("--tolerant-tool-calls", action="store_true",
+                       help="recover tool calls from broken output (missing tags, truncated JSON)")
+    tools.add_argument("--reasoning-budget", type=int, default=None,
+                       help="default thinking budget in tokens (unlimited when unset)")
+    tools.add_argument("--reasoning-loop", action="store_true",
+                       help="wrap up thinking that keeps repeating itself")
+    return parser
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    from pathlib import Path
+
+    return ServerConfig(
+        served_model_name=args.served_model_name or Path(args.model).resolve().name,
+        api_key=args.api_key,
+        tool_call_parser=args.tool_call_parser,
+        tolerant_tool_calls=args.tolerant_tool_calls,
+        reasoning_budget=args.reasoning_budget,
+        reasoning_loop=args.reasoning_loop,
+        max_waiting=args.max_waiting,
+        accept_any_model=args.accept_any_model,
+    )
+
+
+def build_engine(args: argparse.Namespace):
+    """The real engine for `args`. The one place the command line reaches into infernix_jax.engine."""
+    try:
+        from infernix_jax.engine import create_engine  # noqa: F401  (lands with the engine)
+    except ImportError as exc:
+        raise SystemExit(
+            "infernix_jax.engine does not provide create_engine yet, so there is no engine to serve "
+            f"({exc}). The API server itself is ready; see docs/api.md."
+        ) from None
+    return create_engine(
+        model_dir=args.model, max_concurrency=args.max_concurrency, max_context=args.max_context,
+        kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+    )
+
+
+def load_tokenizer(args: argparse.Namespace):
+    from infernix_jax.chat.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(args.tokenizer or args.model)
+
+
+async def serve_app(app, host: str, port: int, shutdown: asyncio.Event) -> None:
+    """Run `app` on Hypercorn until `shutdown` is set."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 3.0
+    config.keep_alive_timeout = 75.0
+    await serve(app, config, shutdown_trigger=shutdown.wait)
+
+
+async def _main_async(args: argparse.Namespace) -> None:
+    from infernix_jax.api.app import create_app
+
+    tokenizer = load_tokenizer(args)
+    engine = build_engine(args)
+    app = create_app(engine, tokenizer, server_config(args))
+    shutdown = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, shutdown.set)
+        except NotImplementedError:  # platforms without loop signal handlers
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(shutdown.set))
+    log.info("ready: http://%s:%d (model %s)", args.host, args.port, app.extensions["infernix"].config.served_model_name)
+    await serve_app(app, args.host, args.port, shutdown)
+    close = getattr(engine, "close", None)
+    if close is not None:
+        result = close()
+        if asyncio.iscoroutine(result):
+            await result
+    log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
