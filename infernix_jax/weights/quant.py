@@ -1,0 +1,445 @@
+"""Weight formats as pytree types, and the few ops that dispatch on them.
+
+Layer code calls `matmul(x, w)` (and `expert_matmul` for MoE experts) whatever `w` is: a plain
+array in Hugging Face's [out, in] = [N, K] layout, or one of the quantized types here. Quantized
+weights stay packed until a kernel (on the GPU) or the float32 reference (on the CPU) unpacks
+them; `.nbytes` is the packed size that memory budgets count.
+
+| type          | stored leaves (weight [..., N, K])                                        | value                      |
+|---------------|---------------------------------------------------------------------------|----------------------------|
+| NVFP4Weight   | packed u8 [.., N, K/2], block_scale e4m3 [.., N, K/16], tensor_scale f32 [..] | e2m1 * block * tensor      |
+| FP8Weight     | data e4m3 [.., N, K], scale f32 [..] or [.., ceil(N/b), ceil(K/b)]          | fp8 * scale                |
+| Int8Weight    | data i8 [.., N, K], scale f32 [.., N]                                     | q * scale[n]               |
+| Q8Weight      | data i8 [.., N, K], scale [.., N, K/g]                                    | q * scale                  |
+| Q4Weight      | packed u8 [.., N, K/2], scale, minimum [.., N, K/g]                       | q * scale + minimum        |
+
+Leading dimensions (`..`) stack experts: [E, N, K] weights carry per-expert scales, so
+`take(w, ids)` gathers experts from every leaf alike. docs/quant_formats.md has the byte layouts
+and the quantization formulas (ModelOpt's, reproduced bit for bit).
+
+Kernel dispatch: `matmul` uses a Pallas kernel when the default backend is a GPU, the weight is
+2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode);
+otherwise it dequantizes and lets XLA do the dot. `kernel_mode(...)` overrides this. The mode is
+read when a function is traced, so a jitted function keeps the choice it was traced with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import compat
+from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.nvfp4_matmul import E2M1_VALUES, nvfp4_matmul
+
+Array = jax.Array
+KernelMode = Literal["auto", "reference", "kernel", "interpret"]
+
+SMALL_M_MAX = 64  # rows up to which the decode kernels beat dequantize + XLA dot
+NVFP4_BLOCK = 16
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# ModelOpt's rounding to E2M1: bounds between neighbouring magnitudes; a value exactly on
+# 0.75, 1.75 or 3.5 rounds up (to the even code), on the others down (also the even code).
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_ROUND_UP_TIES = (0.75, 1.75, 3.5)
+
+_mode: KernelMode = "auto"
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: KernelMode) -> Iterator[None]:
+    """Choose how quantized matmuls run while tracing inside this block.
+
+    "auto": Pallas kernels on a GPU for small M, the reference elsewhere; "reference": always
+    dequantize + XLA dot; "kernel": always the Pallas kernel when the format has one;
+    "interpret": the Pallas kernel through the interpreter (CPU tests of the dispatch path).
+    """
+    global _mode
+    if mode not in ("auto", "reference", "kernel", "interpret"):
+        raise ValueError(f"kernel mode must be auto, reference, kernel or interpret; got {mode!r}")
+    previous, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = previous
+
+
+def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
+    """(use the kernel, in interpret mode) for an activation with `rows` rows and a weight of ndim."""
+    if ndim != 2 or _mode == "reference":
+        return False, False
+    if _mode == "interpret":
+        return True, True
+    if _mode == "kernel":
+        return True, False
+    return compat.on_gpu() and rows <= SMALL_M_MAX, False
+
+
+def _leaf_nbytes(a: Any) -> int:
+    return int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def _reference_matmul(x: Array, w_float32: Array) -> Array:
+    y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w_float32, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+class QuantizedWeight:
+    """Behaviour shared by the quantized types: bytes, reference matmul, expert gather."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every stored leaf (packed data and scales): what the weight costs in memory."""
+        return sum(_leaf_nbytes(a) for a in jax.tree.leaves(self))
+
+    def dequantize(self, dtype=jnp.bfloat16) -> Array:
+        raise NotImplementedError
+
+    def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array | None:
+        """The Pallas path for x [M, K]; None when this format has no kernel."""
+        return None
+
+    def matmul(self, x: Array) -> Array:
+        """x [..., K] @ W.T -> [..., N] in x's dtype (W is this weight, [N, K])."""
+        if x.shape[-1] != self.shape[-1]:
+            raise ValueError(f"x has K={x.shape[-1]} but the weight is {self.shape}")
+        rows = math.prod(x.shape[:-1])
+        use_kernel, interpret = _kernel_choice(rows, self.ndim)
+        if use_kernel:
+            y = self._kernel_matmul(x.reshape(rows, x.shape[-1]), interpret)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], self.shape[-2])
+        return _reference_matmul(x, self.dequantize(jnp.float32))
+
+
+def _register(cls, data: tuple[str, ...], meta: tuple[str, ...] = ()):
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+
+def _bcast_tail(a: Array, ndim: int) -> Array:
+    """Per-tensor (per-expert) scalars [..] -> [.., 1, 1] against a [.., N, K] weight."""
+    a = jnp.asarray(a, jnp.float32)
+    return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+
+def _unpack_nibbles(packed: Array) -> Array:
+    """uint8 [.., K/2] -> int32 codes [.., K]: byte j holds element 2j low, 2j+1 high."""
+    low = (packed & 0xF).astype(jnp.int32)
+    high = (packed >> 4).astype(jnp.int32)
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _pack_nibbles(codes: Array) -> Array:
+    """int codes [.., K] in [0, 16) -> uint8 [.., K/2], element 2j in the low nibble."""
+    c = codes.astype(jnp.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(jnp.uint8)
+
+
+def _group_expand(s: Array, group: int) -> Array:
+    return jnp.repeat(s.astype(jnp.float32), group, axis=-1)
+
+
+# --------------------------------------------------------------------------------------- NVFP4
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Weight(QuantizedWeight):
+    """NVIDIA FP4 in ModelOpt's layout: E2M1 codes, an e4m3 scale per 16 values, a float32 scale."""
+
+    packed: Array  # uint8 [.., N, K/2]; byte j = element 2j (low nibble) | element 2j+1 (high)
+    block_scale: Array  # float8_e4m3fn [.., N, K/16]
+    tensor_scale: Array  # float32 [..] (ModelOpt weight_scale_2)
+    input_scale: Array | None = None  # float32 [..]: ModelOpt's static activation scale (W4A4 only)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def dequantize(self, dtype=jnp.bfloat16) -> Array:
+        values = jnp.asarray(E2M1_VALUES, jnp.float32)[_unpack_nibbles(self.packed)]
+        w = values * _group_expand(self.block_scale, NVFP4_BLOCK) * _bcast_tail(self.tensor_scale, self.ndim)
+        return w.astype(dtype)
+
+    def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
+        return nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale, interpret=interpret,
+                            **nvfp4_tiles(*x2d.shape, self.shape[0]))
+
+
+_register(NVFP4Weight, ("packed", "block_scale", "tensor_scale", "input_scale"))
+
+
+def nvfp4_tiles(m: int, k: int, n: int) -> dict[str, int]:
+    """Tile sizes for the NVFP4 decode kernel; split K until there are ~2 programs per SM (132 on H200)."""
+    block_n, block_k = 64, 256
+    n_tiles, k_steps = -(-n // block_n), -(-k // block_k)
+    split_k = max(1, min(k_steps // 4, -(-264 // n_tiles)))
+    return {"block_n": block_n, "block_k": block_k, "split_k": split_k}
+
+
+def _cast_e2m1(scaled: Array) -> Array:
+    """float32 values (already divided by their scales) -> int32 E2M1 codes, ModelOpt's rounding."""
+    mag = jnp.abs(scaled)
+    code = jnp.searchsorted(jnp.asarray(_E2M1_BOUNDS, jnp.float32), mag, side="left").astype(jnp.int32)
+    tie_up = jnp.zeros(mag.shape, jnp.bool_)
+    for t in _E2M1_ROUND_UP_TIES:
+        tie_up = tie_up | (mag == t)
+    code = code + tie_up.astype(jnp.int32)
+    return code + 8 * (scaled < 0).astype(jnp.int32)
+
+
+def quantize_nvfp4(w: Array, *, tensor_scale: Array | None = None) -> NVFP4Weight:
+    """Quantize [.., N, K] weights with ModelOpt's published NVFP4 formula (K a multiple of 16).
+
+    weight_scale_2 = amax(|W|) / (6 * 448) per tensor (per expert when stacked);
+    block_scale = e4m3(max(block_amax / (6 * weight_scale_2), 2^-9)), 1 where the block is all 0;
+    code = E2M1 round-to-nearest-even of W / (block_scale * weight_scale_2).
+    """
+    if w.ndim < 2 or w.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs a [.., N, K] weight with K % 16 == 0; got shape {w.shape}")
+    w = jnp.asarray(w)
+    if tensor_scale is None:
+        tensor_scale = jnp.max(jnp.abs(w), axis=(-2, -1)).astype(jnp.float32) / (E2M1_MAX * E4M3_MAX)
+    tensor_scale = jnp.asarray(tensor_scale, jnp.float32)
+    blocks = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = jnp.max(jnp.abs(blocks), axis=-1)
+    per_block = block_amax / (E2M1_MAX * _bcast_tail(tensor_scale, w.ndim))
+    per_block = jnp.where(per_block == 0, 1.0, per_block)
+    block_scale = jnp.clip(per_block, 2.0**-9, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    scaled = blocks / (block_scale.astype(jnp.float32) * _bcast_tail(tensor_scale, w.ndim))[..., None]
+    codes = _cast_e2m1(scaled.reshape(w.shape))
+    return NVFP4Weight(packed=_pack_nibbles(codes), block_scale=block_scale, tensor_scale=tensor_scale)
+
+
+# ----------------------------------------------------------------------------------------- FP8
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Weight(QuantizedWeight):
+    """FP8 e4m3 with one float32 scale per tensor (block_size None) or per block_size^2 block."""
+
+    data: Array  # float8_e4m3fn [.., N, K]
+    scale: Array  # float32 [..] per tensor, or [.., ceil(N/b), ceil(K/b)] (weight_scale_inv)
+    block_size: int | None = None  # static
+    input_scale: Array | None = None  # float32 [..]: a static activation scale when the checkpoint has one
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def _scale_full(self) -> Array:
+        if self.block_size is None:
+            return _bcast_tail(self.scale, self.ndim)
+        b = self.block_size
+        s = jnp.repeat(jnp.repeat(self.scale.astype(jnp.float32), b, axis=-2), b, axis=-1)
+        return s[..., : self.shape[-2], : self.shape[-1]]
+
+    def dequantize(self, dtype=jnp.bfloat16) -> Array:
+        return (self.data.astype(jnp.float32) * self._scale_full()).astype(dtype)
+
+    def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
+        tiles = {"block_n": 64, "block_k": 128}
+        if self.block_size is not None and self.block_size % 128:
+            tiles = {"block_n": min(64, self.block_size), "block_k": min(128, self.block_size)}
+        return fp8_matmul(x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles)
+
+
+_register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
+
+
+def _to_e4m3(v: Array) -> Array:
+    return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def quantize_fp8(w: Array, *, block_size: int | None = None) -> FP8Weight:
+    """Per-tensor: scale = amax / 448 (ModelOpt FP8). Per block: scale = block_amax / 448
+    (Qwen/DeepSeek `weight_scale_inv`). fp8 = e4m3(W / scale), round to nearest even."""
+    w = jnp.asarray(w)
+    wf = w.astype(jnp.float32)
+    if block_size is None:
+        scale = jnp.max(jnp.abs(wf), axis=(-2, -1)) / E4M3_MAX
+        scale = jnp.where(scale == 0, 1.0, scale)
+        return FP8Weight(data=_to_e4m3(wf / _bcast_tail(scale, w.ndim)), scale=scale)
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // block_size), -(-k // block_size)
+    padded = jnp.pad(wf, [(0, 0)] * (w.ndim - 2) + [(0, nb * block_size - n), (0, kb * block_size - k)])
+    blocks = padded.reshape(*w.shape[:-2], nb, block_size, kb, block_size)
+    scale = jnp.max(jnp.abs(blocks), axis=(-3, -1)) / E4M3_MAX
+    scale = jnp.where(scale == 0, 1.0, scale)
+    weight = FP8Weight(data=jnp.zeros(w.shape, jnp.float8_e4m3fn), scale=scale, block_size=block_size)
+    return dataclasses.replace(weight, data=_to_e4m3(wf / weight._scale_full()))
+
+
+# ---------------------------------------------------------------------------------------- INT8
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Weight(QuantizedWeight):
+    """Symmetric int8 with one float32 scale per output channel (row n)."""
+
+    data: Array  # int8 [.., N, K]
+    scale: Array  # float32 [.., N]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype=jnp.bfloat16) -> Array:
+        return (self.data.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+_register(Int8Weight, ("data", "scale"))
+
+
+def quantize_int8(w: Array) -> Int8Weight:
+    """scale[n] = amax(|W[n, :]|) / 127; q = round(W / scale) (half to even), in [-127, 127]."""
+    wf = jnp.asarray(w).astype(jnp.float32)
+    scale = jnp.max(jnp.abs(wf), axis=-1) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(wf / scale[..., None]), -127, 127).astype(jnp.int8)
+    return Int8Weight(data=q, scale=scale)
+
+
+# -------------------------------------------------------------------------------------- Q8 / Q4
+
+
+def _check_group(k: int, group_size: int) -> None:
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size={group_size} must divide K={k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Q8Weight(QuantizedWeight):
+    """Symmetric int8 with one scale per `group_size` values of a row (GGUF Q8_0 is group 32, f16)."""
+
+    data: Array  # int8 [.., N, K]
+    scale: Array  # float16/float32 [.., N, K/group_size]
+    group_size: int = 32  # static
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    def dequantize(self, dtype=jnp.bfloat16) -> Array:
+        return (self.data.astype(jnp.float32) * _group_expand(self.scale, self.group_size)).astype(dtype)
+
+
+_register(Q8Weight, ("data", "scale"), ("group_size",))
+
+
+def quantize_q8(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q8Weight:
+    """scale = amax(group) / 127 stored in scale_dtype; q = round(W / stored scale) in [-127, 127]."""
+    wf = jnp.asarray(w).astype(jnp.float32)
+    _check_group(wf.shape[-1], group_size)
+    groups = wf.reshape(*wf.shape[:-1], wf.shape[-1] // group_size, group_size)
+    scale = jnp.max(jnp.abs(groups), axis=-1) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype)
+    q = jnp.clip(jnp.round(groups / scale.astype(jnp.float32)[..., None]), -127, 127)
+    return Q8Weight(data=q.reshape(wf.shape).astype(jnp.int8), scale=scale, group_size=group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Q4Weight(QuantizedWeight):
+    """Asymmetric 4-bit: q in [0, 15], value = q * scale + minimum per group (GGUF Q4_K's form)."""
+
+    packed: Array  # uint8 [.., N, K/2], element 2j in the low nibble
+    scale: Array  # float16/float32 [.., N, K/group_size]
+    minimum: Array  # float16/float32 [.., N, K/group_size] (the value of q = 0)
+    group_size: int = 32  # static
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def dequantize(self, dtype=jnp.bfloat16) -> Array:
+        q = _unpack_nibbles(self.packed).astype(jnp.float32)
+        g = self.group_size
+        return (q * _group_expand(self.scale, g) + _group_expand(self.minimum, g)).astype(dtype)
+
+
+_register(Q4Weight, ("packed", "scale", "minimum"), ("group_size",))
+
+
+def quantize_q4(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q4Weight:
+    """minimum = min(group), scale = (max - min) / 15, both stored in scale_dtype;
+    q = round((W - minimum) / scale) in [0, 15] with the stored values."""
+    wf = jnp.asarray(w).astype(jnp.float32)
+    _check_group(wf.shape[-1], group_size)
+    if wf.shape[-1] % 2:
+        raise ValueError(f"Q4 packs two values a byte; K={wf.shape[-1]} must be even")
+    groups = wf.reshape(*wf.shape[:-1], wf.shape[-1] // group_size, group_size)
+    lo, hi = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
+    scale = (hi - lo) / 15.0
+    scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype)
+    minimum = lo.astype(scale_dtype)
+    q = jnp.round((groups - minimum.astype(jnp.float32)[..., None]) / scale.astype(jnp.float32)[..., None])
+    q = jnp.clip(q, 0, 15).reshape(wf.shape)
+    return Q4Weight(packed=_pack_nibbles(q), scale=scale, minimum=minimum, group_size=group_size)
+
+
+# ------------------------------------------------------------------------------- dispatching ops
+
+QUANTIZED_TYPES = (NVFP4Weight, FP8Weight, Int8Weight, Q8Weight, Q4Weight)
+
+
+def matmul(x: Array, w: Any) -> Array:
+    """x [..., K] times a weight w [N, K] (HF [out, in] layout) -> [..., N] in x's dtype."""
+    if isinstance(w, QuantizedWeight):
+        return w.matmul(x)
+    return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def take(w: Any, expert_ids: Array) -> Any:
+    """Gather experts from a stacked [E, N, K] weight (plain or quantized) -> [*ids.shape, N, K]."""
+    if len(w.shape) != 3:
+        raise ValueError(f"take needs stacked expert weights [E, N, K]; got shape {tuple(w.shape)}")
+    return jax.tree.map(lambda a: a[expert_ids], w)
+
+
+def dequantize(w: Any, dtype=jnp.bfloat16) -> Array:
+    """The float value of a weight of any format."""
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else jnp.asarray(w).astype(dtype)
+
+
+def expert_matmul(
+    x: Array, w: Any, *, expert_ids: Array | None = None, group_sizes: Array | None = None
+) -> Array:
+    """MoE expert matmul with stacked expert weights w [E, N, K]; give exactly one of:
+
+    expert_ids [...] (shape x.shape[:-1]): row r uses expert expert_ids[r] (decode: a few tokens,
+        x repeated per chosen expert) -> [..., N];
+    group_sizes [E] int32: x [T, K] is sorted by expert and group e holds the next
+        group_sizes[e] rows (prefill) -> [T, N]; rows past sum(group_sizes) are zero.
+    """
+    if (expert_ids is None) == (group_sizes is None):
+        raise ValueError("give exactly one of expert_ids or group_sizes")
+    if len(w.shape) != 3 or x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"expected x [..., K] and w [E, N, K]; got {x.shape} and {tuple(w.shape)}")
+    if expert_ids is not None:
+        if expert_ids.shape != x.shape[:-1]:
+            raise ValueError(f"expert_ids shape {expert_ids.shape} must equal x.shape[:-1] = {x.shape[:-1]}")
+        wf = dequantize(take(w, expert_ids), jnp.float32)
+        y = jnp.einsum("...k,...nk->...n", x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
+        return y.astype(x.dtype)
+    if x.ndim != 2 or group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group mode needs x [T, K] and group_sizes [E={w.shape[0]}]; "
+                         f"got {x.shape} and {group_sizes.shape}")
+    wf = dequantize(w, jnp.float32).transpose(0, 2, 1)  # [E, K, N]
+    y = jax.lax.ragged_dot(x.astype(jnp.float32), wf, group_sizes.astype(jnp.int32),
+                           precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)

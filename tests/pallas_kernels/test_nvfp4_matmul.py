@@ -1,0 +1,86 @@
+"""The NVFP4 decode kernel equals its float32 reference (interpret mode) and lowers to Triton."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compat
+from pallas_kernels.nvfp4_matmul import E2M1_VALUES, decode_e2m1, nvfp4_matmul, reference_nvfp4_matmul
+
+
+def _random_nvfp4(rng, m, n, k, x_dtype=jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+    packed = jnp.asarray(rng.integers(0, 256, (n, k // 2)), jnp.uint8)
+    block_scale = jnp.asarray(rng.uniform(2.0**-6, 8.0, (n, k // 16)), jnp.float8_e4m3fn)
+    tensor_scale = jnp.float32(rng.uniform(0.01, 1.0))
+    return x, packed, block_scale, tensor_scale
+
+
+def test_arithmetic_e2m1_decode_matches_the_table():
+    codes = jnp.arange(16, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(decode_e2m1(codes)), np.asarray(E2M1_VALUES, np.float32))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,tiles",
+    [
+        (1, 64, 256, dict(block_n=64, block_k=256)),  # decode, tiles divide evenly
+        (3, 70, 96, dict(block_n=32, block_k=64)),  # ragged N and K
+        (17, 33, 48, dict(block_n=16, block_k=32, split_k=3)),  # M over one tile, split K with idle tail
+        (8, 130, 544, dict(block_n=64, block_k=128, split_k=2)),
+    ],
+)
+def test_kernel_matches_reference(m, n, k, tiles):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    args = _random_nvfp4(rng, m, n, k)
+    got = nvfp4_matmul(*args, out_dtype=jnp.float32, interpret=True, **tiles)
+    want = reference_nvfp4_matmul(*args)
+    assert got.shape == (m, n)
+    # Weight tiles are exact in bf16 and accumulation is float32: only summation order differs.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
+
+
+def test_default_output_dtype_is_the_activation_dtype():
+    args = _random_nvfp4(np.random.default_rng(1), 2, 32, 64)
+    assert nvfp4_matmul(*args, block_n=32, block_k=64, interpret=True).dtype == jnp.bfloat16
+
+
+def test_kernel_lowers_to_a_triton_call_for_cuda():
+    shapes = (jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((384, 512), jnp.uint8),
+              jax.ShapeDtypeStruct((384, 64), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((), jnp.float32))
+    text = compat.lower_for_cuda(jax.jit(functools.partial(nvfp4_matmul, split_k=2)), *shapes)
+    assert "xla.gpu.triton" in text and "nvfp4_matmul" in text
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(packed=jnp.zeros((32, 30), jnp.uint8)), "implies K=60"),
+        (dict(packed=jnp.zeros((32, 32), jnp.int8)), "packed must be uint8"),
+        (dict(block_scale=jnp.ones((32, 3), jnp.float8_e4m3fn)), r"block_scale must be \[N, K/16\]"),
+        (dict(block_scale=jnp.ones((32, 4), jnp.float32)), "float8_e4m3fn"),
+        (dict(tensor_scale=jnp.ones((2,), jnp.float32)), "tensor_scale must be a scalar"),
+        (dict(x=jnp.ones((2, 64), jnp.int32)), "x must be bf16"),
+        (dict(tiles=dict(block_n=48)), "block_n=48"),
+        (dict(tiles=dict(block_k=16)), "block_k=16"),
+        (dict(tiles=dict(split_k=0)), "split_k=0"),
+    ],
+)
+def test_rejects_bad_inputs_naming_the_value(change, match):
+    x, packed, block_scale, tensor_scale = _random_nvfp4(np.random.default_rng(2), 2, 32, 64)
+    kwargs = dict(x=x, packed=packed, block_scale=block_scale, tensor_scale=tensor_scale)
+    change = dict(change)
+    tiles = change.pop("tiles", {})
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=match):
+        nvfp4_matmul(**kwargs, interpret=True, **tiles)
+
+
+def test_rejects_k_not_a_multiple_of_16():
+    x = jnp.ones((1, 40), jnp.bfloat16)
+    with pytest.raises(ValueError, match="K=40 must be a multiple of 16"):
+        nvfp4_matmul(x, jnp.zeros((16, 20), jnp.uint8), jnp.ones((16, 2), jnp.float8_e4m3fn), jnp.float32(1),
+                     interpret=True)
