@@ -10,6 +10,9 @@ from typing import Any, Sequence
 import jinja2
 
 from infernix_jax.api.errors import bad_request
+from infernix_jax.chat.reasoning import prompt_starts_in_thinking
+from infernix_jax.chat.tool_parsing import detect_tool_parser
+from infernix_jax.chat.tool_parsing.chat_output import StreamingChatOutputParser
 from infernix_jax.chat.tool_parsing.types import (
     ContentDelta,
     Event,
@@ -25,8 +28,6 @@ __all__ = [
     "prompt_opens_thinking", "limit_tool_calls",
 ]
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 TOOL_CALL_OPEN = "<tool_call>"
 
 
@@ -61,7 +62,10 @@ def tool_parser_name(tokenizer: Any, configured: str) -> str:
     """The tool-call format: the configured one, or from the chat template (Qwen3-Coder XML or Hermes JSON)."""
     if configured and configured != "auto":
         return configured
-    return "qwen3_coder" if "<function=" in template_source(tokenizer) else "hermes"
+    try:
+        return detect_tool_parser(template_source(tokenizer))
+    except ValueError:
+        return "hermes"  # the template teaches no format; Hermes JSON is the common one
 
 
 def forced_tool_prefix(parser: str, function_name: str | None) -> str:
@@ -79,130 +83,33 @@ def forced_tool_prefix(parser: str, function_name: str | None) -> str:
 
 def prompt_opens_thinking(prompt: str) -> bool:
     """True when the prompt ends inside an open thinking block (templates that start the model thinking)."""
-    tail = prompt.rstrip()
-    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE) and tail.endswith(THINK_OPEN)
-
-
-def _held_back(text: str, markers: Sequence[str]) -> int:
-    """How many trailing characters of `text` could be the start of one of `markers`."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best
+    return prompt_starts_in_thinking(prompt)
 
 
 class OutputParser:
     """Splits generated text, as it streams, into reasoning, content and tool-call events.
 
-    Reasoning is the text inside `<think>...</think>` (or from the start, when the prompt opened the
-    block). With tools, the text from the first `<tool_call>` on is held back and parsed at the end
-    by chat's tool-call parser, so streamed and non-streamed results are the same by construction:
-    a non-streaming response is this parser fed the whole text at once.
+    A thin wrapper over chat's `StreamingChatOutputParser`; a non-streaming response is the same
+    parser fed the whole text at once, so streamed and non-streamed results agree by construction.
+    A forced tool-call prefix (appended to the prompt) is fed first, as if the model had written it.
     """
 
     def __init__(self, tools: list[dict] | None, parser: str, tolerant: bool,
                  starts_in_reasoning: bool = False, forced_prefix: str = "") -> None:
-        self.tools = tools or None
-        self.parser = parser
-        self.tolerant = tolerant
-        self._in_reasoning = starts_in_reasoning
-        self._strip_newlines = starts_in_reasoning  # newlines right after a think marker are dropped
-        self._seen_any = False
-        self._pending = ""  # text not yet classified (could be the start of a marker)
-        self._tool_text: str | None = forced_prefix if forced_prefix else None
-        self._emitted_content = False
+        self._inner = StreamingChatOutputParser(
+            tools or None, parser if tools else None, tolerant=tolerant,
+            starts_in_thinking=False if forced_prefix else starts_in_reasoning,
+        )
+        self._prefix = forced_prefix
 
     def feed(self, text: str) -> list[Event]:
-        if self._tool_text is not None:
-            self._tool_text += text
-            return []
-        self._pending += text
-        return self._drain(final=False)
+        if self._prefix:
+            text, self._prefix = self._prefix + text, ""
+        return self._inner.feed(text)
 
     def finish(self) -> list[Event]:
-        events = self._drain(final=True)
-        if self._tool_text is not None:
-            events.extend(self._parse_tool_section(self._tool_text))
-            self._tool_text = None
-        return events
-
-    def _drain(self, final: bool) -> list[Event]:
-        events: list[Event] = []
-        while self._pending:
-            if self._strip_newlines:
-                self._pending = self._pending.lstrip("\n")
-                if not self._pending:
-                    break
-                self._strip_newlines = False
-            if not self._seen_any and not self._in_reasoning:
-                stripped = self._pending.lstrip()
-                if not final and THINK_OPEN.startswith(stripped):
-                    break  # could still become <think>
-                self._seen_any = True
-                if stripped.startswith(THINK_OPEN):
-                    self._in_reasoning = True
-                    self._pending = stripped[len(THINK_OPEN):]
-                    self._strip_newlines = True
-                    continue
-            self._seen_any = True
-            if self._in_reasoning:
-                end = self._pending.find(THINK_CLOSE)
-                if end >= 0:
-                    piece = self._pending[:end].rstrip("\n")
-                    if piece:
-                        events.append(ReasoningDelta(piece))
-                    self._pending = self._pending[end + len(THINK_CLOSE):]
-                    self._in_reasoning = False
-                    self._strip_newlines = True
-                    continue
-                keep = 0 if final else _held_back(self._pending, [THINK_CLOSE]) + self._trailing_newlines()
-                piece = self._pending[: len(self._pending) - keep]
-                if piece:
-                    events.append(ReasoningDelta(piece))
-                self._pending = self._pending[len(piece):]
-                break
-            if self.tools:
-                start = self._pending.find(TOOL_CALL_OPEN)
-                if start >= 0:
-                    self._emit_content(events, self._pending[:start])
-                    self._tool_text = self._pending[start:]
-                    self._pending = ""
-                    break
-                keep = 0 if final else _held_back(self._pending, [TOOL_CALL_OPEN])
-            else:
-                keep = 0
-            piece = self._pending[: len(self._pending) - keep]
-            self._emit_content(events, piece)
-            self._pending = self._pending[len(piece):]
-            break
-        return events
-
-    def _trailing_newlines(self) -> int:
-        """Newlines right before a possible `</think>` are held so the reasoning is stripped alike."""
-        text = self._pending[: len(self._pending) - _held_back(self._pending, [THINK_CLOSE])]
-        return len(text) - len(text.rstrip("\n"))
-
-    def _emit_content(self, events: list[Event], text: str) -> None:
-        if text:
-            events.append(ContentDelta(text))
-            self._emitted_content = True
-
-    def _parse_tool_section(self, text: str) -> list[Event]:
-        from infernix_jax.chat.tool_parsing import parse_tool_calls  # lands with the tool-call parsers
-
-        parsed = parse_tool_calls(text, self.tools, self.parser, self.tolerant)
-        events: list[Event] = []
-        if parsed.reasoning:
-            events.append(ReasoningDelta(parsed.reasoning))
-        if parsed.content:
-            events.append(ContentDelta(parsed.content))
-        for index, call in enumerate(parsed.tool_calls):
-            events.append(ToolCallDelta(index, call.id, call.name, ""))
-            events.append(ToolCallDelta(index, None, None, call.arguments))
-        return events
+        events = self.feed("") if self._prefix else []
+        return events + self._inner.finish()
 
 
 def limit_tool_calls(events: list[Event], parallel: bool) -> list[Event]:
