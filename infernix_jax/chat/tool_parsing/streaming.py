@@ -45,6 +45,7 @@ FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
 
 _SPECIAL = re.compile(r"[<`\n]")
+_FIRST_NON_SPACE = re.compile(r"\s*")
 _REJECT = object()  # marks a block that is certainly not a call
 
 
@@ -267,12 +268,13 @@ class StreamingToolCallParser:
 
     def _format_end(self, body: str) -> int | None:
         """Tolerant mode: where the block's function or JSON object closes, if it has."""
-        stripped = body.lstrip()
-        if stripped.startswith(("{", "[")):
+        first = _FIRST_NON_SPACE.match(body)
+        head = body[first.end() : first.end() + len(FUNCTION_OPEN)] if first else ""
+        if head.startswith(("{", "[")):
             if self._json_end is None:
                 self._json_end = JsonEndTracker()
             return self._json_end.advance(body)
-        if self._block_opener == FUNCTION_OPEN or stripped.startswith(FUNCTION_OPEN):
+        if self._block_opener == FUNCTION_OPEN or head == FUNCTION_OPEN:
             close = self._mark(FUNCTION_CLOSE)
             if close != -1:
                 return close + len(FUNCTION_CLOSE)
