@@ -33,7 +33,10 @@ class Decoder(Protocol):
     """What the detokenizer needs from a tokenizer."""
 
     def decode(
-        self, ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
     ) -> str: ...
 
 

@@ -21,6 +21,8 @@ One deliberate, switchable difference: assistant tool-call ``arguments`` given a
 the OpenAI API sends them) are parsed into a dict before rendering, because templates are written for
 dict arguments (Qwen3's serialises them with ``tojson``; Qwen3.5's iterates ``arguments|items``).
 Pass ``parse_tool_arguments=False`` to hand strings through untouched, as transformers does.
+And where transformers would fail because it dropped a ``content=None`` that a template reads, the
+conversation is rendered again with ``""`` for those contents.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -56,7 +58,7 @@ class _GenerationBlock(jinja2.ext.Extension):
     text matters, but templates containing the tag must still compile.
     """
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -79,7 +81,9 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     """transformers' ``tojson``: ``json.dumps`` without Jinja's HTML escaping, non-ASCII kept as is."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -99,7 +103,8 @@ class _TemplateDict:
 class _TemplateNamespace(jinja2.utils.Namespace):
     """The ``namespace`` global, refusing underscore-prefixed attribute names as transformers does."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (same signature trick as Jinja's Namespace)
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        # No named ``self``, as in Jinja's Namespace, so that ``namespace(self=...)`` still works.
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
@@ -160,15 +165,31 @@ def _plain_data(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _as_message_dict(message: Any) -> dict:
-    """One message as a dict, without its ``None``-valued keys (APIs send ``content=None``)."""
+def _as_message_dict(message: Any, none_content_as_empty: bool = False) -> dict:
+    """One message as a dict, without its ``None``-valued keys (APIs send ``content=None``).
+
+    With ``none_content_as_empty`` a ``None`` content becomes ``""`` instead of being dropped.
+    """
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
         message = {field.name: getattr(message, field.name) for field in dataclasses.fields(message)}
     elif callable(getattr(message, "model_dump", None)):
         message = message.model_dump()
     if not isinstance(message, Mapping):
         raise TypeError(f"chat messages must be dicts, dataclasses or pydantic models, got {message!r}")
+    if none_content_as_empty and "content" in message and message["content"] is None:
+        message = {**message, "content": ""}
     return {key: value for key, value in message.items() if value is not None}
+
+
+def _has_none_content(messages: Sequence[Any]) -> bool:
+    """Whether any message carries ``content=None``."""
+    for message in messages:
+        content = (
+            message.get("content", "") if isinstance(message, Mapping) else getattr(message, "content", "")
+        )
+        if content is None:
+            return True
+    return False
 
 
 def _alias_reasoning(message: dict) -> dict:
@@ -198,11 +219,13 @@ def _parse_arguments_in_place(message: dict) -> None:
                 holder["arguments"] = parsed
 
 
-def prepare_messages(messages: Sequence[Any], parse_tool_arguments: bool = True) -> list[dict]:
+def prepare_messages(
+    messages: Sequence[Any], parse_tool_arguments: bool = True, none_content_as_empty: bool = False
+) -> list[dict]:
     """The messages as the template sees them (a fresh copy; the caller's objects are not modified)."""
     prepared = []
     for message in messages:
-        plain = _plain_data(_as_message_dict(message))
+        plain = _plain_data(_as_message_dict(message, none_content_as_empty))
         if parse_tool_arguments:
             _parse_arguments_in_place(plain)
         prepared.append(_alias_reasoning(plain))
@@ -268,18 +291,32 @@ class ChatTemplate:
         tools = _plain_data(list(tools)) if tools is not None else None
         documents = _plain_data(list(documents)) if documents is not None else None
 
+        context = {
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+            **variables,
+        }
+        try:
+            return self._render_chat(chat, context, continue_final_message)
+        except ChatTemplateError:
+            # transformers drops ``content=None`` (as OpenAI clients send it beside tool calls), and
+            # templates that read ``message.content`` (Qwen3's) then fail. Only in that case, render
+            # again with empty contents: wherever transformers succeeds, the output is its output.
+            if not _has_none_content(messages):
+                raise
+        chat = prepare_messages(messages, parse_tool_arguments, none_content_as_empty=True)
+        return self._render_chat(chat, context, continue_final_message)
+
+    def _render_chat(
+        self, chat: list[dict], context: dict[str, Any], continue_final_message: bool | str
+    ) -> str:
         continued = None
         if continue_final_message:
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
             continued = self._tag_final_message(chat, field)
         try:
-            rendered = self._compiled.render(
-                messages=chat,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            rendered = self._compiled.render(messages=chat, **context)
         except jinja2.exceptions.TemplateError as error:
             raise ChatTemplateError(f"chat template error: {error}") from error
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
@@ -317,10 +354,10 @@ class ChatTemplate:
         tag = _CONTINUE_TAG.strip()
         if final_text.strip() not in rendered or tag not in rendered:
             raise ChatTemplateError(
-                "continue_final_message: the template dropped part of the final message, so it cannot be continued"
+                "continue_final_message: the template dropped part of the final message, "
+                "so it cannot be continued"
             )
         at = rendered.rindex(tag)
         if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
             return rendered[:at]
         return rendered[:at].rstrip()
-

@@ -167,10 +167,14 @@ class Tokenizer:
         for entry in decoder.values():
             if entry.get("special") and isinstance(entry.get("content"), str):
                 wanted.append(entry["content"])
-        already_special = {token.content for token in self.backend.get_added_tokens_decoder().values() if token.special}
+        already_special = {
+            token.content for token in self.backend.get_added_tokens_decoder().values() if token.special
+        }
         missing = [content for content in dict.fromkeys(wanted) if content not in already_special]
         if missing:
-            self.backend.add_special_tokens([tokenizers.AddedToken(content, special=True) for content in missing])
+            self.backend.add_special_tokens(
+                [tokenizers.AddedToken(content, special=True) for content in missing]
+            )
 
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
@@ -266,5 +270,7 @@ class Tokenizer:
         template = self.get_chat_template(has_tools=tools is not None)
         if template is None:
             raise ValueError("this tokenizer has no chat template")
-        text = template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        text = template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
         return self.encode(text)

@@ -41,7 +41,10 @@ def with_string_arguments(messages: list[dict]) -> list[dict]:
 def test_fixtures_match_installed_qwen3_files(qwen3: Tokenizer, qwen3_dir) -> None:
     import hashlib
 
-    for name, key in (("tokenizer.json", "tokenizer_json_sha256"), ("tokenizer_config.json", "tokenizer_config_sha256")):
+    for name, key in (
+        ("tokenizer.json", "tokenizer_json_sha256"),
+        ("tokenizer_config.json", "tokenizer_config_sha256"),
+    ):
         digest = hashlib.sha256((qwen3_dir / name).read_bytes()).hexdigest()
         assert digest == QWEN3["source"][key], f"{name} changed: rerun tests/fixtures/make_chat_fixtures.py"
 
@@ -70,7 +73,11 @@ def test_custom_template_matches_transformers(qwen3: Tokenizer, case: dict) -> N
 
 @pytest.mark.parametrize(
     "source, case_name",
-    [("qwen3", "parallel_tool_calls_and_responses"), ("qwen3", "multi_step_tools_with_reasoning"), ("xml", "xml_tools_and_calls")],
+    [
+        ("qwen3", "parallel_tool_calls_and_responses"),
+        ("qwen3", "multi_step_tools_with_reasoning"),
+        ("xml", "xml_tools_and_calls"),
+    ],
 )
 def test_json_string_arguments_render_like_dicts(qwen3: Tokenizer, source: str, case_name: str) -> None:
     if source == "qwen3":
@@ -78,7 +85,9 @@ def test_json_string_arguments_render_like_dicts(qwen3: Tokenizer, source: str, 
     else:
         template = ChatTemplate(CUSTOM["templates"][source], qwen3.special_tokens)
         case = next(c for c in CUSTOM["cases"] if c["name"] == case_name)
-    assert render_case(template, case, messages=with_string_arguments(case["messages"])) == case["expected_text"]
+    assert (
+        render_case(template, case, messages=with_string_arguments(case["messages"])) == case["expected_text"]
+    )
 
 
 def test_string_arguments_pass_through_verbatim_when_not_parsed(qwen3: Tokenizer) -> None:
@@ -99,7 +108,11 @@ def test_string_arguments_pass_through_verbatim_when_not_parsed(qwen3: Tokenizer
 def test_arguments_that_are_not_a_json_object_stay_strings(qwen3: Tokenizer) -> None:
     messages = [
         {"role": "user", "content": "x"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "not json {"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "f", "arguments": "not json {"}}],
+        },
     ]
     assert '"arguments": not json {}' in qwen3.chat_template.render(messages, add_generation_prompt=False)
 
@@ -107,7 +120,9 @@ def test_arguments_that_are_not_a_json_object_stay_strings(qwen3: Tokenizer) -> 
 def test_render_does_not_modify_the_callers_messages(qwen3: Tokenizer) -> None:
     case = next(case for case in QWEN3["cases"] if case["name"] == "continue_final_message")
     messages = with_string_arguments(
-        next(case for case in QWEN3["cases"] if case["name"] == "parallel_tool_calls_and_responses")["messages"]
+        next(case for case in QWEN3["cases"] if case["name"] == "parallel_tool_calls_and_responses")[
+            "messages"
+        ]
     )
     before = copy.deepcopy(messages)
     qwen3.chat_template.render(messages)
@@ -121,7 +136,9 @@ def test_none_valued_keys_are_dropped_before_rendering() -> None:
     template = ChatTemplate(
         "{% for m in messages %}[{{ m.content is defined }}|{{ m.tool_calls is defined }}]{% endfor %}"
     )
-    rendered = template.render([{"role": "assistant", "content": None, "tool_calls": None}], add_generation_prompt=False)
+    rendered = template.render(
+        [{"role": "assistant", "content": None, "tool_calls": None}], add_generation_prompt=False
+    )
     assert rendered == "[False|False]"
 
 
@@ -143,7 +160,9 @@ def test_special_tokens_are_variables_and_kwargs_override_them() -> None:
 
 
 def test_documents_and_tools_are_always_defined() -> None:
-    template = ChatTemplate("{{ tools is defined }} {{ tools is none }} {{ documents is defined }} {{ add_generation_prompt }}")
+    template = ChatTemplate(
+        "{{ tools is defined }} {{ tools is none }} {{ documents is defined }} {{ add_generation_prompt }}"
+    )
     assert template.render([{"role": "user", "content": ""}]) == "True True True True"
 
 
@@ -174,7 +193,9 @@ def test_loop_controls_are_available() -> None:
         "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
         "{{ m.content }}{% if m.content == '2' %}{% break %}{% endif %}{% endfor %}"
     )
-    messages = [{"role": r, "content": c} for r, c in [("system", "S"), ("user", "1"), ("user", "2"), ("user", "3")]]
+    messages = [
+        {"role": r, "content": c} for r, c in [("system", "S"), ("user", "1"), ("user", "2"), ("user", "3")]
+    ]
     assert template.render(messages) == "12"
 
 
@@ -191,13 +212,32 @@ def test_strftime_now_formats_the_current_date() -> None:
 
 
 def test_raise_exception_becomes_chat_template_error() -> None:
-    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}")
+    template = ChatTemplate(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="first message must be user"):
         template.render([{"role": "assistant", "content": "x"}])
 
 
+def test_none_content_beside_tool_calls_renders_as_empty_content(qwen3: Tokenizer) -> None:
+    # OpenAI clients send content=None with tool calls; Qwen3's template reads message.content.
+    case = next(case for case in QWEN3["cases"] if case["name"] == "multi_step_tools_with_reasoning")
+    messages = copy.deepcopy(case["messages"])
+    assert messages[1]["content"] == ""
+    messages[1]["content"] = None
+    assert render_case(qwen3.chat_template, case, messages=messages) == case["expected_text"]
+
+
+def test_none_content_is_dropped_where_the_template_allows_it(qwen3: Tokenizer) -> None:
+    template = ChatTemplate(CUSTOM["templates"]["xml"], qwen3.special_tokens)
+    message = {"role": "assistant", "content": None, "tool_calls": []}
+    assert template.render([message], add_generation_prompt=False) == template.render(
+        [{"role": "assistant", "tool_calls": []}], add_generation_prompt=False
+    )
+
+
 def test_qwen3_template_missing_content_is_a_chat_template_error(qwen3: Tokenizer) -> None:
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [], "content": None}]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": []}]
     with pytest.raises(ChatTemplateError):
         qwen3.chat_template.render(messages, add_generation_prompt=False)
 
@@ -227,13 +267,20 @@ def test_dict_global_builds_dicts() -> None:
 
 def test_reasoning_field_aliases() -> None:
     template = ChatTemplate("{{ messages[0].reasoning_content }}|{{ messages[0].thinking }}")
-    rendered = template.render([{"role": "assistant", "content": "", "reasoning": "why"}], add_generation_prompt=False)
+    rendered = template.render(
+        [{"role": "assistant", "content": "", "reasoning": "why"}], add_generation_prompt=False
+    )
     assert rendered == "why|why"
 
 
 def test_continue_final_message_continues_reasoning(qwen3: Tokenizer) -> None:
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning_content": "Let me"}]
-    rendered = qwen3.chat_template.render(messages, add_generation_prompt=False, continue_final_message="reasoning_content")
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "reasoning_content": "Let me"},
+    ]
+    rendered = qwen3.chat_template.render(
+        messages, add_generation_prompt=False, continue_final_message="reasoning_content"
+    )
     assert rendered.endswith("<|im_start|>assistant\n<think>\nLet me")
 
 

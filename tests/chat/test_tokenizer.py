@@ -63,7 +63,9 @@ def tiny_backend() -> tokenizers.Tokenizer:
     )
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     backend.decoder = tokenizers.decoders.WordPiece(prefix="##", cleanup=False)
-    backend.add_special_tokens([tokenizers.AddedToken("<s>", special=True), tokenizers.AddedToken("</s>", special=True)])
+    backend.add_special_tokens(
+        [tokenizers.AddedToken("<s>", special=True), tokenizers.AddedToken("</s>", special=True)]
+    )
     backend.add_tokens([tokenizers.AddedToken("<|im_end|>"), tokenizers.AddedToken("<think>")])
     return backend
 
@@ -94,7 +96,9 @@ def test_config_special_tokens_become_special(tmp_path: pathlib.Path) -> None:
 
 
 def test_eos_ids_merge_config_generation_config_and_chatml(tmp_path: pathlib.Path) -> None:
-    folder = write_model_dir(tmp_path, {"eos_token": "</s>"}, {"generation_config.json": '{"eos_token_id": [2, 5]}'})
+    folder = write_model_dir(
+        tmp_path, {"eos_token": "</s>"}, {"generation_config.json": '{"eos_token_id": [2, 5]}'}
+    )
     assert Tokenizer.from_dir(folder).eos_token_ids == (2, 5, WORDS.index("<|im_end|>"))
 
 
@@ -111,7 +115,9 @@ def test_clean_up_tokenization_spaces_follows_the_config(tmp_path: pathlib.Path)
 
 
 def test_template_from_tokenizer_config(tmp_path: pathlib.Path) -> None:
-    tokenizer = Tokenizer.from_dir(write_model_dir(tmp_path, {"chat_template": "config:{{ messages[0].content }}"}))
+    tokenizer = Tokenizer.from_dir(
+        write_model_dir(tmp_path, {"chat_template": "config:{{ messages[0].content }}"})
+    )
     assert tokenizer.chat_template.render([{"role": "user", "content": "x"}]) == "config:x"
 
 
@@ -128,7 +134,9 @@ def test_processor_chat_template_json_is_read(tmp_path: pathlib.Path) -> None:
 
 
 def test_named_templates_and_tool_use_selection(tmp_path: pathlib.Path) -> None:
-    config = {"chat_template": [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]}
+    config = {
+        "chat_template": [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]
+    }
     tokenizer = Tokenizer.from_dir(write_model_dir(tmp_path, config))
     message = [{"role": "user", "content": ""}]
     assert tokenizer.chat_template.render(message) == "plain"
