@@ -1,0 +1,401 @@
+"""Next-token sampling on the device, for a batch of requests with different settings.
+
+Everything here is pure and jittable, so it runs inside the decode program (several steps per
+dispatch, no host round trip). The host builds a `SamplingArrays` once per batch composition from
+the requests' `SamplingParams`; the device carries a `PenaltyState` per row and updates it after
+every sampled token.
+
+Order of operations (vLLM v1's order, so that the same settings give the same distribution):
+
+  raw logits -> logit bias -> min_tokens suppression of stop tokens -> structured-output mask
+  -> repetition penalty (prompt + output) -> frequency / presence penalties (output only)
+  -> greedy rows: argmax here (exact; nothing below changes it)
+  -> temperature -> min_p -> top_k -> top_p (on what min_p and top_k kept) -> Gumbel-max sample.
+
+Truncation is exact and sort-free: top-k and top-p thresholds are found by a radix search over an
+order-preserving integer image of the float32 logits (`_RADIX_PASSES` reductions over [B, V] each,
+no sort of the 151k vocabulary). See docs/sampling.md for the cost and the alternatives.
+
+Logprobs are by default those of the *raw* model distribution (log_softmax of the logits the
+model produced), as vLLM returns by default and as the OpenAI API documents them: they describe the
+model, do not depend on the sampling knobs, and stay meaningful for greedy rows. The processed
+distribution (the one actually sampled from) is available with `logprobs_mode="processed"`.
+
+Letters: b batch rows, v vocabulary, k top alternatives, n logit-bias entries, s stop ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infernix_jax.engine.protocol import SamplingParams
+
+# Temperatures below this are treated as greedy (dividing by them would overflow float32).
+GREEDY_TEMPERATURE = 1e-5
+
+# Radix search: _RADIX_BITS bits of the 32-bit key per reduction pass over the vocabulary.
+_RADIX_BITS = 4
+_RADIX_PASSES = 32 // _RADIX_BITS
+
+_KEY_IMPL = "threefry2x32"  # fixed so seeds reproduce whatever the default PRNG implementation is
+
+
+def _register(cls, data_fields: Sequence[str]):
+    return jax.tree_util.register_dataclass(cls, data_fields=list(data_fields), meta_fields=[])
+
+
+@dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling settings for one batch, as device arrays padded to the batch bucket.
+
+    Built on the host by `SamplingArrays.build`; rows without a request are greedy padding.
+    """
+
+    greedy: jax.Array  # bool [b]: argmax rows (temperature 0)
+    temperature: jax.Array  # f32 [b]: > 0; 1.0 on greedy rows (unused there)
+    top_k: jax.Array  # i32 [b]: 0 = off
+    top_p: jax.Array  # f32 [b]: in (0, 1]; 1 = off
+    min_p: jax.Array  # f32 [b]: in [0, 1]; 0 = off
+    repetition_penalty: jax.Array  # f32 [b]: 1 = off
+    presence_penalty: jax.Array  # f32 [b]: 0 = off
+    frequency_penalty: jax.Array  # f32 [b]: 0 = off
+    bias_ids: jax.Array  # i32 [b, n]: sparse logit bias token ids (padding: id 0 with value 0)
+    bias_values: jax.Array  # f32 [b, n]: added to the logit of bias_ids
+    stop_ids: jax.Array  # i32 [b, s]: stop token ids incl. EOS unless ignore_eos (padding: -1)
+    min_tokens: jax.Array  # i32 [b]: stop_ids are suppressed until this many tokens were generated
+    seed: jax.Array  # u32 [b, 2]: the request's 64-bit seed as (high, low) words
+
+    @property
+    def batch_size(self) -> int:
+        return self.greedy.shape[0]
+
+    @staticmethod
+    def build(
+        params: Sequence[SamplingParams | None],
+        seeds: Sequence[int | None],
+        batch_size: int,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        max_logit_bias: int = 300,
+        max_stop_ids: int = 16,
+    ) -> "SamplingArrays":
+        """Pack one SamplingParams per running request into padded arrays.
+
+        params[i] / seeds[i] describe row i; None (or rows past len(params)) is padding. Seeds must
+        be the request's resolved seed (`resolve_seed` at admission), so that a request keeps its
+        random stream when the batch around it changes. max_logit_bias and max_stop_ids fix the
+        widths of the sparse arrays (static shapes: keep them constant across an engine's life).
+        """
+        if len(params) > batch_size or len(seeds) != len(params):
+            raise ValueError(
+                f"need len(seeds) == len(params) <= batch_size, got {len(seeds)}, {len(params)}, {batch_size}"
+            )
+        b = batch_size
+        greedy = np.ones(b, bool)
+        temperature = np.ones(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        top_p = np.ones(b, np.float32)
+        min_p = np.zeros(b, np.float32)
+        repetition = np.ones(b, np.float32)
+        presence = np.zeros(b, np.float32)
+        frequency = np.zeros(b, np.float32)
+        bias_ids = np.zeros((b, max_logit_bias), np.int32)
+        bias_values = np.zeros((b, max_logit_bias), np.float32)
+        stop_ids = np.full((b, max_stop_ids), -1, np.int32)
+        min_tokens = np.zeros(b, np.int32)
+        seed_words = np.zeros((b, 2), np.uint32)
+        for row, (p, seed) in enumerate(zip(params, seeds)):
+            if p is None:
+                continue
+            if p.temperature >= GREEDY_TEMPERATURE:
+                greedy[row] = False
+                temperature[row] = p.temperature
+            top_k[row] = p.top_k
+            top_p[row] = p.top_p
+            min_p[row] = p.min_p
+            repetition[row] = p.repetition_penalty
+            presence[row] = p.presence_penalty
+            frequency[row] = p.frequency_penalty
+            if len(p.logit_bias) > max_logit_bias:
+                raise ValueError(f"row {row}: {len(p.logit_bias)} logit_bias entries, at most {max_logit_bias}")
+            for j, (token, bias) in enumerate(p.logit_bias):
+                bias_ids[row, j] = token
+                bias_values[row, j] = bias
+            stops = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))))
+            if len(stops) > max_stop_ids:
+                raise ValueError(f"row {row}: {len(stops)} stop token ids, at most {max_stop_ids}")
+            stop_ids[row, : len(stops)] = stops
+            min_tokens[row] = p.min_tokens
+            if seed is None:
+                raise ValueError(f"row {row}: seed is None; resolve it with resolve_seed() at admission")
+            seed_words[row] = _seed_words(seed)
+        return SamplingArrays(
+            greedy=jnp.asarray(greedy),
+            temperature=jnp.asarray(temperature),
+            top_k=jnp.asarray(top_k),
+            top_p=jnp.asarray(top_p),
+            min_p=jnp.asarray(min_p),
+            repetition_penalty=jnp.asarray(repetition),
+            presence_penalty=jnp.asarray(presence),
+            frequency_penalty=jnp.asarray(frequency),
+            bias_ids=jnp.asarray(bias_ids),
+            bias_values=jnp.asarray(bias_values),
+            stop_ids=jnp.asarray(stop_ids),
+            min_tokens=jnp.asarray(min_tokens),
+            seed=jnp.asarray(seed_words),
+        )
+
+
+_register(SamplingArrays, [f.name for f in dataclasses.fields(SamplingArrays)])
+
+
+@dataclass(frozen=True)
+class PenaltyState:
+    """What the penalties and min_tokens need to know about each row's tokens so far (on device)."""
+
+    seen: jax.Array  # bool [b, v]: token occurs in the prompt or the output (repetition penalty)
+    output_counts: jax.Array  # i32 [b, v]: occurrences in the output (presence / frequency)
+    num_generated: jax.Array  # i32 [b]: output tokens so far = the index of the next token
+
+    @staticmethod
+    def zeros(batch_size: int, vocab_size: int) -> "PenaltyState":
+        return PenaltyState(
+            seen=jnp.zeros((batch_size, vocab_size), bool),
+            output_counts=jnp.zeros((batch_size, vocab_size), jnp.int32),
+            num_generated=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+
+_register(PenaltyState, ["seen", "output_counts", "num_generated"])
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One sampled token per row, with its logprob and the K most likely alternatives."""
+
+    tokens: jax.Array  # i32 [b]
+    logprobs: jax.Array  # f32 [b]: logprob of tokens (see logprobs_mode)
+    top_ids: jax.Array  # i32 [b, k]: most likely first
+    top_logprobs: jax.Array  # f32 [b, k]
+
+
+_register(SampleOutput, ["tokens", "logprobs", "top_ids", "top_logprobs"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host helpers
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The seed a request samples with: its own, or a random 64-bit one drawn once at admission."""
+    return params.seed if params.seed is not None else secrets.randbits(64)
+
+
+def _seed_words(seed: int) -> tuple[int, int]:
+    seed %= 1 << 64  # negative or larger seeds wrap to 64 bits
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalty state on the device
+
+
+def set_penalty_rows(
+    state: PenaltyState, rows: jax.Array, prompt_ids: jax.Array, output_ids: jax.Array
+) -> PenaltyState:
+    """Reset rows [r] to a request's prompt and output so far (admission, resume after preemption).
+
+    prompt_ids i32 [r, l] and output_ids i32 [r, m] are padded with -1. num_generated becomes the
+    count of output ids, so a resumed request continues its own random stream.
+    """
+    vocab = state.seen.shape[1]
+    r = rows.shape[0]
+    row_index = jnp.broadcast_to(jnp.arange(r)[:, None], prompt_ids.shape)
+    prompt_cols = jnp.where(prompt_ids < 0, vocab, prompt_ids)  # out of range -> dropped
+    out_row_index = jnp.broadcast_to(jnp.arange(r)[:, None], output_ids.shape)
+    out_cols = jnp.where(output_ids < 0, vocab, output_ids)
+    counts = jnp.zeros((r, vocab), jnp.int32).at[out_row_index, out_cols].add(1, mode="drop")
+    seen = jnp.zeros((r, vocab), bool).at[row_index, prompt_cols].set(True, mode="drop") | (counts > 0)
+    return PenaltyState(
+        seen=state.seen.at[rows].set(seen),
+        output_counts=state.output_counts.at[rows].set(counts),
+        num_generated=state.num_generated.at[rows].set(jnp.sum(output_ids >= 0, axis=1).astype(jnp.int32)),
+    )
+
+
+def update_penalty_state(state: PenaltyState, tokens: jax.Array, active: jax.Array) -> PenaltyState:
+    """Record one sampled token per row (tokens i32 [b]); rows where active (bool [b]) is False keep their state."""
+    b = tokens.shape[0]
+    rows = jnp.arange(b)
+    inc = active.astype(jnp.int32)
+    return PenaltyState(
+        seen=state.seen.at[rows, tokens].set(state.seen[rows, tokens] | active),
+        output_counts=state.output_counts.at[rows, tokens].add(inc),
+        num_generated=state.num_generated + inc,
+    )
+
+
+def stop_token_hit(arrays: SamplingArrays, tokens: jax.Array) -> jax.Array:
+    """bool [b]: the token just sampled is one of the row's stop ids (EOS included unless ignore_eos)."""
+    return jnp.any(arrays.stop_ids == tokens[:, None], axis=1)
+
+
+def row_keys(arrays: SamplingArrays, token_index: jax.Array) -> jax.Array:
+    """Random keys [b] for the next token of each row: a function of (seed, token index) only.
+
+    token_index i32 [b] is the request's own count of generated tokens (PenaltyState.num_generated),
+    so the stream does not depend on the row's slot or on the other rows.
+    """
+    base = jax.random.wrap_key_data(arrays.seed, impl=_KEY_IMPL)
+    return jax.vmap(jax.random.fold_in)(base, token_index.astype(jnp.uint32))
+
+
+def unpack_token_mask(words: jax.Array, vocab_size: int) -> jax.Array:
+    """bool [b, v] from a packed bitmask [b, ceil(v / 32)] (bit j of word i allows token 32 i + j).
+
+    This is the layout llguidance and xgrammar fill; int32 and uint32 words are both accepted.
+    """
+    words = jax.lax.bitcast_convert_type(words, jnp.uint32) if words.dtype == jnp.int32 else words
+    ids = jnp.arange(vocab_size, dtype=jnp.uint32)
+    bits = words[:, ids // 32] >> (ids % 32)[None, :]
+    return (bits & 1).astype(bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit processing
+
+
+def process_logits(
+    logits: jax.Array,
+    arrays: SamplingArrays,
+    state: PenaltyState,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    """Bias, min_tokens suppression, the structured-output mask and the penalties: f32 [b, v].
+
+    This is what greedy rows take the argmax of. mask is bool [b, v] (True = allowed) or packed
+    bits [b, ceil(v / 32)]; rows without a constraint pass all-True. Disallowed tokens get -inf.
+    """
+    b, vocab = logits.shape
+    logits = logits.astype(jnp.float32)
+    rows = jnp.arange(b)[:, None]
+    logits = logits.at[rows, arrays.bias_ids].add(arrays.bias_values, mode="drop")
+    suppress = state.num_generated < arrays.min_tokens  # [b]
+    stop_cols = jnp.where((arrays.stop_ids >= 0) & suppress[:, None], arrays.stop_ids, vocab)
+    logits = logits.at[rows, stop_cols].set(-jnp.inf, mode="drop")
+    if mask is not None:
+        if mask.dtype != jnp.bool_:
+            mask = unpack_token_mask(mask, vocab)
+        logits = jnp.where(mask, logits, -jnp.inf)
+    rep = arrays.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(state.seen, penalised, logits)
+    counts = state.output_counts.astype(jnp.float32)
+    logits = logits - arrays.frequency_penalty[:, None] * counts
+    logits = logits - arrays.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """u32 with the same order as the float32 x (a < b  <=>  key(a) < key(b)); -0.0 is +0.0."""
+    x = jnp.where(x == 0, 0.0, x).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _smallest_key_with_mass_above_below(keys: jax.Array, weights: jax.Array | None, limit: jax.Array) -> jax.Array:
+    """u32 [b]: the smallest t with sum(weights[key > t]) < limit, per row (limit > 0).
+
+    The sum is non-increasing in t, so t is found digit by digit from the top: each pass tests
+    the 2^_RADIX_BITS - 1 candidates of the next digit in one fused reduction over the vocabulary.
+    weights None counts tokens (top-k); float weights sum probability mass (top-p).
+    """
+    radix = 1 << _RADIX_BITS
+    digits = jnp.arange(radix - 1, dtype=jnp.uint32)  # the largest digit needs no test
+    prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
+    for p in range(_RADIX_PASSES):
+        shift = 32 - _RADIX_BITS * (p + 1)
+        low = jnp.uint32((1 << shift) - 1)
+        candidates = prefix[:, None] | (digits[None, :] << shift) | low  # [b, radix - 1]
+        above = keys[:, :, None] > candidates[:, None, :]  # [b, v, radix - 1], fused, not stored
+        if weights is None:
+            mass = jnp.sum(above, axis=1, dtype=jnp.float32)
+        else:
+            mass = jnp.sum(jnp.where(above, weights[:, :, None], 0.0), axis=1)
+        digit = jnp.sum(mass >= limit[:, None], axis=1).astype(jnp.uint32)  # failing candidates
+        prefix = prefix | (digit << shift)
+    return prefix
+
+
+def truncated_logits(processed: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Temperature, then min_p, top_k and top_p (exact): f32 [b, v], -inf outside the kept set.
+
+    softmax of the result is the distribution a sampled row draws from (greedy rows: meaningless,
+    they take the argmax of `processed`). Ties at a threshold are all kept, as in vLLM and HF.
+    """
+    b, vocab = processed.shape
+    scaled = processed / arrays.temperature[:, None]
+    top = jnp.max(scaled, axis=1, keepdims=True)
+    keep = scaled >= top + jnp.log(arrays.min_p)[:, None]  # p >= min_p * p_max; log 0 = -inf keeps all
+    keys = _order_key(scaled)
+    k_limit = jnp.where(arrays.top_k > 0, arrays.top_k, vocab + 1).astype(jnp.float32)
+    keep &= keys >= _smallest_key_with_mass_above_below(keys, None, k_limit)[:, None]
+    weights = jnp.where(keep, jnp.exp(scaled - top), 0.0)
+    total = jnp.sum(weights, axis=1)
+    p_limit = jnp.where(arrays.top_p < 1.0, arrays.top_p * total, jnp.inf)
+    keep &= keys >= _smallest_key_with_mass_above_below(keys, weights, p_limit)[:, None]
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array,
+    arrays: SamplingArrays,
+    state: PenaltyState,
+    step_keys: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    num_top_logprobs: int = 0,
+    logprobs_mode: str = "raw",
+) -> SampleOutput:
+    """Pick one token per row from logits f32 [b, v].
+
+    step_keys [b] come from `row_keys(arrays, state.num_generated)`. num_top_logprobs (static) is
+    the K of SampleOutput.top_ids; the host slices each row to its request's own count.
+    logprobs_mode "raw": log_softmax of the model's logits; "processed": of the distribution
+    sampled from (greedy rows: log_softmax of the processed logits at temperature 1).
+    When every row is greedy the truncation and the random draw are skipped (lax.cond).
+    """
+    if logprobs_mode not in ("raw", "processed"):
+        raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+    logits = logits.astype(jnp.float32)
+    processed = process_logits(logits, arrays, state, mask)
+    greedy_tokens = jnp.argmax(processed, axis=1).astype(jnp.int32)
+
+    def with_sampling() -> tuple[jax.Array, jax.Array]:
+        final = truncated_logits(processed, arrays)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, final.shape[1:], jnp.float32))(step_keys)
+        drawn = jnp.argmax(final + noise, axis=1).astype(jnp.int32)
+        tokens = jnp.where(arrays.greedy, greedy_tokens, drawn)
+        return tokens, jnp.where(arrays.greedy[:, None], processed, final)
+
+    def greedy_only() -> tuple[jax.Array, jax.Array]:
+        return greedy_tokens, processed
+
+    tokens, distribution = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
+    source = logits if logprobs_mode == "raw" else distribution
+    log_probs = jax.nn.log_softmax(source, axis=1)
+    token_logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]
+    if num_top_logprobs > 0:
+        top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
+    else:
+        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -1,0 +1,340 @@
+"""On-device sampling: greedy, seeds, truncation, penalties, bias, masks and logprobs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.engine.protocol import SamplingParams
+from infernix_jax.engine.sampling import (
+    PenaltyState,
+    SamplingArrays,
+    process_logits,
+    row_keys,
+    sample,
+    set_penalty_rows,
+    stop_token_hit,
+    truncated_logits,
+    unpack_token_mask,
+    update_penalty_state,
+)
+
+VOCAB = 64
+
+
+def _arrays(params, seeds=None, batch_size=None, **kwargs) -> SamplingArrays:
+    seeds = list(seeds) if seeds is not None else [1000 + i for i in range(len(params))]
+    return SamplingArrays.build(params, seeds, batch_size or len(params), **kwargs)
+
+
+@jax.jit
+def _sample_step(logits, arrays, state, mask=None):
+    return sample(logits, arrays, state, row_keys(arrays, state.num_generated), mask, num_top_logprobs=4)
+
+
+@jax.jit
+def _sample_and_update(logits, arrays, state):
+    out = sample(logits, arrays, state, row_keys(arrays, state.num_generated))
+    return out.tokens, update_penalty_state(state, out.tokens, jnp.ones_like(out.tokens, bool))
+
+
+def _generate(arrays, state, logits_per_step):
+    """Sample one token per step, updating the penalty state; returns tokens [steps, b]."""
+    tokens = []
+    for logits in logits_per_step:
+        step_tokens, state = _sample_and_update(logits, arrays, state)
+        tokens.append(np.asarray(step_tokens))
+    return np.stack(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy and seeds
+
+
+def test_greedy_rows_take_the_argmax_even_beside_sampled_rows():
+    logits = jax.random.normal(jax.random.key(0), (6, VOCAB)) * 3
+    params = [SamplingParams(), SamplingParams(temperature=1.5), SamplingParams(), SamplingParams(temperature=0.9,
+              top_p=0.5), SamplingParams(top_k=3), SamplingParams(temperature=2.0, top_k=5)]
+    state = PenaltyState.zeros(6, VOCAB)
+    mixed = _sample_step(logits, _arrays(params), state)
+    argmax = np.argmax(np.asarray(logits), axis=1)
+    greedy_rows = [0, 2, 4]
+    np.testing.assert_array_equal(np.asarray(mixed.tokens)[greedy_rows], argmax[greedy_rows])
+    all_greedy = _sample_step(logits, _arrays([SamplingParams()] * 6), state)
+    np.testing.assert_array_equal(np.asarray(all_greedy.tokens), argmax)
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_batched_and_wherever_its_row_is():
+    steps = [jax.random.normal(jax.random.key(s), (1, VOCAB)) for s in range(12)]
+    mine = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+
+    def run(batch_size, my_row, others, other_seeds, my_seed=7):
+        other_rows = [r for r in range(batch_size) if r != my_row][: len(others)]
+        params, seeds = [None] * batch_size, [None] * batch_size
+        for row, p, seed in zip(other_rows, others, other_seeds):
+            params[row], seeds[row] = p, seed
+        params[my_row], seeds[my_row] = mine.replace(seed=my_seed), my_seed
+        arrays = _arrays(params, seeds, batch_size)
+        # Every row sees different logits except ours, which are the same in both runs.
+        noise = jax.random.normal(jax.random.key(batch_size), (len(steps), batch_size, VOCAB))
+        per_step = [noise[i].at[my_row].set(steps[i][0]) for i in range(len(steps))]
+        return _generate(arrays, PenaltyState.zeros(batch_size, VOCAB), per_step)[:, my_row]
+
+    alone = run(1, 0, [], [])
+    crowded = run(8, 5, [SamplingParams(temperature=0.7, seed=1), SamplingParams(), SamplingParams(temperature=1.2,
+                  top_k=4)], [1, 2, 3])
+    other_slot = run(8, 1, [SamplingParams(temperature=1.0, seed=99)], [99])
+    np.testing.assert_array_equal(alone, crowded)
+    np.testing.assert_array_equal(alone, other_slot)
+    assert not np.array_equal(alone, run(1, 0, [], [], my_seed=8)), "another seed should give another stream"
+
+
+def test_resumed_request_continues_its_random_stream():
+    """After preemption, set_penalty_rows restores num_generated, so the next token's key is the same."""
+    params = [SamplingParams(temperature=1.0, seed=3)]
+    arrays = _arrays(params, [3])
+    steps = [jax.random.normal(jax.random.key(s), (1, VOCAB)) for s in range(6)]
+    straight = _generate(arrays, PenaltyState.zeros(1, VOCAB), steps)[:, 0]
+    prompt = jnp.array([[5, 6, -1]], jnp.int32)
+    resumed_state = set_penalty_rows(PenaltyState.zeros(1, VOCAB), jnp.array([0]), prompt,
+                                     jnp.asarray(straight[None, :3], jnp.int32))
+    resumed = _generate(arrays, resumed_state, steps[3:])[:, 0]
+    np.testing.assert_array_equal(straight[3:], resumed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Truncation: the allowed set and the distribution
+
+
+def _reference_distribution(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Sort-based reference (vLLM's order): temperature, min_p, top_k, top_p; ties at a cut kept."""
+    z = logits.astype(np.float64) / p.temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    keep = probs >= p.min_p * probs.max()
+    if p.top_k > 0:
+        kth = np.sort(z)[::-1][min(p.top_k, len(z)) - 1]
+        keep &= z >= kth
+    if p.top_p < 1.0:
+        kept = np.where(keep, probs, 0.0)
+        kept /= kept.sum()
+        mass_above = np.array([kept[z > z[i]].sum() for i in range(len(z))])
+        keep &= mass_above < p.top_p
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+TINY_LOGITS = np.array([2.0, 1.5, 1.2, 1.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
+
+TRUNCATION_CASES = {
+    "no truncation": SamplingParams(temperature=1.0),
+    "top_k 4 (a tie at the cut keeps 5)": SamplingParams(temperature=1.0, top_k=4),
+    "top_k 3": SamplingParams(temperature=1.0, top_k=3),
+    "top_p 0.7": SamplingParams(temperature=0.8, top_p=0.7),
+    "min_p 0.2": SamplingParams(temperature=1.3, min_p=0.2),
+    "all three": SamplingParams(temperature=1.1, top_k=7, top_p=0.85, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRUNCATION_CASES))
+def test_truncated_sampling_draws_only_allowed_tokens_with_the_expected_frequencies(case):
+    """Chi-square goodness of fit over 8000 draws, one per seed, at significance 0.001.
+
+    Power: with 8000 draws over ~5 categories, moving 0.03 of probability between two categories
+    near p = 0.2 gives a noncentrality of ~65, detected with probability > 0.999 (0.02: ~0.9).
+    """
+    params = TRUNCATION_CASES[case]
+    expected = _reference_distribution(TINY_LOGITS, params)
+    draws = 8000
+    arrays = _arrays([params], [0])
+    arrays = jax.tree.map(lambda x: jnp.repeat(x, draws, axis=0), arrays)
+    arrays = SamplingArrays(**{**arrays.__dict__, "seed": jnp.stack(
+        [jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], axis=1)})
+    logits = jnp.broadcast_to(jnp.asarray(TINY_LOGITS), (draws, len(TINY_LOGITS)))
+    out = _sample_step(logits, arrays, PenaltyState.zeros(draws, len(TINY_LOGITS)))
+    counts = np.bincount(np.asarray(out.tokens), minlength=len(TINY_LOGITS))
+    assert counts[expected == 0].sum() == 0, f"drew disallowed tokens: {counts} vs {expected}"
+    allowed = expected > 0
+    expected_counts = expected[allowed] * draws
+    statistic = float(np.sum((counts[allowed] - expected_counts) ** 2 / expected_counts))
+    dof = int(allowed.sum()) - 1
+    if dof > 0:
+        p_value = float(jax.scipy.stats.chi2.sf(statistic, dof))
+        assert p_value > 1e-3, f"{case}: counts {counts}, expected {np.round(expected_counts)}"
+
+
+def test_exact_truncation_matches_a_sort_based_reference_on_a_real_sized_row():
+    """The radix search keeps exactly the tokens a full sort keeps, including duplicate logits."""
+    rng = np.random.default_rng(0)
+    vocab = 4096
+    logits = rng.normal(size=(6, vocab)).astype(np.float32) * 2
+    logits[:, :50] = np.round(logits[:, :50])  # many exact ties
+    logits[:, 100] = -np.inf  # a masked token
+    params = [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.7, top_k=300),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=2.0, top_p=0.5, top_k=2000),
+        SamplingParams(temperature=0.5, min_p=0.01, top_p=0.99),
+        SamplingParams(temperature=1.0, top_k=4096, top_p=1.0),
+    ]
+    final = np.asarray(jax.jit(truncated_logits)(jnp.asarray(logits), _arrays(params)))
+    for row, p in enumerate(params):
+        expected_keep = _reference_distribution(logits[row], p) > 0
+        np.testing.assert_array_equal(np.isfinite(final[row]), expected_keep, err_msg=f"row {row}: {p}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Penalties, bias, min_tokens, mask
+
+
+def test_penalties_change_logits_as_openai_and_hf_define_them():
+    logits = np.array([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]], np.float32)
+    prompt = jnp.array([[0, 1, -1, -1]], jnp.int32)  # seen in the prompt only: tokens 0 and 1
+    output = jnp.array([[2, 2, 3, -1]], jnp.int32)  # generated: token 2 twice, token 3 once
+    state = set_penalty_rows(PenaltyState.zeros(1, 6), jnp.array([0]), prompt, output)
+    p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.3, frequency_penalty=0.25)
+    got = np.asarray(process_logits(jnp.asarray(logits), _arrays([p]), state))[0]
+    expected = np.array([
+        2.0 / 2.0,  # prompt token, positive logit: divided (HF/CTRL)
+        -1.0 * 2.0,  # prompt token, negative logit: multiplied
+        0.5 / 2.0 - 0.25 * 2 - 0.3,  # output token twice: repetition, then frequency x2 and presence once
+        -0.5 * 2.0 - 0.25 * 1 - 0.3,
+        3.0,  # never seen: unchanged
+        0.0,
+    ])
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert int(state.num_generated[0]) == 3
+
+
+def test_update_penalty_state_counts_only_active_rows():
+    state = PenaltyState.zeros(2, 8)
+    for token in (3, 3, 5):
+        state = update_penalty_state(state, jnp.array([token, token]), jnp.array([True, False]))
+    np.testing.assert_array_equal(np.asarray(state.output_counts[0]), [0, 0, 0, 2, 0, 1, 0, 0])
+    assert np.asarray(state.seen[0]).tolist() == [i in (3, 5) for i in range(8)]
+    assert not np.asarray(state.seen[1]).any() and not np.asarray(state.output_counts[1]).any()
+    np.testing.assert_array_equal(np.asarray(state.num_generated), [3, 0])
+
+
+def test_logit_bias_is_added_and_can_force_or_ban_a_token():
+    logits = jax.random.normal(jax.random.key(1), (2, VOCAB))
+    best = int(jnp.argmax(logits[0]))
+    params = [SamplingParams(logit_bias=((17, 100.0),)), SamplingParams(logit_bias=((best, -100.0), (3, 0.5)))]
+    arrays = _arrays(params, max_logit_bias=4)
+    state = PenaltyState.zeros(2, VOCAB)
+    processed = np.asarray(process_logits(logits, arrays, state))
+    expected = np.asarray(logits).copy()
+    expected[0, 17] += 100.0
+    expected[1, best] -= 100.0
+    expected[1, 3] += 0.5
+    np.testing.assert_allclose(processed, expected, rtol=1e-6)
+    tokens = np.asarray(_sample_step(jnp.stack([logits[0], logits[0]]), arrays, state).tokens)
+    assert tokens[0] == 17 and tokens[1] != best
+
+
+def test_min_tokens_suppresses_stop_and_eos_tokens_until_reached():
+    logits = jnp.zeros((3, 8)).at[:, 2].set(5.0).at[:, 6].set(4.0)  # 2 is EOS, 6 a stop id
+    params = [SamplingParams(min_tokens=2, stop_token_ids=(6,)), SamplingParams(min_tokens=2, ignore_eos=True),
+              SamplingParams(stop_token_ids=(6,))]
+    arrays = _arrays(params, eos_token_ids=(2,), max_stop_ids=4)
+    state = PenaltyState.zeros(3, 8)
+    first = np.asarray(_sample_step(logits, arrays, state).tokens)
+    assert first[0] not in (2, 6)
+    assert first[1] == 2  # ignore_eos: EOS is an ordinary token, not suppressed
+    assert first[2] == 2
+    state = update_penalty_state(state, jnp.array([0, 0, 0]), jnp.ones(3, bool))
+    state = update_penalty_state(state, jnp.array([0, 0, 0]), jnp.ones(3, bool))
+    later = _sample_step(logits, arrays, state).tokens
+    assert int(later[0]) == 2
+    np.testing.assert_array_equal(np.asarray(stop_token_hit(arrays, jnp.array([6, 2, 6]))), [True, False, True])
+
+
+def test_mask_restricts_greedy_and_sampled_rows_and_packed_bits_mean_the_same():
+    logits = jax.random.normal(jax.random.key(2), (3, VOCAB))
+    allowed = np.zeros((3, VOCAB), bool)
+    allowed[0, [3, 9, 40]] = True
+    allowed[1, [1, 2, 33, 63]] = True
+    allowed[2, :] = True  # a row without a constraint
+    packed = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
+    np.testing.assert_array_equal(np.asarray(unpack_token_mask(jnp.asarray(packed), VOCAB)), allowed)
+    np.testing.assert_array_equal(
+        np.asarray(unpack_token_mask(jnp.asarray(packed.view(np.int32)), VOCAB)), allowed)
+    params = [SamplingParams(), SamplingParams(temperature=1.5), SamplingParams()]
+    for seed in range(20):
+        arrays = _arrays(params, [seed] * 3)
+        state = PenaltyState.zeros(3, VOCAB)
+        with_bool = np.asarray(_sample_step(logits, arrays, state, jnp.asarray(allowed)).tokens)
+        with_bits = np.asarray(_sample_step(logits, arrays, state, jnp.asarray(packed)).tokens)
+        np.testing.assert_array_equal(with_bool, with_bits)
+        assert allowed[np.arange(3), with_bool].all()
+    expected_greedy = np.argmax(np.where(allowed[0], np.asarray(logits[0]), -np.inf))
+    assert with_bool[0] == expected_greedy
+    assert with_bool[2] == np.argmax(np.asarray(logits[2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs
+
+
+def test_raw_logprobs_are_the_models_normalised_distribution():
+    logits = jax.random.normal(jax.random.key(3), (4, 16)) * 2
+    params = [SamplingParams(), SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=1.0),
+              SamplingParams(repetition_penalty=1.5)]
+    arrays = _arrays(params)
+    state = PenaltyState.zeros(4, 16)
+    out = jax.jit(lambda l, a, s: sample(l, a, s, row_keys(a, s.num_generated), num_top_logprobs=16))(
+        logits, arrays, state)
+    reference = np.asarray(jax.nn.log_softmax(logits, axis=1))
+    np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs)).sum(axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.logprobs), reference[np.arange(4), np.asarray(out.tokens)], rtol=1e-6)
+    top = np.asarray(out.top_logprobs)
+    assert (np.diff(top, axis=1) <= 0).all(), "alternatives come most likely first"
+    np.testing.assert_allclose(top, np.take_along_axis(reference, np.asarray(out.top_ids), axis=1), rtol=1e-6)
+
+
+def test_processed_logprobs_describe_the_distribution_sampled_from():
+    logits = jnp.asarray(np.tile(TINY_LOGITS, (2, 1)))
+    params = [SamplingParams(temperature=0.8, top_k=3), SamplingParams()]
+    arrays = _arrays(params)
+    state = PenaltyState.zeros(2, len(TINY_LOGITS))
+    out = jax.jit(lambda l, a, s: sample(l, a, s, row_keys(a, s.num_generated), num_top_logprobs=4,
+                                         logprobs_mode="processed"))(logits, arrays, state)
+    np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs[0])),
+                               np.sort(_reference_distribution(TINY_LOGITS, params[0]))[::-1][:4], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.logprobs[1]), np.asarray(jax.nn.log_softmax(logits[1]))[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        sample(logits, arrays, state, row_keys(arrays, state.num_generated), logprobs_mode="final")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the arrays
+
+
+def test_new_settings_of_the_same_batch_size_do_not_recompile():
+    traces = []
+
+    @jax.jit
+    def step(logits, arrays, state):
+        traces.append(1)
+        return sample(logits, arrays, state, row_keys(arrays, state.num_generated))
+
+    logits = jnp.zeros((4, VOCAB))
+    state = PenaltyState.zeros(4, VOCAB)
+    step(logits, _arrays([SamplingParams()], batch_size=4), state)
+    step(logits, _arrays([SamplingParams(temperature=0.5, top_k=3, logit_bias=((1, 2.0),)), None,
+                          SamplingParams(top_p=0.3, temperature=1.0)], [1, None, 5], batch_size=4), state)
+    assert len(traces) == 1
+
+
+def test_build_rejects_what_does_not_fit_and_unresolved_seeds():
+    with pytest.raises(ValueError, match="logit_bias"):
+        _arrays([SamplingParams(logit_bias=tuple((i, 1.0) for i in range(5)))], max_logit_bias=4)
+    with pytest.raises(ValueError, match="stop token ids"):
+        _arrays([SamplingParams(stop_token_ids=(1, 2, 3))], eos_token_ids=(4, 5), max_stop_ids=4)
+    with pytest.raises(ValueError, match="resolve_seed"):
+        SamplingArrays.build([SamplingParams(temperature=1.0)], [None], 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        SamplingArrays.build([SamplingParams()] * 3, [1, 2, 3], 2)
