@@ -102,8 +102,11 @@ def unusable_reason(text: str) -> str | None:
     """Why a text cannot be a document, or None.
 
     The tokenizer normalizes to NFC (as Qwen's does), so a non-NFC text would not round-trip; a
-    text holding a special token's literal would tokenize as that marker.
+    text holding a special token's literal would tokenize as that marker; an empty file (many
+    ``__init__.py``) holds nothing to learn.
     """
+    if not text.strip():
+        return "empty"
     if unicodedata.normalize("NFC", text) != text:
         return "not NFC-normalized"
     if contains_added_token(text):

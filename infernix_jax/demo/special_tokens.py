@@ -57,11 +57,11 @@ VOCAB_SIZE = 16384  # total, added tokens included: a multiple of 128 for tidy e
 BPE_VOCAB_SIZE = VOCAB_SIZE - len(QWEN_ADDED_TOKENS)  # learned byte-level BPE entries, ids 0..16357
 
 
-def added_token_id(content: str) -> int:
-    """The id the demo tokenizer gives an added token (its BPE vocabulary comes first)."""
+def added_token_id(content: str, bpe_vocab_size: int = BPE_VOCAB_SIZE) -> int:
+    """The id an added token gets after a BPE vocabulary of ``bpe_vocab_size`` (the demo's by default)."""
     for index, spec in enumerate(QWEN_ADDED_TOKENS):
         if spec.content == content:
-            return BPE_VOCAB_SIZE + index
+            return bpe_vocab_size + index
     raise KeyError(f"{content!r} is not one of Qwen's added tokens")
 
 

@@ -65,6 +65,7 @@ def empty_qwen_style_tokenizer() -> Tokenizer:
 
 def add_qwen_tokens(tokenizer: Tokenizer) -> None:
     """Append Qwen's added tokens, in Qwen's order, after the learned vocabulary."""
+    bpe_vocab_size = tokenizer.get_vocab_size(with_added_tokens=False)
     for spec in QWEN_ADDED_TOKENS:
         token = AddedToken(
             spec.content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=spec.special
@@ -74,9 +75,9 @@ def add_qwen_tokens(tokenizer: Tokenizer) -> None:
         else:
             tokenizer.add_tokens([token])
     for spec in QWEN_ADDED_TOKENS:
-        actual = tokenizer.token_to_id(spec.content)
-        if actual != added_token_id(spec.content):
-            raise RuntimeError(f"{spec.content} got id {actual}, expected {added_token_id(spec.content)}")
+        actual, expected = tokenizer.token_to_id(spec.content), added_token_id(spec.content, bpe_vocab_size)
+        if actual != expected:
+            raise RuntimeError(f"{spec.content} got id {actual}, expected {expected}")
 
 
 def train_tokenizer(
@@ -118,11 +119,11 @@ def with_qwen_serialized_settings(tokenizer: Tokenizer) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(state))
 
 
-def demo_tokenizer_config(qwen_config: dict) -> dict:
+def demo_tokenizer_config(qwen_config: dict, bpe_vocab_size: int = BPE_VOCAB_SIZE) -> dict:
     """Qwen3's ``tokenizer_config.json`` with the added tokens' ids remapped to the demo vocabulary."""
     decoder = {}
     for attributes in qwen_config["added_tokens_decoder"].values():
-        decoder[str(added_token_id(attributes["content"]))] = dict(attributes)
+        decoder[str(added_token_id(attributes["content"], bpe_vocab_size))] = dict(attributes)
     config = dict(qwen_config)
     config["added_tokens_decoder"] = dict(sorted(decoder.items(), key=lambda item: int(item[0])))
     config["eos_token"] = IM_END
@@ -136,7 +137,8 @@ def write_tokenizer(tokenizer: Tokenizer, out_dir: Path, qwen_files_dir: Path | 
     qwen_config = json.loads((qwen_files_dir / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / TOKENIZER_FILE), pretty=False)
-    config_text = json.dumps(demo_tokenizer_config(qwen_config), indent=2, ensure_ascii=False) + "\n"
+    config = demo_tokenizer_config(qwen_config, tokenizer.get_vocab_size(with_added_tokens=False))
+    config_text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
     (out_dir / TOKENIZER_CONFIG_FILE).write_text(config_text, encoding="utf-8")
 
 
