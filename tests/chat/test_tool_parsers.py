@@ -218,3 +218,49 @@ def test_detect_hermes_from_real_qwen3_template():
 def test_detect_rejects_template_without_tools():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         detect_tool_parser("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}")
+
+
+FUZZ_PIECES = [
+    "<tool_call>", "</tool_call>", "\n", "<function=read_file>", "<function=", "</function>",
+    "<parameter=path>", "</parameter>", "<parameter=limit>\n5\n", "x", "`", "```", "{", "}", "[", "]",
+    '"name": "read_file"', '"arguments": {', "'", ",", " ", "<", "<tool_", "</think>", "<think>", "\\",
+    '"', "read_file>", "ab c", "\n\n",
+]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_tag_soup_streams_like_whole_text(seed: int):
+    """Any output, however garbled, gives the same result for every chunking."""
+    rng = random.Random(seed)
+    tools = CORPUS["tools"]["coding"]
+    for _ in range(150):
+        text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(1, 25)))
+        options = dict(
+            tools=tools,
+            parser=rng.choice(["qwen3_coder", "hermes"]),
+            tolerant=rng.random() < 0.5,
+            starts_in_thinking=rng.choice([None, True, False]),
+        )
+        whole = _summary(parse_chat_output(text, **options))
+        for max_len in (1, 3, 6):
+            parser = StreamingChatOutputParser(**options)
+            events = [e for piece in _random_pieces(text, rng, max_len) for e in parser.feed(piece)]
+            events += parser.finish()
+            assert _summary(collect_events(events)) == whole, (text, options)
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
+@pytest.mark.parametrize("tolerant", [False, True])
+def test_deeply_nested_garbage_stays_text(parser: str, tolerant: bool):
+    deep = "[" * 50000
+    texts = [
+        f"<tool_call>\n{deep}\n</tool_call>",
+        f'<tool_call>\n{{"name": "search", "arguments": {{"pattern": "a", "paths": {deep}}}}}\n</tool_call>',
+        f"<tool_call>\n<function=search>\n<parameter=paths>\n{deep}\n</parameter>\n</function>\n</tool_call>",
+    ]
+    for text in texts:
+        parsed = parse_tool_calls(text, CORPUS["tools"]["coding"], parser=parser, tolerant=tolerant)
+        if parsed.tool_calls:  # a call survives only with the garbage kept as a string value
+            assert json.loads(parsed.tool_calls[0].arguments)["paths"] == deep
+        else:
+            assert parsed.content == text

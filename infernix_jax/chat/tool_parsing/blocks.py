@@ -147,7 +147,7 @@ def _parse_xml_tolerant(body: str, specs: dict[str, ToolSpec] | None) -> list[Pa
 def _parse_json_strict(body: str, specs: dict[str, ToolSpec] | None) -> ParsedCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -163,12 +163,12 @@ def _parse_json_strict(body: str, specs: dict[str, ToolSpec] | None) -> ParsedCa
 def _arguments_from_json_text(text: str, tolerant: bool = True) -> dict[str, Any] | None:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         if not tolerant:
             return None
         try:
             value = loads_lenient(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return value if isinstance(value, dict) else None
 
@@ -199,7 +199,7 @@ def _call_from_object(obj: Any, specs: dict[str, ToolSpec] | None) -> ParsedCall
 def _parse_json_tolerant(body: str, specs: dict[str, ToolSpec] | None) -> list[ParsedCall] | None:
     try:
         values = loads_lenient_sequence(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     objects: list[Any] = []
     for value in values:

@@ -128,12 +128,12 @@ def _as_number(raw: str) -> int | float | None:
 def _as_container(raw: str, kind: type, tolerant: bool) -> Any:
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         if not tolerant:
             return None
         try:
             value = loads_lenient(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return value if isinstance(value, kind) else None
 

@@ -184,11 +184,12 @@ class StreamingToolCallParser:
         if not core:
             self._held_ws += text
             return
+        trailing = text[len(core) :]
         lead = self._held_ws
         if self._after_call and not self._emitted_content:
-            lead = lead.lstrip()
-        out.append(ContentDelta(lead + core if lead else core))
-        self._held_ws = text[len(core) :]
+            lead, core = "", core.lstrip()  # the output began with calls: no separator
+        out.append(ContentDelta(lead + core))
+        self._held_ws = trailing
         self._emitted_content = True
         self._after_call = False
 
