@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -151,6 +152,18 @@ def _pack_nibbles(codes: Array) -> Array:
     return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(jnp.uint8)
 
 
+def _exact_divide(a: Array, b: Array) -> Array:
+    """a / b, correctly rounded, with b broadcast to a's shape.
+
+    XLA rewrites a / broadcast(b) into a * broadcast(1 / b), which is off by an ulp now and then;
+    quantization must match the published formulas bit for bit, so the broadcast divisor is
+    hidden behind an optimization barrier.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, jnp.float32), a.shape))
+    return a / b
+
+
 def _group_expand(s: Array, group: int) -> Array:
     return jnp.repeat(s.astype(jnp.float32), group, axis=-1)
 
@@ -203,6 +216,7 @@ def _cast_e2m1(scaled: Array) -> Array:
     return code + 8 * (scaled < 0).astype(jnp.int32)
 
 
+@jax.jit
 def quantize_nvfp4(w: Array, *, tensor_scale: Array | None = None) -> NVFP4Weight:
     """Quantize [.., N, K] weights with ModelOpt's published NVFP4 formula (K a multiple of 16).
 
@@ -214,14 +228,14 @@ def quantize_nvfp4(w: Array, *, tensor_scale: Array | None = None) -> NVFP4Weigh
         raise ValueError(f"NVFP4 needs a [.., N, K] weight with K % 16 == 0; got shape {w.shape}")
     w = jnp.asarray(w)
     if tensor_scale is None:
-        tensor_scale = jnp.max(jnp.abs(w), axis=(-2, -1)).astype(jnp.float32) / (E2M1_MAX * E4M3_MAX)
+        tensor_scale = jnp.max(jnp.abs(w), axis=(-2, -1)).astype(jnp.float32) / jnp.float32(E2M1_MAX * E4M3_MAX)
     tensor_scale = jnp.asarray(tensor_scale, jnp.float32)
     blocks = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = jnp.max(jnp.abs(blocks), axis=-1)
-    per_block = block_amax / (E2M1_MAX * _bcast_tail(tensor_scale, w.ndim))
+    per_block = _exact_divide(block_amax, E2M1_MAX * _bcast_tail(tensor_scale, w.ndim))
     per_block = jnp.where(per_block == 0, 1.0, per_block)
     block_scale = jnp.clip(per_block, 2.0**-9, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    scaled = blocks / (block_scale.astype(jnp.float32) * _bcast_tail(tensor_scale, w.ndim))[..., None]
+    scaled = _exact_divide(blocks, (block_scale.astype(jnp.float32) * _bcast_tail(tensor_scale, w.ndim))[..., None])
     codes = _cast_e2m1(scaled.reshape(w.shape))
     return NVFP4Weight(packed=_pack_nibbles(codes), block_scale=block_scale, tensor_scale=tensor_scale)
 
@@ -266,6 +280,7 @@ def _to_e4m3(v: Array) -> Array:
     return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def quantize_fp8(w: Array, *, block_size: int | None = None) -> FP8Weight:
     """Per-tensor: scale = amax / 448 (ModelOpt FP8). Per block: scale = block_amax / 448
     (Qwen/DeepSeek `weight_scale_inv`). fp8 = e4m3(W / scale), round to nearest even."""
@@ -274,7 +289,7 @@ def quantize_fp8(w: Array, *, block_size: int | None = None) -> FP8Weight:
     if block_size is None:
         scale = jnp.max(jnp.abs(wf), axis=(-2, -1)) / E4M3_MAX
         scale = jnp.where(scale == 0, 1.0, scale)
-        return FP8Weight(data=_to_e4m3(wf / _bcast_tail(scale, w.ndim)), scale=scale)
+        return FP8Weight(data=_to_e4m3(_exact_divide(wf, _bcast_tail(scale, w.ndim))), scale=scale)
     n, k = w.shape[-2:]
     nb, kb = -(-n // block_size), -(-k // block_size)
     padded = jnp.pad(wf, [(0, 0)] * (w.ndim - 2) + [(0, nb * block_size - n), (0, kb * block_size - k)])
@@ -282,7 +297,7 @@ def quantize_fp8(w: Array, *, block_size: int | None = None) -> FP8Weight:
     scale = jnp.max(jnp.abs(blocks), axis=(-3, -1)) / E4M3_MAX
     scale = jnp.where(scale == 0, 1.0, scale)
     weight = FP8Weight(data=jnp.zeros(w.shape, jnp.float8_e4m3fn), scale=scale, block_size=block_size)
-    return dataclasses.replace(weight, data=_to_e4m3(wf / weight._scale_full()))
+    return dataclasses.replace(weight, data=_to_e4m3(_exact_divide(wf, weight._scale_full())))
 
 
 # ---------------------------------------------------------------------------------------- INT8
@@ -306,12 +321,13 @@ class Int8Weight(QuantizedWeight):
 _register(Int8Weight, ("data", "scale"))
 
 
+@jax.jit
 def quantize_int8(w: Array) -> Int8Weight:
     """scale[n] = amax(|W[n, :]|) / 127; q = round(W / scale) (half to even), in [-127, 127]."""
     wf = jnp.asarray(w).astype(jnp.float32)
     scale = jnp.max(jnp.abs(wf), axis=-1) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale)
-    q = jnp.clip(jnp.round(wf / scale[..., None]), -127, 127).astype(jnp.int8)
+    q = jnp.clip(jnp.round(_exact_divide(wf, scale[..., None])), -127, 127).astype(jnp.int8)
     return Int8Weight(data=q, scale=scale)
 
 
@@ -342,6 +358,7 @@ class Q8Weight(QuantizedWeight):
 _register(Q8Weight, ("data", "scale"), ("group_size",))
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
 def quantize_q8(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q8Weight:
     """scale = amax(group) / 127 stored in scale_dtype; q = round(W / stored scale) in [-127, 127]."""
     wf = jnp.asarray(w).astype(jnp.float32)
@@ -349,7 +366,7 @@ def quantize_q8(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q
     groups = wf.reshape(*wf.shape[:-1], wf.shape[-1] // group_size, group_size)
     scale = jnp.max(jnp.abs(groups), axis=-1) / 127.0
     scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype)
-    q = jnp.clip(jnp.round(groups / scale.astype(jnp.float32)[..., None]), -127, 127)
+    q = jnp.clip(jnp.round(_exact_divide(groups, scale.astype(jnp.float32)[..., None])), -127, 127)
     return Q8Weight(data=q.reshape(wf.shape).astype(jnp.int8), scale=scale, group_size=group_size)
 
 
@@ -375,6 +392,7 @@ class Q4Weight(QuantizedWeight):
 _register(Q4Weight, ("packed", "scale", "minimum"), ("group_size",))
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "scale_dtype"))
 def quantize_q4(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q4Weight:
     """minimum = min(group), scale = (max - min) / 15, both stored in scale_dtype;
     q = round((W - minimum) / scale) in [0, 15] with the stored values."""
@@ -387,7 +405,7 @@ def quantize_q4(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q
     scale = (hi - lo) / 15.0
     scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype)
     minimum = lo.astype(scale_dtype)
-    q = jnp.round((groups - minimum.astype(jnp.float32)[..., None]) / scale.astype(jnp.float32)[..., None])
+    q = jnp.round(_exact_divide(groups - minimum.astype(jnp.float32)[..., None], scale.astype(jnp.float32)[..., None]))
     q = jnp.clip(q, 0, 15).reshape(wf.shape)
     return Q4Weight(packed=_pack_nibbles(q), scale=scale, minimum=minimum, group_size=group_size)
 

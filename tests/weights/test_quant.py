@@ -1,0 +1,192 @@
+"""Quantized weight types: published quantization formulas, byte layouts, dispatching matmuls."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from infernix_jax.weights import quant
+from infernix_jax.weights.quant import (
+    FP8Weight,
+    NVFP4Weight,
+    expert_matmul,
+    kernel_mode,
+    matmul,
+    quantize_fp8,
+    quantize_int8,
+    quantize_nvfp4,
+    quantize_q4,
+    quantize_q8,
+)
+
+QUANTIZERS = {
+    "nvfp4": quantize_nvfp4,
+    "fp8": quantize_fp8,
+    "fp8_block32": lambda w: quantize_fp8(w, block_size=32),
+    "int8": quantize_int8,
+    "q8_g32": quantize_q8,
+    "q8_g64": lambda w: quantize_q8(w, group_size=64),
+    "q4_g32": quantize_q4,
+    "q4_g128": lambda w: quantize_q4(w, group_size=128),
+}
+
+
+def _weight(rng, *shape, scale=0.05):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def _modelopt_nvfp4_numpy(w):
+    """ModelOpt's NVFP4 export (NVFP4QTensor.quantize), transcribed to numpy for a 2-D weight."""
+    w = np.asarray(w, np.float32)
+    ws2 = np.float32(np.abs(w).max()) / np.float32(6.0 * 448.0)
+    blocks = w.reshape(w.shape[0], -1, 16)
+    per_block = np.abs(blocks).max(-1) / (np.float32(6.0) * ws2)
+    per_block[per_block == 0] = 1.0
+    scale = np.maximum(per_block, np.float32(2.0**-9)).astype(ml_dtypes.float8_e4m3fn)
+    scaled = (blocks / (scale.astype(np.float32) * ws2)[..., None]).reshape(w.shape)
+    mag = np.abs(scaled)
+    code = np.searchsorted(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32), mag, side="left")
+    code = code + np.isin(mag, np.array([0.75, 1.75, 3.5], np.float32)) + 8 * (scaled < 0)
+    code = code.astype(np.uint8)
+    return (code[:, 1::2] << 4) | code[:, 0::2], scale, ws2
+
+
+def test_nvfp4_quantize_reproduces_modelopt_bit_for_bit():
+    rng = np.random.default_rng(0)
+    w = np.array(_weight(rng, 40, 96))
+    w[3, :16] = 0  # an all-zero block takes block scale 1.0
+    w[5, 16:32] *= 1e-4  # a tiny block clamps at the smallest e4m3 scale
+    packed, scale, ws2 = _modelopt_nvfp4_numpy(w)
+    q = quantize_nvfp4(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(q.packed), packed)
+    np.testing.assert_array_equal(np.asarray(q.block_scale).view(np.uint8), scale.view(np.uint8))
+    assert np.float32(q.tensor_scale) == ws2
+
+
+def test_nvfp4_low_nibble_is_the_even_element():
+    # byte 0x21: element 0 has code 1 (0.5), element 1 has code 2 (1.0); 0xF8: -0.0 then -6.
+    packed = jnp.asarray([[0x21, 0xF8, 0x7A, 0, 0, 0, 0, 0]], jnp.uint8)
+    w = NVFP4Weight(packed=packed, block_scale=jnp.asarray([[2.0]], jnp.float8_e4m3fn),
+                    tensor_scale=jnp.float32(0.5))
+    np.testing.assert_array_equal(np.asarray(w.dequantize(jnp.float32))[0, :6], [0.5, 1.0, -0.0, -6.0, -1.0, 6.0])
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_quantization_error_is_within_the_format_step(name):
+    w = _weight(np.random.default_rng(1), 48, 256)
+    q = QUANTIZERS[name](w)
+    err = np.abs(np.asarray(q.dequantize(jnp.float32)) - np.asarray(w, np.float32))
+    wf = np.abs(np.asarray(w, np.float32))
+    if isinstance(q, NVFP4Weight):  # the widest E2M1 gap (4 -> 6) is 2 units of the block scale
+        unit = np.repeat(np.asarray(q.block_scale, np.float32), 16, -1) * np.float32(q.tensor_scale)
+        bound = unit * 1.0
+    elif isinstance(q, FP8Weight):  # 3 mantissa bits: half an ulp is 1/16 of the value
+        bound = wf / 16 + 1e-6
+    elif name == "int8":
+        bound = np.asarray(q.scale)[:, None] / 2
+    else:
+        g = q.group_size
+        bound = np.repeat(np.asarray(q.scale, np.float32), g, -1) / 2 + 1e-3 * wf.max()
+    assert np.all(err <= bound * (1 + 1e-5)), float((err - bound).max())
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+def test_matmul_equals_x_times_dequantized_weight(name):
+    rng = np.random.default_rng(2)
+    q = QUANTIZERS[name](_weight(rng, 48, 256))
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    want = np.einsum("btk,nk->btn", np.asarray(x), np.asarray(q.dequantize(jnp.float32)))
+    got = jax.jit(matmul)(x, q)
+    assert got.shape == (2, 3, 48) and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8", "fp8_block32"])
+def test_kernel_dispatch_matches_the_reference_path(name):
+    rng = np.random.default_rng(3)
+    q = QUANTIZERS[name](_weight(rng, 96, 320))
+    x = jnp.asarray(rng.standard_normal((5, 320)), jnp.bfloat16)
+    # The mode is read at trace time: each mode gets its own jitted function.
+    with kernel_mode("reference"):
+        want = jax.jit(lambda x, w: matmul(x, w))(x, q)
+    with kernel_mode("interpret"):
+        kernel_fn = jax.jit(lambda x, w: matmul(x, w))
+        assert "while" in kernel_fn.lower(x, q).as_text()  # the kernel's K loop: the Pallas path was taken
+        got = kernel_fn(x, q)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_plain_arrays_keep_the_bf16_path():
+    rng = np.random.default_rng(4)
+    w, x = _weight(rng, 8, 32), jnp.asarray(rng.standard_normal((2, 32)), jnp.bfloat16)
+    want = (np.asarray(x, np.float32) @ np.asarray(w, np.float32).T)
+    np.testing.assert_allclose(np.asarray(matmul(x, w), np.float32), want, rtol=1e-2, atol=1e-2)
+
+
+def test_nbytes_counts_packed_bytes():
+    n, k = 64, 256
+    w = _weight(np.random.default_rng(5), n, k)
+    assert quantize_nvfp4(w).nbytes == n * k // 2 + n * k // 16 + 4
+    assert quantize_fp8(w).nbytes == n * k + 4
+    assert quantize_fp8(w, block_size=128).nbytes == n * k + 1 * 2 * 4
+    assert quantize_int8(w).nbytes == n * k + 4 * n
+    assert quantize_q8(w, group_size=32).nbytes == n * k + 2 * n * k // 32
+    assert quantize_q4(w, group_size=64).nbytes == n * k // 2 + 2 * 2 * n * k // 64
+
+
+def test_quantized_weights_are_pytrees_that_eval_shape_sizes_without_data():
+    spec = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16)
+    q = jax.eval_shape(quantize_nvfp4, spec)
+    assert isinstance(q, NVFP4Weight) and q.shape == (512, 4096)
+    assert q.nbytes == 512 * 2048 + 512 * 256 + 4
+    q8 = jax.eval_shape(lambda w: quantize_q8(w, group_size=128), spec)
+    assert q8.group_size == 128 and len(jax.tree.leaves(q8)) == 2
+
+
+def test_stacked_experts_use_per_expert_scales():
+    w = _weight(np.random.default_rng(6), 3, 32, 64)
+    w = w.at[1].multiply(100.0)
+    stacked = quantize_nvfp4(w)
+    assert stacked.tensor_scale.shape == (3,)
+    for e in range(3):
+        alone = quantize_nvfp4(w[e])
+        np.testing.assert_array_equal(np.asarray(stacked.packed[e]), np.asarray(alone.packed))
+        assert float(stacked.tensor_scale[e]) == float(alone.tensor_scale)
+
+
+@pytest.mark.parametrize("name", ["plain", "nvfp4", "fp8_block32", "q4_g32"])
+def test_expert_matmul_per_token_and_per_group(name):
+    rng = np.random.default_rng(7)
+    w = _weight(rng, 4, 24, 64)
+    w = w if name == "plain" else QUANTIZERS[name](w)
+    wf = np.asarray(quant.dequantize(w, jnp.float32))
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    ids = jnp.asarray([2, 0, 3, 3, 1, 2], jnp.int32)
+    got = jax.jit(lambda x, w, i: expert_matmul(x, w, expert_ids=i))(x, w, ids)
+    want = np.stack([np.asarray(x[t]) @ wf[int(ids[t])].T for t in range(6)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+    sizes = jnp.asarray([2, 0, 3, 1], jnp.int32)  # rows 0-1 expert 0, rows 2-4 expert 2, row 5 expert 3
+    got = expert_matmul(x, w, group_sizes=sizes)
+    experts = [0, 0, 2, 2, 2, 3]
+    want = np.stack([np.asarray(x[t]) @ wf[experts[t]].T for t in range(6)])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_calls_are_rejected():
+    w = quantize_nvfp4(_weight(np.random.default_rng(8), 2, 16, 32))
+    x = jnp.ones((3, 32), jnp.float32)
+    with pytest.raises(ValueError, match="exactly one"):
+        expert_matmul(x, w)
+    with pytest.raises(ValueError, match="expert_ids shape"):
+        expert_matmul(x, w, expert_ids=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="K=16"):
+        matmul(jnp.ones((1, 16)), quantize_int8(jnp.ones((4, 32))))
+    with pytest.raises(ValueError, match="K % 16"):
+        quantize_nvfp4(jnp.ones((4, 40)))
+    with pytest.raises(ValueError, match="group_size=48 must divide K=64"):
+        quantize_q8(jnp.ones((4, 64)), group_size=48)
+    with pytest.raises(ValueError, match="kernel mode"):
+        with kernel_mode("fast"):
+            pass
