@@ -35,7 +35,9 @@ class StreamingReasoningParser:
 
     def __init__(self, starts_in_thinking: bool, tolerant: bool = False) -> None:
         self._starts_in_thinking = starts_in_thinking
-        self._tags = (THINK_CLOSE, _TOOL_CALL_OPEN, _FUNCTION_OPEN) if tolerant else (THINK_CLOSE, _TOOL_CALL_OPEN)
+        self._tags = (
+            (THINK_CLOSE, _TOOL_CALL_OPEN, _FUNCTION_OPEN) if tolerant else (THINK_CLOSE, _TOOL_CALL_OPEN)
+        )
         self._tolerant = tolerant
         self._state = _START
         self._pending = ""

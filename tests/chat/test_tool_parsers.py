@@ -33,7 +33,11 @@ def _parse_whole(case: dict, tolerant: bool) -> ParsedOutput:
     tools = CORPUS["tools"][case["tools"]]
     if "starts_in_thinking" in case:
         return parse_chat_output(
-            case["text"], tools, case["parser"], tolerant=tolerant, starts_in_thinking=case["starts_in_thinking"]
+            case["text"],
+            tools,
+            case["parser"],
+            tolerant=tolerant,
+            starts_in_thinking=case["starts_in_thinking"],
         )
     return parse_tool_calls(case["text"], tools, parser=case["parser"], tolerant=tolerant)
 
@@ -144,7 +148,9 @@ def test_empty_tool_list_makes_every_call_text():
 
 
 def test_anthropic_tool_shape_types_values():
-    tools = [{"name": "sleep", "input_schema": {"type": "object", "properties": {"seconds": {"type": "integer"}}}}]
+    tools = [
+        {"name": "sleep", "input_schema": {"type": "object", "properties": {"seconds": {"type": "integer"}}}}
+    ]
     text = "<tool_call>\n<function=sleep>\n<parameter=seconds>\n3\n</parameter>\n</function>\n</tool_call>"
     assert json.loads(parse_tool_calls(text, tools).tool_calls[0].arguments) == {"seconds": 3}
 
@@ -162,7 +168,9 @@ def test_default_ids_are_unique_openai_style():
 
 
 def test_non_ascii_arguments_stay_readable():
-    text = "<tool_call>\n<function=say>\n<parameter=text>\nHéllo 世界\n</parameter>\n</function>\n</tool_call>"
+    text = (
+        "<tool_call>\n<function=say>\n<parameter=text>\nHéllo 世界\n</parameter>\n</function>\n</tool_call>"
+    )
     assert parse_tool_calls(text, None).tool_calls[0].arguments == '{"text": "Héllo 世界"}'
 
 
@@ -221,10 +229,36 @@ def test_detect_rejects_template_without_tools():
 
 
 FUZZ_PIECES = [
-    "<tool_call>", "</tool_call>", "\n", "<function=read_file>", "<function=", "</function>",
-    "<parameter=path>", "</parameter>", "<parameter=limit>\n5\n", "x", "`", "```", "{", "}", "[", "]",
-    '"name": "read_file"', '"arguments": {', "'", ",", " ", "<", "<tool_", "</think>", "<think>", "\\",
-    '"', "read_file>", "ab c", "\n\n",
+    "<tool_call>",
+    "</tool_call>",
+    "\n",
+    "<function=read_file>",
+    "<function=",
+    "</function>",
+    "<parameter=path>",
+    "</parameter>",
+    "<parameter=limit>\n5\n",
+    "x",
+    "`",
+    "```",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"name": "read_file"',
+    '"arguments": {',
+    "'",
+    ",",
+    " ",
+    "<",
+    "<tool_",
+    "</think>",
+    "<think>",
+    "\\",
+    '"',
+    "read_file>",
+    "ab c",
+    "\n\n",
 ]
 
 
@@ -235,12 +269,12 @@ def test_random_tag_soup_streams_like_whole_text(seed: int):
     tools = CORPUS["tools"]["coding"]
     for _ in range(150):
         text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(1, 25)))
-        options = dict(
-            tools=tools,
-            parser=rng.choice(["qwen3_coder", "hermes"]),
-            tolerant=rng.random() < 0.5,
-            starts_in_thinking=rng.choice([None, True, False]),
-        )
+        options = {
+            "tools": tools,
+            "parser": rng.choice(["qwen3_coder", "hermes"]),
+            "tolerant": rng.random() < 0.5,
+            "starts_in_thinking": rng.choice([None, True, False]),
+        }
         whole = _summary(parse_chat_output(text, **options))
         for max_len in (1, 3, 6):
             parser = StreamingChatOutputParser(**options)

@@ -69,16 +69,12 @@ def parse_block(
 
 
 def _strip_markup_newlines(value: str) -> str:
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
+    value = value.removeprefix("\n")
+    value = value.removesuffix("\n")
     return value
 
 
-def _typed_parameters(
-    pairs: list[tuple[str, str]], spec: ToolSpec | None, tolerant: bool
-) -> dict[str, Any]:
+def _typed_parameters(pairs: list[tuple[str, str]], spec: ToolSpec | None, tolerant: bool) -> dict[str, Any]:
     return {
         key: convert_raw_value(value, spec.property_schema(key) if spec else None, tolerant)
         for key, value in pairs

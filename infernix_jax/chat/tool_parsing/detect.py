@@ -6,7 +6,7 @@ from infernix_jax.chat.tool_parsing.blocks import HERMES, QWEN3_CODER
 
 
 def detect_tool_parser(chat_template_text: str) -> str:
-    """"qwen3_coder" or "hermes", read from the chat template's own tool instructions.
+    """ "qwen3_coder" or "hermes", read from the chat template's own tool instructions.
 
     Qwen3-Coder / Qwen3.5 templates teach the XML form and so contain `<function=`; Qwen3 and
     Qwen3-Next-Instruct templates teach `<tool_call>` with a JSON `"arguments"` object.

@@ -9,6 +9,7 @@ arrive in OpenAI form (`{"type": "function", "function": {"name", "parameters"}}
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,7 +123,7 @@ def _as_number(raw: str) -> int | float | None:
         number = float(raw.strip())
     except ValueError:
         return None
-    return number if number == number and abs(number) != float("inf") else None
+    return number if math.isfinite(number) else None
 
 
 def _as_container(raw: str, kind: type, tolerant: bool) -> Any:
