@@ -32,9 +32,9 @@ import subprocess
 import sys
 import sysconfig
 import unicodedata
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from infernix_jax.demo import HELDOUT_TEXT_PATH, MANIFEST_PATH
 from infernix_jax.demo.special_tokens import ENDOFTEXT, contains_added_token
@@ -43,7 +43,9 @@ MANIFEST_FORMAT = 1
 DEFAULT_HELDOUT_FRACTION = 0.02
 # Folder names never taken from the stdlib directory: tests, and third-party packages that some
 # installs (pyenv, Debian's dist-packages) keep under it.
-EXCLUDED_STDLIB_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+EXCLUDED_STDLIB_DIRS = frozenset(
+    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+)
 KJV_PACKAGES = ("bible-kjv-text", "bible-kjv")
 KJV_DATA_FILE = Path("/usr/lib/bible.data")
 KJV_FULL_RANGE = "Gen1:1-Rev22:21"
@@ -81,7 +83,7 @@ def heldout_score(path: str) -> float:
 
 
 def split_of(path: str, heldout_fraction: float = DEFAULT_HELDOUT_FRACTION) -> str:
-    """"heldout" or "train" for a document path; depends on nothing but the path."""
+    """ "heldout" or "train" for a document path; depends on nothing but the path."""
     return "heldout" if heldout_score(path) < heldout_fraction else "train"
 
 
@@ -346,7 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     manifest = build_corpus(
-        args.out, stdlib_dir=args.stdlib_dir, bible_program=args.bible_program,
+        args.out,
+        stdlib_dir=args.stdlib_dir,
+        bible_program=args.bible_program,
         heldout_fraction=args.heldout_fraction,
     )
     for name, bucket in manifest["totals"].items():

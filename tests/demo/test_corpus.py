@@ -13,8 +13,8 @@ from infernix_jax.demo import HELDOUT_TEXT_PATH, MANIFEST_PATH, load_heldout_tex
 from infernix_jax.demo.corpus import (
     CorpusDocument,
     iter_documents,
-    kjv_documents,
     kjv_chapter_text,
+    kjv_documents,
     parse_kjv_chapters,
     split_of,
     stdlib_documents,
@@ -58,7 +58,10 @@ def test_parse_kjv_chapters_reads_multiword_books_and_verses() -> None:
         ("1 John", 1, 1),
     ]
     assert chapters[0][2][1].startswith("Let him kiss me")
-    assert kjv_chapter_text(*chapters[1]) == "Song of Solomon 2\n\nI am the rose of Sharon, and the lily of the valleys.\n"
+    assert (
+        kjv_chapter_text(*chapters[1])
+        == "Song of Solomon 2\n\nI am the rose of Sharon, and the lily of the valleys.\n"
+    )
 
 
 def test_parse_kjv_chapters_rejects_unexpected_lines() -> None:
@@ -104,7 +107,9 @@ def test_stdlib_documents_skip_tests_third_party_and_unusable_files(tmp_path: Pa
 
 def test_write_corpus_records_every_file_with_its_hash_and_split(tmp_path: Path) -> None:
     documents = tiny_documents()
-    manifest = write_corpus(documents, tmp_path, heldout_fraction=0.1, sample_budget={"stdlib": 10**6, "kjv": 10**6})
+    manifest = write_corpus(
+        documents, tmp_path, heldout_fraction=0.1, sample_budget={"stdlib": 10**6, "kjv": 10**6}
+    )
     assert manifest == json.loads((tmp_path / "manifest.json").read_text(encoding="utf-8"))
     entries = {e["path"]: e for e in manifest["documents"]}
     assert sorted(entries) == sorted(d.path for d in documents)
@@ -121,11 +126,15 @@ def test_write_corpus_records_every_file_with_its_hash_and_split(tmp_path: Path)
     # with budgets that fit everything, the sample is every held-out document, in path order
     texts = {d.path: d.text for d in documents}
     assert manifest["heldout_sample"]["paths"] == sorted(heldout)
-    assert (tmp_path / "heldout.txt").read_text(encoding="utf-8") == ENDOFTEXT.join(texts[p] for p in sorted(heldout))
+    assert (tmp_path / "heldout.txt").read_text(encoding="utf-8") == ENDOFTEXT.join(
+        texts[p] for p in sorted(heldout)
+    )
 
 
 def test_heldout_sample_keeps_to_its_byte_budget(tmp_path: Path) -> None:
-    manifest = write_corpus(tiny_documents(), tmp_path, heldout_fraction=0.5, sample_budget={"stdlib": 60, "kjv": 0})
+    manifest = write_corpus(
+        tiny_documents(), tmp_path, heldout_fraction=0.5, sample_budget={"stdlib": 60, "kjv": 0}
+    )
     sample = manifest["heldout_sample"]
     assert sample["paths"] and all(p.startswith("stdlib/") for p in sample["paths"])
     assert sum(len(t) for t in (tmp_path / "heldout.txt").read_text().split(ENDOFTEXT)) <= 60
@@ -160,5 +169,7 @@ def test_kjv_documents_are_the_1189_chapters_in_bible_order() -> None:
     documents = list(kjv_documents())
     assert len(documents) == 1189
     assert documents[0].path == "kjv/01-genesis/001.txt"
-    assert documents[0].text.startswith("Genesis 1\n\nIn the beginning God created the heaven and the earth.\n")
+    assert documents[0].text.startswith(
+        "Genesis 1\n\nIn the beginning God created the heaven and the earth.\n"
+    )
     assert documents[-1].path == "kjv/66-revelation/022.txt"

@@ -34,9 +34,14 @@ EOS = added_token_id(ENDOFTEXT)
 def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = tmp_path_factory.mktemp("corpus")
     documents = [
-        CorpusDocument(f"stdlib/pkg/mod_{i:02d}.py", "stdlib", f"def f{i}(x):\n    return x * {i}\n") for i in range(20)
+        CorpusDocument(f"stdlib/pkg/mod_{i:02d}.py", "stdlib", f"def f{i}(x):\n    return x * {i}\n")
+        for i in range(20)
     ] + [
-        CorpusDocument(f"kjv/01-genesis/{i:03d}.txt", "kjv", kjv_chapter_text("Genesis", i, ["And God saw.", "It was good."]))
+        CorpusDocument(
+            f"kjv/01-genesis/{i:03d}.txt",
+            "kjv",
+            kjv_chapter_text("Genesis", i, ["And God saw.", "It was good."]),
+        )
         for i in range(1, 21)
     ]
     write_corpus(documents, corpus, heldout_fraction=0.1)
@@ -50,7 +55,9 @@ def train_texts(corpus: Path) -> list[str]:
     ]
 
 
-def test_plain_token_file_is_the_training_documents_separated_by_endoftext(tiny_corpus: Path, tmp_path: Path) -> None:
+def test_plain_token_file_is_the_training_documents_separated_by_endoftext(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
     info = build_token_file(tiny_corpus, tmp_path, wrapping=ChatWrapping(fraction=0.0))
     tokens = load_token_file(tmp_path)
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
@@ -76,10 +83,14 @@ def test_chat_wrapped_documents_use_the_chat_template(tiny_corpus: Path, tmp_pat
 def test_chat_messages_keep_the_whole_document() -> None:
     text = "Genesis 3\n\nNow the serpent was more subtil.\nAnd the woman said.\nAnd the LORD said.\n"
     assert chat_messages("kjv/01-genesis/003.txt", "kjv", text, ChatWrapping(fraction=0.0)) is None
-    recite = chat_messages("kjv/01-genesis/003.txt", "kjv", text, ChatWrapping(fraction=1.0, continuation_fraction=0.0))
+    recite = chat_messages(
+        "kjv/01-genesis/003.txt", "kjv", text, ChatWrapping(fraction=1.0, continuation_fraction=0.0)
+    )
     assert recite[-2] == {"role": "user", "content": "Recite Genesis 3 from the King James Bible."}
     assert recite[-1] == {"role": "assistant", "content": text}
-    go_on = chat_messages("kjv/01-genesis/003.txt", "kjv", text, ChatWrapping(fraction=1.0, continuation_fraction=1.0))
+    go_on = chat_messages(
+        "kjv/01-genesis/003.txt", "kjv", text, ChatWrapping(fraction=1.0, continuation_fraction=1.0)
+    )
     start, rest = split_for_continuation(text)
     assert start + rest == text and start and rest
     assert go_on[-2]["content"].endswith(start) and go_on[-1]["content"] == rest

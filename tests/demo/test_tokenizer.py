@@ -69,7 +69,10 @@ def test_special_tokens_are_dropped_on_skip_and_think_markers_are_kept(shipped: 
 
 def test_added_tokens_follow_qwen3_order_and_flags(shipped_config: dict, qwen_files) -> None:
     qwen = json.loads((qwen_files / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
-    qwen_tokens = [(a["content"], a["special"]) for _, a in sorted(qwen["added_tokens_decoder"].items(), key=lambda i: int(i[0]))]
+    qwen_tokens = [
+        (a["content"], a["special"])
+        for _, a in sorted(qwen["added_tokens_decoder"].items(), key=lambda i: int(i[0]))
+    ]
     assert [(s.content, s.special) for s in QWEN_ADDED_TOKENS] == qwen_tokens
     ours = {int(i): (a["content"], a["special"]) for i, a in shipped_config["added_tokens_decoder"].items()}
     assert ours == {BPE_VOCAB_SIZE + n: token for n, token in enumerate(qwen_tokens)}
@@ -80,7 +83,7 @@ def test_pipeline_components_are_qwen3s(qwen_files) -> None:
     qwen = json.loads((qwen_files / TOKENIZER_FILE).read_text(encoding="utf-8"))
     for component in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
         assert ours[component] == qwen[component], component
-    settings = lambda model: {k: v for k, v in model.items() if k not in ("vocab", "merges")}  # noqa: E731
+    settings = lambda model: {k: v for k, v in model.items() if k not in ("vocab", "merges")}
     assert settings(ours["model"]) == settings(qwen["model"])
 
 
