@@ -49,7 +49,13 @@ SHAPES: dict[str, dict[str, tuple[int, int]]] = {
 QUICK_SHAPES = {"tiny": {"wide": (256, 512), "ragged": (96, 320)}}
 
 # Tile configurations tried per point: (block_n, block_k, split_k, num_warps, num_stages).
-NVFP4_TILES = [(64, 256, 1, 4, 3), (64, 256, 4, 4, 3), (32, 512, 2, 4, 3), (128, 256, 2, 8, 3), (64, 512, 8, 4, 4)]
+NVFP4_TILES = [
+    (64, 256, 1, 4, 3),
+    (64, 256, 4, 4, 3),
+    (32, 512, 2, 4, 3),
+    (128, 256, 2, 8, 3),
+    (64, 512, 8, 4, 4),
+]
 FP8_TILES = [(64, 128, 1, 4, 3), (64, 128, 4, 4, 3), (32, 128, 8, 4, 4), (128, 128, 2, 8, 3)]
 
 
@@ -70,8 +76,18 @@ def _random_weight(fmt: str, n: int, k: int, key: jax.Array):
 def _kernel_fn(fmt: str, tiles: tuple[int, ...], static: dict, interpret: bool):
     block_n, block_k, split_k, warps, stages = tiles
     kernel = nvfp4_matmul if fmt == "nvfp4" else fp8_matmul
-    return jax.jit(functools.partial(kernel, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps,
-                                     num_stages=stages, interpret=interpret, **static))
+    return jax.jit(
+        functools.partial(
+            kernel,
+            block_n=block_n,
+            block_k=block_k,
+            split_k=split_k,
+            num_warps=warps,
+            num_stages=stages,
+            interpret=interpret,
+            **static,
+        )
+    )
 
 
 def _xla_fn(fmt: str, static: dict):
@@ -96,8 +112,10 @@ def bench_point(fmt, n, k, batch, *, sizes: Sizes, interpret: bool, tiles_list=N
             continue
         fn = _kernel_fn(fmt, tiles, static, interpret)
         try:
-            seconds = statistics.median(median_seconds(lambda: fn(x, *weight), sizes.warmup, sizes.repeats))
-        except Exception as e:  # a tile that does not compile on this GPU: report and go on
+            seconds = statistics.median(
+                median_seconds(lambda fn=fn: fn(x, *weight), sizes.warmup, sizes.repeats)
+            )
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile on this GPU: report, go on
             print(f"  {fmt} {n}x{k} b{batch} tiles {tiles}: {type(e).__name__}: {str(e)[:120]}")
             continue
         if best is None or seconds < best[0]:
@@ -110,7 +128,9 @@ def bench_point(fmt, n, k, batch, *, sizes: Sizes, interpret: bool, tiles_list=N
 
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode: a smoke run anywhere")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, interpret mode: a smoke run anywhere"
+    )
     parser.add_argument("--formats", default="nvfp4,fp8,fp8_block128")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--models", default=",".join(SHAPES))
@@ -127,23 +147,51 @@ def main(argv: list[str] | None = None):
         for layer, (n, k) in layers.items():
             for fmt in args.formats.split(","):
                 for batch in map(int, args.batches.split(",")):
-                    best, xla_seconds, moved = bench_point(fmt, n, k, batch, sizes=sizes, interpret=interpret,
-                                                           tiles_list=[NVFP4_TILES[0]] if args.quick and fmt == "nvfp4"
-                                                           else [FP8_TILES[0]] if args.quick else None)
+                    best, xla_seconds, moved = bench_point(
+                        fmt,
+                        n,
+                        k,
+                        batch,
+                        sizes=sizes,
+                        interpret=interpret,
+                        tiles_list=[NVFP4_TILES[0]]
+                        if args.quick and fmt == "nvfp4"
+                        else [FP8_TILES[0]]
+                        if args.quick
+                        else None,
+                    )
                     if best is None:
                         continue
                     seconds, tiles = best
                     name = f"decode matmul {model} {layer} {n}x{k} {fmt} batch{batch}"
-                    rec = make_record(name, moved / seconds / 1e9, "GB/s", hbm.figure, "GB/s", machine=machine,
-                                      commit=commit, details={
-                                          "n": n, "k": k, "batch": batch, "format": fmt, "bytes": moved,
-                                          "median_s": seconds, "xla_dequant_dot_s": xla_seconds,
-                                          "tiles": dict(zip(("block_n", "block_k", "split_k", "num_warps",
-                                                             "num_stages"), tiles)),
-                                          "interpret": interpret, "jax": jax.__version__})
+                    rec = make_record(
+                        name,
+                        moved / seconds / 1e9,
+                        "GB/s",
+                        hbm.figure,
+                        "GB/s",
+                        machine=machine,
+                        commit=commit,
+                        details={
+                            "n": n,
+                            "k": k,
+                            "batch": batch,
+                            "format": fmt,
+                            "bytes": moved,
+                            "median_s": seconds,
+                            "xla_dequant_dot_s": xla_seconds,
+                            "tiles": dict(
+                                zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), tiles)
+                            ),
+                            "interpret": interpret,
+                            "jax": jax.__version__,
+                        },
+                    )
                     records.append(rec)
-                    print(f"{name:60s} {rec.figure:8.1f} GB/s  {rec.fraction:6.1%} of HBM  "
-                          f"(xla {moved / xla_seconds / 1e9:7.1f} GB/s)  tiles {tiles}")
+                    print(
+                        f"{name:60s} {rec.figure:8.1f} GB/s  {rec.fraction:6.1%} of HBM  "
+                        f"(xla {moved / xla_seconds / 1e9:7.1f} GB/s)  tiles {tiles}"
+                    )
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
     path = write_records(records, args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json")
     print(f"wrote {path}")

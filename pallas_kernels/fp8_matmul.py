@@ -58,10 +58,14 @@ def _fp8_kernel(
     def step(t, acc):
         k0 = (split * steps + t) * block_k
         k_mask = (k0 + jnp.arange(block_k)) < k_size
-        x = compat.load(x_ref.at[compat.ds(row0, block_m), compat.ds(k0, block_k)],
-                        mask=k_mask[None, :], other=0)
-        bits = compat.load(w_ref.at[compat.ds(col0, block_n), compat.ds(k0, block_k)],
-                           mask=n_mask[:, None] & k_mask[None, :], other=0)
+        x = compat.load(
+            x_ref.at[compat.ds(row0, block_m), compat.ds(k0, block_k)], mask=k_mask[None, :], other=0
+        )
+        bits = compat.load(
+            w_ref.at[compat.ds(col0, block_n), compat.ds(k0, block_k)],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0,
+        )
         w = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(compute_dtype)
         part = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if scale_block is not None:
@@ -70,8 +74,11 @@ def _fp8_kernel(
         return acc + part
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    compat.store(out_ref.at[split, compat.ds(row0, block_m), compat.ds(col0, block_n)], acc,
-                 mask=jnp.broadcast_to(n_mask[None, :], (block_m, block_n)))
+    compat.store(
+        out_ref.at[split, compat.ds(row0, block_m), compat.ds(col0, block_n)],
+        acc,
+        mask=jnp.broadcast_to(n_mask[None, :], (block_m, block_n)),
+    )
 
 
 def _is_pow2(v: int) -> bool:
@@ -95,8 +102,10 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
     else:
         want = (compat.cdiv(n, block_size), compat.cdiv(k, block_size))
         if tuple(scale.shape) != want:
-            raise ValueError(f"block scale must be [ceil(N/{block_size}), ceil(K/{block_size})]={want}; "
-                             f"got {tuple(scale.shape)}")
+            raise ValueError(
+                f"block scale must be [ceil(N/{block_size}), ceil(K/{block_size})]={want}; "
+                f"got {tuple(scale.shape)}"
+            )
         for name, v in (("block_n", block_n), ("block_k", block_k)):
             if block_size % v:
                 raise ValueError(f"{name}={v} must divide the scale block_size={block_size}")
@@ -109,8 +118,17 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                     "out_dtype", "interpret"),
+    static_argnames=(
+        "block_size",
+        "block_m",
+        "block_n",
+        "block_k",
+        "split_k",
+        "num_warps",
+        "num_stages",
+        "out_dtype",
+        "interpret",
+    ),
 )
 def fp8_matmul(
     x: jax.Array,
@@ -141,11 +159,16 @@ def fp8_matmul(
     m_pad = compat.cdiv(m, block_m) * block_m
     xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
     steps = compat.cdiv(compat.cdiv(k, block_k), split_k)
-    scale_arr = (jnp.ones((1, 1), jnp.float32) if block_size is None
-                 else jnp.asarray(scale, jnp.float32))
+    scale_arr = jnp.ones((1, 1), jnp.float32) if block_size is None else jnp.asarray(scale, jnp.float32)
     kernel = functools.partial(
-        _fp8_kernel, n_size=n, k_size=k, block_m=block_m, block_n=block_n, block_k=block_k,
-        steps=steps, scale_block=block_size,
+        _fp8_kernel,
+        n_size=n,
+        k_size=k,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        steps=steps,
+        scale_block=block_size,
     )
     partial = compat.pallas_call(
         kernel,

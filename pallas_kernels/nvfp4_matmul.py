@@ -81,14 +81,24 @@ def _nvfp4_kernel(
         kb = (split * steps + t) * half_block_k  # byte column of this K step
         k_mask = (kb + jnp.arange(half_block_k)) < half_k  # [bkh]
         s_mask = (kb // 8 + jnp.arange(half_block_k // 8)) < half_k // 8  # [bkh/8]
-        xe = compat.load(x_even_ref.at[compat.ds(row0, block_m), compat.ds(kb, half_block_k)],
-                         mask=k_mask[None, :], other=0)
-        xo = compat.load(x_odd_ref.at[compat.ds(row0, block_m), compat.ds(kb, half_block_k)],
-                         mask=k_mask[None, :], other=0)
-        packed = compat.load(packed_ref.at[compat.ds(col0, block_n), compat.ds(kb, half_block_k)],
-                             mask=n_mask[:, None] & k_mask[None, :], other=0)
-        scale = compat.load(scale_ref.at[compat.ds(col0, block_n), compat.ds(kb // 8, half_block_k // 8)],
-                            mask=n_mask[:, None] & s_mask[None, :], other=0)
+        xe = compat.load(
+            x_even_ref.at[compat.ds(row0, block_m), compat.ds(kb, half_block_k)],
+            mask=k_mask[None, :],
+            other=0,
+        )
+        xo = compat.load(
+            x_odd_ref.at[compat.ds(row0, block_m), compat.ds(kb, half_block_k)], mask=k_mask[None, :], other=0
+        )
+        packed = compat.load(
+            packed_ref.at[compat.ds(col0, block_n), compat.ds(kb, half_block_k)],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0,
+        )
+        scale = compat.load(
+            scale_ref.at[compat.ds(col0, block_n), compat.ds(kb // 8, half_block_k // 8)],
+            mask=n_mask[:, None] & s_mask[None, :],
+            other=0,
+        )
         # [bn, bkh/8] -> [bn, bkh]: one block scale covers 8 bytes (16 elements).
         # Loaded as uint8 (a masked fp8 load cannot take a fill value in Triton), then bitcast.
         scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn).astype(jnp.float32)
@@ -103,8 +113,11 @@ def _nvfp4_kernel(
         return acc
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    compat.store(out_ref.at[split, compat.ds(row0, block_m), compat.ds(col0, block_n)], acc,
-                 mask=jnp.broadcast_to(n_mask[None, :], (block_m, block_n)))
+    compat.store(
+        out_ref.at[split, compat.ds(row0, block_m), compat.ds(col0, block_n)],
+        acc,
+        mask=jnp.broadcast_to(n_mask[None, :], (block_m, block_n)),
+    )
 
 
 def _is_pow2(v: int) -> bool:
@@ -117,7 +130,7 @@ def validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n
         raise ValueError(f"x must be [M, K]; got shape {x.shape}")
     if packed.ndim != 2 or packed.dtype != jnp.uint8:
         raise ValueError(f"packed must be uint8 [N, K/2]; got {packed.dtype} {packed.shape}")
-    m, k = x.shape
+    _m, k = x.shape
     n, kh = packed.shape
     if k != 2 * kh:
         raise ValueError(f"x has K={k} but packed [N, K/2]={packed.shape} implies K={2 * kh}")
@@ -145,8 +158,16 @@ def default_block_m(m: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "out_dtype",
-                     "interpret"),
+    static_argnames=(
+        "block_m",
+        "block_n",
+        "block_k",
+        "split_k",
+        "num_warps",
+        "num_stages",
+        "out_dtype",
+        "interpret",
+    ),
 )
 def nvfp4_matmul(
     x: jax.Array,
@@ -171,7 +192,7 @@ def nvfp4_matmul(
     """
     block_m = default_block_m(x.shape[0]) if block_m is None else block_m
     validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, split_k)
-    m, k = x.shape
+    m, _k = x.shape
     n, half_k = packed.shape
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
@@ -181,8 +202,13 @@ def nvfp4_matmul(
     half_block_k = block_k // 2
     steps = compat.cdiv(compat.cdiv(half_k, half_block_k), split_k)
     kernel = functools.partial(
-        _nvfp4_kernel, n_size=n, half_k=half_k, block_m=block_m, block_n=block_n,
-        half_block_k=half_block_k, steps=steps,
+        _nvfp4_kernel,
+        n_size=n,
+        half_k=half_k,
+        block_m=block_m,
+        block_n=block_n,
+        half_block_k=half_block_k,
+        steps=steps,
     )
     partial = compat.pallas_call(
         kernel,

@@ -104,8 +104,10 @@ def _from_quantization_config(q: dict[str, Any]) -> QuantConfig:
             source="config.json",
         )
     if method != "modelopt":
-        raise ValueError(f"quantization_config.quant_method={q.get('quant_method')!r} is not a ModelOpt or "
-                         f"FP8 checkpoint; supported: 'modelopt', 'fp8'")
+        raise ValueError(
+            f"quantization_config.quant_method={q.get('quant_method')!r} is not a ModelOpt or "
+            f"FP8 checkpoint; supported: 'modelopt', 'fp8'"
+        )
     algo, group_size = q.get("quant_algo"), q.get("group_size")
     if algo is None:
         algo, group_size = _algo_from_config_groups(q.get("config_groups") or {})
@@ -143,8 +145,10 @@ def read_quant_config(model_dir: str | os.PathLike) -> QuantConfig | None:
             return None
         qcfg = _from_quantization_config(q)
     if qcfg.quant_algo not in SUPPORTED_ALGOS:
-        raise ValueError(f"quant_algo={qcfg.quant_algo!r} ({qcfg.source}) is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ALGOS)}")
+        raise ValueError(
+            f"quant_algo={qcfg.quant_algo!r} ({qcfg.source}) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ALGOS)}"
+        )
     return qcfg
 
 
@@ -176,8 +180,10 @@ def _build_nvfp4(get_tensor, prefix: str, weight: np.ndarray) -> NVFP4Weight:
     n, half_k = weight.shape
     scale = _as_e4m3(get_tensor(f"{prefix}.weight_scale"), f"{prefix}.weight_scale")
     if scale.shape != (n, 2 * half_k // 16):
-        raise ValueError(f"{prefix}.weight_scale has shape {scale.shape}; expected [N, K/16] = "
-                         f"{(n, 2 * half_k // 16)} for weight {weight.shape}")
+        raise ValueError(
+            f"{prefix}.weight_scale has shape {scale.shape}; expected [N, K/16] = "
+            f"{(n, 2 * half_k // 16)} for weight {weight.shape}"
+        )
     input_scale = _maybe(get_tensor, f"{prefix}.input_scale")
     return NVFP4Weight(
         packed=jnp.asarray(weight),
@@ -200,8 +206,12 @@ def _build_fp8(get_tensor, prefix: str, weight: np.ndarray, qcfg: QuantConfig) -
         want = (-(-n // rows), -(-k // cols))
         if tuple(scale_inv.shape) != want:
             raise ValueError(f"{prefix}.weight_scale_inv has shape {scale_inv.shape}; expected {want}")
-        return FP8Weight(data=data, scale=jnp.asarray(np.asarray(scale_inv, np.float32)), block_size=rows,
-                         input_scale=input_scale)
+        return FP8Weight(
+            data=data,
+            scale=jnp.asarray(np.asarray(scale_inv, np.float32)),
+            block_size=rows,
+            input_scale=input_scale,
+        )
     scale = _maybe(get_tensor, f"{prefix}.weight_scale")
     if scale is None:
         raise ValueError(f"{prefix}.weight is float8 but neither weight_scale nor weight_scale_inv exists")
@@ -214,9 +224,7 @@ def _build_fp8(get_tensor, prefix: str, weight: np.ndarray, qcfg: QuantConfig) -
     raise ValueError(f"{prefix}.weight_scale of shape {scale.shape} (per-channel FP8) is not supported")
 
 
-def build_linear(
-    get_tensor: Callable[[str], np.ndarray], prefix: str, qcfg: QuantConfig | None
-) -> Any:
+def build_linear(get_tensor: Callable[[str], np.ndarray], prefix: str, qcfg: QuantConfig | None) -> Any:
     """The weight of Linear `prefix` as a plain array or a quantized type, from its stored tensors.
 
     `get_tensor(name)` returns the named tensor as a numpy array and raises KeyError when it is
@@ -234,7 +242,8 @@ def build_linear(
     if weight.dtype == np.uint8 and qcfg.quant_algo == "NVFP4":
         return _build_nvfp4(get_tensor, prefix, weight)
     has_fp8_scale = _maybe(get_tensor, f"{prefix}.weight_scale_inv") is not None or (
-        _maybe(get_tensor, f"{prefix}.weight_scale") is not None)
+        _maybe(get_tensor, f"{prefix}.weight_scale") is not None
+    )
     if weight.dtype == ml_dtypes.float8_e4m3fn or (weight.dtype == np.uint8 and has_fp8_scale):
         return _build_fp8(get_tensor, prefix, weight, qcfg)
     if weight.dtype == np.uint8:

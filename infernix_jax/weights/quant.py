@@ -5,13 +5,14 @@ array in Hugging Face's [out, in] = [N, K] layout, or one of the quantized types
 weights stay packed until a kernel (on the GPU) or the float32 reference (on the CPU) unpacks
 them; `.nbytes` is the packed size that memory budgets count.
 
-| type          | stored leaves (weight [..., N, K])                                        | value                      |
-|---------------|---------------------------------------------------------------------------|----------------------------|
-| NVFP4Weight   | packed u8 [.., N, K/2], block_scale e4m3 [.., N, K/16], tensor_scale f32 [..] | e2m1 * block * tensor      |
-| FP8Weight     | data e4m3 [.., N, K], scale f32 [..] or [.., ceil(N/b), ceil(K/b)]          | fp8 * scale                |
-| Int8Weight    | data i8 [.., N, K], scale f32 [.., N]                                     | q * scale[n]               |
-| Q8Weight      | data i8 [.., N, K], scale [.., N, K/g]                                    | q * scale                  |
-| Q4Weight      | packed u8 [.., N, K/2], scale, minimum [.., N, K/g]                       | q * scale + minimum        |
+Formats (weight [.., N, K]; docs/quant_formats.md has the full table):
+
+- NVFP4Weight: packed u8 [.., N, K/2], block_scale e4m3 [.., N, K/16], tensor_scale f32 [..];
+  value = e2m1 * block_scale * tensor_scale.
+- FP8Weight: data e4m3 [.., N, K], scale f32 [..] (per tensor) or [.., ceil(N/b), ceil(K/b)].
+- Int8Weight: data i8 [.., N, K], scale f32 [.., N].
+- Q8Weight: data i8 [.., N, K], scale [.., N, K/g]; value = q * scale.
+- Q4Weight: packed u8 [.., N, K/2], scale and minimum [.., N, K/g]; value = q * scale + minimum.
 
 Leading dimensions (`..`) stack experts: [E, N, K] weights carry per-expert scales, so
 `take(w, ids)` gathers experts from every leaf alike. docs/quant_formats.md has the byte layouts
@@ -190,8 +191,14 @@ class NVFP4Weight(QuantizedWeight):
         return w.astype(dtype)
 
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
-        return nvfp4_matmul(x2d, self.packed, self.block_scale, self.tensor_scale, interpret=interpret,
-                            **nvfp4_tiles(*x2d.shape, self.shape[0]))
+        return nvfp4_matmul(
+            x2d,
+            self.packed,
+            self.block_scale,
+            self.tensor_scale,
+            interpret=interpret,
+            **nvfp4_tiles(*x2d.shape, self.shape[0]),
+        )
 
 
 _register(NVFP4Weight, ("packed", "block_scale", "tensor_scale", "input_scale"))
@@ -228,14 +235,18 @@ def quantize_nvfp4(w: Array, *, tensor_scale: Array | None = None) -> NVFP4Weigh
         raise ValueError(f"NVFP4 needs a [.., N, K] weight with K % 16 == 0; got shape {w.shape}")
     w = jnp.asarray(w)
     if tensor_scale is None:
-        tensor_scale = jnp.max(jnp.abs(w), axis=(-2, -1)).astype(jnp.float32) / jnp.float32(E2M1_MAX * E4M3_MAX)
+        tensor_scale = jnp.max(jnp.abs(w), axis=(-2, -1)).astype(jnp.float32) / jnp.float32(
+            E2M1_MAX * E4M3_MAX
+        )
     tensor_scale = jnp.asarray(tensor_scale, jnp.float32)
     blocks = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = jnp.max(jnp.abs(blocks), axis=-1)
     per_block = _exact_divide(block_amax, E2M1_MAX * _bcast_tail(tensor_scale, w.ndim))
     per_block = jnp.where(per_block == 0, 1.0, per_block)
     block_scale = jnp.clip(per_block, 2.0**-9, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    scaled = _exact_divide(blocks, (block_scale.astype(jnp.float32) * _bcast_tail(tensor_scale, w.ndim))[..., None])
+    scaled = _exact_divide(
+        blocks, (block_scale.astype(jnp.float32) * _bcast_tail(tensor_scale, w.ndim))[..., None]
+    )
     codes = _cast_e2m1(scaled.reshape(w.shape))
     return NVFP4Weight(packed=_pack_nibbles(codes), block_scale=block_scale, tensor_scale=tensor_scale)
 
@@ -270,7 +281,9 @@ class FP8Weight(QuantizedWeight):
         tiles = {"block_n": 64, "block_k": 128}
         if self.block_size is not None and self.block_size % 128:
             tiles = {"block_n": min(64, self.block_size), "block_k": min(128, self.block_size)}
-        return fp8_matmul(x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles)
+        return fp8_matmul(
+            x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
+        )
 
 
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
@@ -405,7 +418,9 @@ def quantize_q4(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q
     scale = (hi - lo) / 15.0
     scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype)
     minimum = lo.astype(scale_dtype)
-    q = jnp.round(_exact_divide(groups - minimum.astype(jnp.float32)[..., None], scale.astype(jnp.float32)[..., None]))
+    q = jnp.round(
+        _exact_divide(groups - minimum.astype(jnp.float32)[..., None], scale.astype(jnp.float32)[..., None])
+    )
     q = jnp.clip(q, 0, 15).reshape(wf.shape)
     return Q4Weight(packed=_pack_nibbles(q), scale=scale, minimum=minimum, group_size=group_size)
 
@@ -419,7 +434,9 @@ def matmul(x: Array, w: Any) -> Array:
     """x [..., K] times a weight w [N, K] (HF [out, in] layout) -> [..., N] in x's dtype."""
     if isinstance(w, QuantizedWeight):
         return w.matmul(x)
-    return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(
+        x.dtype
+    )
 
 
 def take(w: Any, expert_ids: Array) -> Any:
@@ -455,9 +472,12 @@ def expert_matmul(
         y = jnp.einsum("...k,...nk->...n", x.astype(jnp.float32), wf, precision=jax.lax.Precision.HIGHEST)
         return y.astype(x.dtype)
     if x.ndim != 2 or group_sizes.shape != (w.shape[0],):
-        raise ValueError(f"group mode needs x [T, K] and group_sizes [E={w.shape[0]}]; "
-                         f"got {x.shape} and {group_sizes.shape}")
+        raise ValueError(
+            f"group mode needs x [T, K] and group_sizes [E={w.shape[0]}]; "
+            f"got {x.shape} and {group_sizes.shape}"
+        )
     wf = dequantize(w, jnp.float32).transpose(0, 2, 1)  # [E, K, N]
-    y = jax.lax.ragged_dot(x.astype(jnp.float32), wf, group_sizes.astype(jnp.int32),
-                           precision=jax.lax.Precision.HIGHEST)
+    y = jax.lax.ragged_dot(
+        x.astype(jnp.float32), wf, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST
+    )
     return y.astype(x.dtype)

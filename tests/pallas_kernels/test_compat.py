@@ -15,8 +15,13 @@ def test_masked_load_and_store_skip_the_out_of_bounds_edge():
         compat.store(o_ref.at[compat.ds(i * 8, 8)], v * 2.0, mask=idx < 13)
 
     x = jnp.arange(13, dtype=jnp.float32)
-    out = compat.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((13,), jnp.float32), grid=(2,),
-                             interpret=True, name="masked_copy")(x)
+    out = compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((13,), jnp.float32),
+        grid=(2,),
+        interpret=True,
+        name="masked_copy",
+    )(x)
     np.testing.assert_array_equal(np.asarray(out), np.arange(13) * 2.0)
 
 

@@ -24,10 +24,10 @@ def _random_fp8(rng, m, n, k, block_size):
 @pytest.mark.parametrize(
     "m,n,k,block_size,tiles",
     [
-        (1, 64, 256, None, dict(block_n=64, block_k=128)),
-        (3, 70, 96, None, dict(block_n=32, block_k=32)),  # ragged N and K
-        (5, 300, 260, 128, dict(block_n=64, block_k=128, split_k=2)),  # ragged scale blocks
-        (17, 33, 48, 32, dict(block_n=16, block_k=16, split_k=4)),  # idle split tail
+        (1, 64, 256, None, {"block_n": 64, "block_k": 128}),
+        (3, 70, 96, None, {"block_n": 32, "block_k": 32}),  # ragged N and K
+        (5, 300, 260, 128, {"block_n": 64, "block_k": 128, "split_k": 2}),  # ragged scale blocks
+        (17, 33, 48, 32, {"block_n": 16, "block_k": 16, "split_k": 4}),  # idle split tail
     ],
 )
 def test_kernel_matches_reference(m, n, k, block_size, tiles):
@@ -36,31 +36,41 @@ def test_kernel_matches_reference(m, n, k, block_size, tiles):
     got = fp8_matmul(x, w, scale, block_size=block_size, out_dtype=jnp.float32, interpret=True, **tiles)
     want = reference_fp8_matmul(x, w, scale, block_size=block_size)
     assert got.shape == (m, n)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
 
 
 @pytest.mark.parametrize("block_size,scale_shape", [(None, ()), (128, (3, 4))])
 def test_kernel_lowers_to_a_triton_call_for_cuda(block_size, scale_shape):
-    shapes = (jax.ShapeDtypeStruct((4, 512), jnp.bfloat16), jax.ShapeDtypeStruct((384, 512), jnp.float8_e4m3fn),
-              jax.ShapeDtypeStruct(scale_shape, jnp.float32))
-    text = compat.lower_for_cuda(jax.jit(functools.partial(fp8_matmul, block_size=block_size, split_k=2)), *shapes)
+    shapes = (
+        jax.ShapeDtypeStruct((4, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((384, 512), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct(scale_shape, jnp.float32),
+    )
+    text = compat.lower_for_cuda(
+        jax.jit(functools.partial(fp8_matmul, block_size=block_size, split_k=2)), *shapes
+    )
     assert "xla.gpu.triton" in text and "fp8_matmul" in text
 
 
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(w=jnp.zeros((32, 64), jnp.bfloat16)), "w must be float8_e4m3fn"),
-        (dict(w=jnp.zeros((32, 48), jnp.float8_e4m3fn)), "x has K=64"),
-        (dict(scale=jnp.ones((2,), jnp.float32)), "per-tensor scale must be a scalar"),
-        (dict(block_size=32, scale=jnp.ones((2, 2), jnp.float32)), r"got \(2, 2\)"),
-        (dict(block_size=32, scale=jnp.ones((1, 2), jnp.float32), tiles=dict(block_n=64)), "block_n=64 must divide"),
-        (dict(tiles=dict(block_k=24)), "block_k=24"),
+        ({"w": jnp.zeros((32, 64), jnp.bfloat16)}, "w must be float8_e4m3fn"),
+        ({"w": jnp.zeros((32, 48), jnp.float8_e4m3fn)}, "x has K=64"),
+        ({"scale": jnp.ones((2,), jnp.float32)}, "per-tensor scale must be a scalar"),
+        ({"block_size": 32, "scale": jnp.ones((2, 2), jnp.float32)}, r"got \(2, 2\)"),
+        (
+            {"block_size": 32, "scale": jnp.ones((1, 2), jnp.float32), "tiles": {"block_n": 64}},
+            "block_n=64 must divide",
+        ),
+        ({"tiles": {"block_k": 24}}, "block_k=24"),
     ],
 )
 def test_rejects_bad_inputs_naming_the_value(change, match):
     x, w, scale = _random_fp8(np.random.default_rng(3), 2, 32, 64, None)
-    kwargs = dict(x=x, w=w, scale=scale)
+    kwargs = {"x": x, "w": w, "scale": scale}
     change = dict(change)
     tiles = change.pop("tiles", {})
     kwargs.update(change)

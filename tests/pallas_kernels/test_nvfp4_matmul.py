@@ -27,10 +27,10 @@ def test_arithmetic_e2m1_decode_matches_the_table():
 @pytest.mark.parametrize(
     "m,n,k,tiles",
     [
-        (1, 64, 256, dict(block_n=64, block_k=256)),  # decode, tiles divide evenly
-        (3, 70, 96, dict(block_n=32, block_k=64)),  # ragged N and K
-        (17, 33, 48, dict(block_n=16, block_k=32, split_k=3)),  # M over one tile, split K with idle tail
-        (8, 130, 544, dict(block_n=64, block_k=128, split_k=2)),
+        (1, 64, 256, {"block_n": 64, "block_k": 256}),  # decode, tiles divide evenly
+        (3, 70, 96, {"block_n": 32, "block_k": 64}),  # ragged N and K
+        (17, 33, 48, {"block_n": 16, "block_k": 32, "split_k": 3}),  # M over one tile, split K with idle tail
+        (8, 130, 544, {"block_n": 64, "block_k": 128, "split_k": 2}),
     ],
 )
 def test_kernel_matches_reference(m, n, k, tiles):
@@ -40,7 +40,9 @@ def test_kernel_matches_reference(m, n, k, tiles):
     want = reference_nvfp4_matmul(*args)
     assert got.shape == (m, n)
     # Weight tiles are exact in bf16 and accumulation is float32: only summation order differs.
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
 
 
 def test_default_output_dtype_is_the_activation_dtype():
@@ -49,8 +51,12 @@ def test_default_output_dtype_is_the_activation_dtype():
 
 
 def test_kernel_lowers_to_a_triton_call_for_cuda():
-    shapes = (jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((384, 512), jnp.uint8),
-              jax.ShapeDtypeStruct((384, 64), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((), jnp.float32))
+    shapes = (
+        jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16),
+        jax.ShapeDtypeStruct((384, 512), jnp.uint8),
+        jax.ShapeDtypeStruct((384, 64), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
     text = compat.lower_for_cuda(jax.jit(functools.partial(nvfp4_matmul, split_k=2)), *shapes)
     assert "xla.gpu.triton" in text and "nvfp4_matmul" in text
 
@@ -58,20 +64,20 @@ def test_kernel_lowers_to_a_triton_call_for_cuda():
 @pytest.mark.parametrize(
     "change,match",
     [
-        (dict(packed=jnp.zeros((32, 30), jnp.uint8)), "implies K=60"),
-        (dict(packed=jnp.zeros((32, 32), jnp.int8)), "packed must be uint8"),
-        (dict(block_scale=jnp.ones((32, 3), jnp.float8_e4m3fn)), r"block_scale must be \[N, K/16\]"),
-        (dict(block_scale=jnp.ones((32, 4), jnp.float32)), "float8_e4m3fn"),
-        (dict(tensor_scale=jnp.ones((2,), jnp.float32)), "tensor_scale must be a scalar"),
-        (dict(x=jnp.ones((2, 64), jnp.int32)), "x must be bf16"),
-        (dict(tiles=dict(block_n=48)), "block_n=48"),
-        (dict(tiles=dict(block_k=16)), "block_k=16"),
-        (dict(tiles=dict(split_k=0)), "split_k=0"),
+        ({"packed": jnp.zeros((32, 30), jnp.uint8)}, "implies K=60"),
+        ({"packed": jnp.zeros((32, 32), jnp.int8)}, "packed must be uint8"),
+        ({"block_scale": jnp.ones((32, 3), jnp.float8_e4m3fn)}, r"block_scale must be \[N, K/16\]"),
+        ({"block_scale": jnp.ones((32, 4), jnp.float32)}, "float8_e4m3fn"),
+        ({"tensor_scale": jnp.ones((2,), jnp.float32)}, "tensor_scale must be a scalar"),
+        ({"x": jnp.ones((2, 64), jnp.int32)}, "x must be bf16"),
+        ({"tiles": {"block_n": 48}}, "block_n=48"),
+        ({"tiles": {"block_k": 16}}, "block_k=16"),
+        ({"tiles": {"split_k": 0}}, "split_k=0"),
     ],
 )
 def test_rejects_bad_inputs_naming_the_value(change, match):
     x, packed, block_scale, tensor_scale = _random_nvfp4(np.random.default_rng(2), 2, 32, 64)
-    kwargs = dict(x=x, packed=packed, block_scale=block_scale, tensor_scale=tensor_scale)
+    kwargs = {"x": x, "packed": packed, "block_scale": block_scale, "tensor_scale": tensor_scale}
     change = dict(change)
     tiles = change.pop("tiles", {})
     kwargs.update(change)
@@ -82,5 +88,10 @@ def test_rejects_bad_inputs_naming_the_value(change, match):
 def test_rejects_k_not_a_multiple_of_16():
     x = jnp.ones((1, 40), jnp.bfloat16)
     with pytest.raises(ValueError, match="K=40 must be a multiple of 16"):
-        nvfp4_matmul(x, jnp.zeros((16, 20), jnp.uint8), jnp.ones((16, 2), jnp.float8_e4m3fn), jnp.float32(1),
-                     interpret=True)
+        nvfp4_matmul(
+            x,
+            jnp.zeros((16, 20), jnp.uint8),
+            jnp.ones((16, 2), jnp.float8_e4m3fn),
+            jnp.float32(1),
+            interpret=True,
+        )

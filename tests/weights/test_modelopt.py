@@ -37,14 +37,26 @@ def _modelopt_nvfp4_tensors(rng):
 
 def test_reads_hf_quant_config_json(tmp_path):
     _write(tmp_path, "config.json", {"model_type": "qwen3_next"})
-    _write(tmp_path, "hf_quant_config.json", {
-        "producer": {"name": "modelopt", "version": "0.31.0"},
-        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                         "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "*linear_attn*"]},
-    })
+    _write(
+        tmp_path,
+        "hf_quant_config.json",
+        {
+            "producer": {"name": "modelopt", "version": "0.31.0"},
+            "quantization": {
+                "quant_algo": "NVFP4",
+                "kv_cache_quant_algo": None,
+                "group_size": 16,
+                "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "*linear_attn*"],
+            },
+        },
+    )
     q = read_quant_config(tmp_path)
-    assert (q.quant_algo, q.group_size, q.producer, q.source) == ("NVFP4", 16, "modelopt 0.31.0",
-                                                                   "hf_quant_config.json")
+    assert (q.quant_algo, q.group_size, q.producer, q.source) == (
+        "NVFP4",
+        16,
+        "modelopt 0.31.0",
+        "hf_quant_config.json",
+    )
     assert q.is_excluded("lm_head") and q.is_excluded("model.layers.7.mlp.gate")
     assert q.is_excluded("model.layers.2.linear_attn.in_proj_qkvz")
     assert not q.is_excluded("model.layers.7.mlp.gate_proj")
@@ -52,13 +64,25 @@ def test_reads_hf_quant_config_json(tmp_path):
 
 
 def test_reads_the_config_json_form_and_infers_the_algo_from_config_groups(tmp_path):
-    _write(tmp_path, "config.json", {"quantization_config": {
-        "quant_method": "modelopt", "producer": {"name": "modelopt", "version": "0.35"},
-        "ignore": ["lm_head", "model.layers.*.mlp.shared_expert_gate*"],
-        "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 4, "group_size": 16},
-                                      "input_activations": {"type": "float", "num_bits": 4}, "targets": ["Linear"]}},
-        "kv_cache_scheme": {"type": "float", "num_bits": 8},
-    }})
+    _write(
+        tmp_path,
+        "config.json",
+        {
+            "quantization_config": {
+                "quant_method": "modelopt",
+                "producer": {"name": "modelopt", "version": "0.35"},
+                "ignore": ["lm_head", "model.layers.*.mlp.shared_expert_gate*"],
+                "config_groups": {
+                    "group_0": {
+                        "weights": {"type": "float", "num_bits": 4, "group_size": 16},
+                        "input_activations": {"type": "float", "num_bits": 4},
+                        "targets": ["Linear"],
+                    }
+                },
+                "kv_cache_scheme": {"type": "float", "num_bits": 8},
+            }
+        },
+    )
     q = read_quant_config(tmp_path)
     assert (q.quant_algo, q.group_size, q.source) == ("NVFP4", 16, "config.json")
     assert q.is_excluded("model.layers.4.mlp.shared_expert_gate")
@@ -66,9 +90,19 @@ def test_reads_the_config_json_form_and_infers_the_algo_from_config_groups(tmp_p
 
 
 def test_reads_block_fp8_config(tmp_path):
-    _write(tmp_path, "config.json", {"quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["lm_head", "mlp.gate"]}})
+    _write(
+        tmp_path,
+        "config.json",
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+                "modules_to_not_convert": ["lm_head", "mlp.gate"],
+            }
+        },
+    )
     q = read_quant_config(tmp_path)
     assert (q.quant_algo, q.weight_block_size) == ("FP8_BLOCK", (128, 128))
     assert q.is_excluded("model.layers.1.mlp.gate") and not q.is_excluded("model.layers.1.mlp.gate_proj")
@@ -94,8 +128,9 @@ def test_nvfp4_linears_load_bit_exact_and_multiply_like_the_dequantized_weight()
         w = build_linear(tensors.__getitem__, prefix, qcfg)
         assert isinstance(w, NVFP4Weight)
         np.testing.assert_array_equal(np.asarray(w.packed), tensors[f"{prefix}.weight"])
-        np.testing.assert_array_equal(np.asarray(w.block_scale).view(np.uint8),
-                                      tensors[f"{prefix}.weight_scale"].view(np.uint8))
+        np.testing.assert_array_equal(
+            np.asarray(w.block_scale).view(np.uint8), tensors[f"{prefix}.weight_scale"].view(np.uint8)
+        )
         assert np.float32(w.tensor_scale) == tensors[f"{prefix}.weight_scale_2"]
         assert float(w.input_scale) == pytest.approx(0.02)
         # Re-quantizing the source with the published formula gives the same bytes back.
@@ -135,11 +170,17 @@ def test_fp8_linears_load_bit_exact(block):
         qcfg = QuantConfig(quant_algo="FP8_BLOCK", weight_block_size=(128, 128))
     w = build_linear(tensors.__getitem__, "m.o_proj", qcfg)
     assert isinstance(w, FP8Weight) and w.block_size == block
-    np.testing.assert_array_equal(np.asarray(w.data).view(np.uint8), tensors["m.o_proj.weight"].view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(w.data).view(np.uint8), tensors["m.o_proj.weight"].view(np.uint8)
+    )
     np.testing.assert_array_equal(np.asarray(w.scale), np.asarray(q.scale))
     x = jnp.asarray(rng.standard_normal((2, 160)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(matmul(x, w)), np.asarray(x) @ np.asarray(w.dequantize(jnp.float32)).T,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(matmul(x, w)),
+        np.asarray(x) @ np.asarray(w.dequantize(jnp.float32)).T,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_mismatched_scale_shapes_name_the_tensor():

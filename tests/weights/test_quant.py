@@ -67,9 +67,12 @@ def test_nvfp4_quantize_reproduces_modelopt_bit_for_bit():
 def test_nvfp4_low_nibble_is_the_even_element():
     # byte 0x21: element 0 has code 1 (0.5), element 1 has code 2 (1.0); 0xF8: -0.0 then -6.
     packed = jnp.asarray([[0x21, 0xF8, 0x7A, 0, 0, 0, 0, 0]], jnp.uint8)
-    w = NVFP4Weight(packed=packed, block_scale=jnp.asarray([[2.0]], jnp.float8_e4m3fn),
-                    tensor_scale=jnp.float32(0.5))
-    np.testing.assert_array_equal(np.asarray(w.dequantize(jnp.float32))[0, :6], [0.5, 1.0, -0.0, -6.0, -1.0, 6.0])
+    w = NVFP4Weight(
+        packed=packed, block_scale=jnp.asarray([[2.0]], jnp.float8_e4m3fn), tensor_scale=jnp.float32(0.5)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(w.dequantize(jnp.float32))[0, :6], [0.5, 1.0, -0.0, -6.0, -1.0, 6.0]
+    )
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
@@ -114,13 +117,15 @@ def test_kernel_dispatch_matches_the_reference_path(name):
         kernel_fn = jax.jit(lambda x, w: matmul(x, w))
         assert "while" in kernel_fn.lower(x, q).as_text()  # the kernel's K loop: the Pallas path was taken
         got = kernel_fn(x, q)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
 
 
 def test_plain_arrays_keep_the_bf16_path():
     rng = np.random.default_rng(4)
     w, x = _weight(rng, 8, 32), jnp.asarray(rng.standard_normal((2, 32)), jnp.bfloat16)
-    want = (np.asarray(x, np.float32) @ np.asarray(w, np.float32).T)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
     np.testing.assert_allclose(np.asarray(matmul(x, w), np.float32), want, rtol=1e-2, atol=1e-2)
 
 
@@ -187,6 +192,5 @@ def test_bad_calls_are_rejected():
         quantize_nvfp4(jnp.ones((4, 40)))
     with pytest.raises(ValueError, match="group_size=48 must divide K=64"):
         quantize_q8(jnp.ones((4, 64)), group_size=48)
-    with pytest.raises(ValueError, match="kernel mode"):
-        with kernel_mode("fast"):
-            pass
+    with pytest.raises(ValueError, match="kernel mode"), kernel_mode("fast"):
+        pass
