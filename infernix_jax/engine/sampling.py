@@ -12,9 +12,9 @@ Order of operations (vLLM v1's order, so that the same settings give the same di
   -> greedy rows: argmax here (exact; nothing below changes it)
   -> temperature -> min_p -> top_k -> top_p (on what min_p and top_k kept) -> Gumbel-max sample.
 
-Truncation is exact and sort-free: top-k and top-p thresholds are found by a radix search over an
-order-preserving integer image of the float32 logits (`_RADIX_PASSES` reductions over [B, V] each,
-no sort of the 151k vocabulary). See docs/sampling.md for the cost and the alternatives.
+Truncation is exact and sort-free: top-k and top-p thresholds are found by a search over an
+order-preserving integer image of the float32 logits (32 / search_bits reductions over [b, v]
+each, no sort of the 151k vocabulary). See docs/sampling.md for the cost and the alternatives.
 
 Logprobs are by default those of the *raw* model distribution (log_softmax of the logits the
 model produced), as vLLM returns by default and as the OpenAI API documents them: they describe the
@@ -40,9 +40,10 @@ from infernix_jax.engine.protocol import SamplingParams
 # Temperatures below this are treated as greedy (dividing by them would overflow float32).
 GREEDY_TEMPERATURE = 1e-5
 
-# Radix search: _RADIX_BITS bits of the 32-bit key per reduction pass over the vocabulary.
-_RADIX_BITS = 4
-_RADIX_PASSES = 32 // _RADIX_BITS
+# Threshold search: bits of the 32-bit key settled per reduction pass over the vocabulary. 1 (a
+# bisection, 32 passes) gives plain row reductions that XLA emits well on every backend; 4 (8
+# passes of 15 candidates) reads less memory but was 16x slower on the CPU. Tune per GPU.
+DEFAULT_SEARCH_BITS = 1
 
 _KEY_IMPL = "threefry2x32"  # fixed so seeds reproduce whatever the default PRNG implementation is
 
@@ -311,18 +312,20 @@ def _order_key(x: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _smallest_key_with_mass_above_below(keys: jax.Array, weights: jax.Array | None, limit: jax.Array) -> jax.Array:
+def _smallest_key_with_mass_above_below(
+    keys: jax.Array, weights: jax.Array | None, limit: jax.Array, search_bits: int
+) -> jax.Array:
     """u32 [b]: the smallest t with sum(weights[key > t]) < limit, per row (limit > 0).
 
     The sum is non-increasing in t, so t is found digit by digit from the top: each pass tests
-    the 2^_RADIX_BITS - 1 candidates of the next digit in one fused reduction over the vocabulary.
+    the 2^search_bits - 1 candidates of the next digit in one fused reduction over the vocabulary.
     weights None counts tokens (top-k); float weights sum probability mass (top-p).
     """
-    radix = 1 << _RADIX_BITS
+    radix = 1 << search_bits
     digits = jnp.arange(radix - 1, dtype=jnp.uint32)  # the largest digit needs no test
     prefix = jnp.zeros(keys.shape[:1], jnp.uint32)
-    for p in range(_RADIX_PASSES):
-        shift = 32 - _RADIX_BITS * (p + 1)
+    for p in range(32 // search_bits):
+        shift = 32 - search_bits * (p + 1)
         low = jnp.uint32((1 << shift) - 1)
         candidates = prefix[:, None] | (digits[None, :] << shift) | low  # [b, radix - 1]
         above = keys[:, :, None] > candidates[:, None, :]  # [b, v, radix - 1], fused, not stored
@@ -335,23 +338,40 @@ def _smallest_key_with_mass_above_below(keys: jax.Array, weights: jax.Array | No
     return prefix
 
 
-def truncated_logits(processed: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def truncated_logits(
+    processed: jax.Array, arrays: SamplingArrays, *, search_bits: int = DEFAULT_SEARCH_BITS
+) -> jax.Array:
     """Temperature, then min_p, top_k and top_p (exact): f32 [b, v], -inf outside the kept set.
 
     softmax of the result is the distribution a sampled row draws from (greedy rows: meaningless,
     they take the argmax of `processed`). Ties at a threshold are all kept, as in vLLM and HF.
+    The top-k and top-p searches are skipped (lax.cond) when no row of the batch uses them.
     """
+    if search_bits not in (1, 2, 4, 8):
+        raise ValueError(f"search_bits must be 1, 2, 4 or 8, got {search_bits}")
     b, vocab = processed.shape
     scaled = processed / arrays.temperature[:, None]
     top = jnp.max(scaled, axis=1, keepdims=True)
     keep = scaled >= top + jnp.log(arrays.min_p)[:, None]  # p >= min_p * p_max; log 0 = -inf keeps all
     keys = _order_key(scaled)
+    no_cut = jnp.zeros((b,), jnp.uint32)
+
     k_limit = jnp.where(arrays.top_k > 0, arrays.top_k, vocab + 1).astype(jnp.float32)
-    keep &= keys >= _smallest_key_with_mass_above_below(keys, None, k_limit)[:, None]
+    top_k_cut = jax.lax.cond(
+        jnp.any(arrays.top_k > 0),
+        lambda: _smallest_key_with_mass_above_below(keys, None, k_limit, search_bits),
+        lambda: no_cut,
+    )
+    keep &= keys >= top_k_cut[:, None]
+    # Top-p over what min_p and top_k kept: keep x iff the kept mass above x < top_p * kept mass.
     weights = jnp.where(keep, jnp.exp(scaled - top), 0.0)
-    total = jnp.sum(weights, axis=1)
-    p_limit = jnp.where(arrays.top_p < 1.0, arrays.top_p * total, jnp.inf)
-    keep &= keys >= _smallest_key_with_mass_above_below(keys, weights, p_limit)[:, None]
+    p_limit = jnp.where(arrays.top_p < 1.0, arrays.top_p * jnp.sum(weights, axis=1), jnp.inf)
+    top_p_cut = jax.lax.cond(
+        jnp.any(arrays.top_p < 1.0),
+        lambda: _smallest_key_with_mass_above_below(keys, weights, p_limit, search_bits),
+        lambda: no_cut,
+    )
+    keep &= keys >= top_p_cut[:, None]
     return jnp.where(keep, scaled, -jnp.inf)
 
 
@@ -364,6 +384,7 @@ def sample(
     *,
     num_top_logprobs: int = 0,
     logprobs_mode: str = "raw",
+    search_bits: int = DEFAULT_SEARCH_BITS,
 ) -> SampleOutput:
     """Pick one token per row from logits f32 [b, v].
 
@@ -371,6 +392,7 @@ def sample(
     the K of SampleOutput.top_ids; the host slices each row to its request's own count.
     logprobs_mode "raw": log_softmax of the model's logits; "processed": of the distribution
     sampled from (greedy rows: log_softmax of the processed logits at temperature 1).
+    search_bits (static) tunes the top-k / top-p threshold search (see truncated_logits).
     When every row is greedy the truncation and the random draw are skipped (lax.cond).
     """
     if logprobs_mode not in ("raw", "processed"):
@@ -380,7 +402,7 @@ def sample(
     greedy_tokens = jnp.argmax(processed, axis=1).astype(jnp.int32)
 
     def with_sampling() -> tuple[jax.Array, jax.Array]:
-        final = truncated_logits(processed, arrays)
+        final = truncated_logits(processed, arrays, search_bits=search_bits)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, final.shape[1:], jnp.float32))(step_keys)
         drawn = jnp.argmax(final + noise, axis=1).astype(jnp.int32)
         tokens = jnp.where(arrays.greedy, greedy_tokens, drawn)

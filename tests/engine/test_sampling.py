@@ -165,8 +165,9 @@ def test_truncated_sampling_draws_only_allowed_tokens_with_the_expected_frequenc
         assert p_value > 1e-3, f"{case}: counts {counts}, expected {np.round(expected_counts)}"
 
 
-def test_exact_truncation_matches_a_sort_based_reference_on_a_real_sized_row():
-    """The radix search keeps exactly the tokens a full sort keeps, including duplicate logits."""
+@pytest.mark.parametrize("search_bits", [1, 4])
+def test_exact_truncation_matches_a_sort_based_reference(search_bits):
+    """The threshold search keeps exactly the tokens a full sort keeps, including duplicate logits."""
     rng = np.random.default_rng(0)
     vocab = 4096
     logits = rng.normal(size=(6, vocab)).astype(np.float32) * 2
@@ -180,7 +181,8 @@ def test_exact_truncation_matches_a_sort_based_reference_on_a_real_sized_row():
         SamplingParams(temperature=0.5, min_p=0.01, top_p=0.99),
         SamplingParams(temperature=1.0, top_k=4096, top_p=1.0),
     ]
-    final = np.asarray(jax.jit(truncated_logits)(jnp.asarray(logits), _arrays(params)))
+    truncate = jax.jit(lambda l, a: truncated_logits(l, a, search_bits=search_bits))
+    final = np.asarray(truncate(jnp.asarray(logits), _arrays(params)))
     for row, p in enumerate(params):
         expected_keep = _reference_distribution(logits[row], p) > 0
         np.testing.assert_array_equal(np.isfinite(final[row]), expected_keep, err_msg=f"row {row}: {p}")
