@@ -123,6 +123,16 @@ def bench_point(fmt, n, k, batch, *, sizes: Sizes, interpret: bool, tiles_list=N
     xla = _xla_fn(fmt, static)
     xla_seconds = statistics.median(median_seconds(lambda: xla(x, *weight), sizes.warmup, sizes.repeats))
     moved = weight_bytes + x.nbytes + batch * n * 2
+    if best is not None:  # the compiled kernel must agree with the reference before its time counts
+        got = _kernel_fn(fmt, best[1], static, interpret)(x, *weight).astype(jnp.float32)
+        want = xla(x, *weight).astype(jnp.float32)
+        rel_err = float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+        if rel_err > 2e-2:
+            raise AssertionError(
+                f"{fmt} {n}x{k} batch{batch} tiles {best[1]}: kernel differs from the "
+                f"reference by {rel_err:.3g} of max|y|"
+            )
+        best = (*best, rel_err)
     return best, xla_seconds, moved
 
 
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None):
                     )
                     if best is None:
                         continue
-                    seconds, tiles = best
+                    seconds, tiles, rel_err = best
                     name = f"decode matmul {model} {layer} {n}x{k} {fmt} batch{batch}"
                     rec = make_record(
                         name,
@@ -179,6 +189,7 @@ def main(argv: list[str] | None = None):
                             "format": fmt,
                             "bytes": moved,
                             "median_s": seconds,
+                            "max_rel_err_vs_reference": rel_err,
                             "xla_dequant_dot_s": xla_seconds,
                             "tiles": dict(
                                 zip(("block_n", "block_k", "split_k", "num_warps", "num_stages"), tiles)
