@@ -1,0 +1,48 @@
+"""Device memory of the engine: the paged KV pool, GDN state slots, their allocators and capacity plan.
+
+The forward only sees a `SequenceCache`; `cache_view` builds one over the pools for a batch
+(block tables + slots) and `commit_view` puts the updated pages and states back. Details and
+formats: docs/kv_cache.md.
+"""
+
+from infernix_jax.cache.allocators import (
+    BLOCK_SIZE,
+    NULL_BLOCK,
+    SCRATCH_SLOT,
+    BlockAllocator,
+    OutOfBlocks,
+    OutOfSlots,
+    SlotAllocator,
+)
+from infernix_jax.cache.kv_formats import KV_FORMATS, KVFormat, get_kv_format
+from infernix_jax.cache.kv_pool import KVPages, KVPool, PagedKV, create_kv_pool, kv_bytes_per_block
+from infernix_jax.cache.sequence import ContiguousKV, GDNState, SequenceCache, init_cache
+from infernix_jax.cache.state_pool import StatePool, create_state_pool, state_bytes_per_slot
+from infernix_jax.cache.view import cache_view, commit_view
+
+__all__ = [
+    "BLOCK_SIZE",
+    "NULL_BLOCK",
+    "SCRATCH_SLOT",
+    "BlockAllocator",
+    "OutOfBlocks",
+    "OutOfSlots",
+    "SlotAllocator",
+    "KV_FORMATS",
+    "KVFormat",
+    "get_kv_format",
+    "KVPages",
+    "KVPool",
+    "PagedKV",
+    "create_kv_pool",
+    "kv_bytes_per_block",
+    "ContiguousKV",
+    "GDNState",
+    "SequenceCache",
+    "init_cache",
+    "StatePool",
+    "create_state_pool",
+    "state_bytes_per_slot",
+    "cache_view",
+    "commit_view",
+]

@@ -1,0 +1,142 @@
+"""A forward through cache_view/commit_view over the pools equals the forward on a per-sequence cache."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.cache import (
+    BLOCK_SIZE,
+    NULL_BLOCK,
+    SCRATCH_SLOT,
+    BlockAllocator,
+    SlotAllocator,
+    cache_view,
+    commit_view,
+    create_kv_pool,
+    create_state_pool,
+    init_cache,
+)
+from infernix_jax.config import ModelConfig
+from infernix_jax.model.forward import forward, mtp_forward
+from infernix_jax.weights.hf import load_params
+from tests.conftest import HF_FIXTURES
+
+PROMPTS = (40, 70, 0)  # token counts per row; 0 is a padding row
+DECODE_STEPS = 3
+MAX_BLOCKS = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = HF_FIXTURES / "qwen3_next"
+    cfg = ModelConfig.from_hf_config(path)
+    params = load_params(path, cfg, jnp.float32, progress=False)
+    ids = np.load(path / "reference.npz")["input_ids"]
+    return cfg, params, ids
+
+
+@partial(jax.jit, static_argnums=(6,), donate_argnums=(1, 2))
+def paged_step(params, kv_pool, state_pool, tokens, positions, tables_slots, cfg):
+    """What the runner does: view -> forward (+ MTP head) -> commit."""
+    block_table, slots = tables_slots
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    logits, hidden, cache = forward(params, tokens, positions, cache, cfg)
+    mtp_logits, _, cache = mtp_forward(params, tokens, hidden, positions, cache, cfg)
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    return logits, mtp_logits, kv_pool, state_pool
+
+
+@partial(jax.jit, static_argnums=(4,))
+def contiguous_step(params, cache, tokens, positions, cfg):
+    logits, hidden, cache = forward(params, tokens, positions, cache, cfg)
+    mtp_logits, _, cache = mtp_forward(params, tokens, hidden, positions, cache, cfg)
+    return logits, mtp_logits, cache
+
+
+def _batches(ids):
+    """(tokens, positions) of one ragged prefill then DECODE_STEPS single-token steps."""
+    width = max(PROMPTS)
+    tokens = np.zeros((len(PROMPTS), width), np.int32)
+    positions = np.full((len(PROMPTS), width), -1, np.int32)
+    for row, n in enumerate(PROMPTS):
+        tokens[row, :n] = ids[row * 50 : row * 50 + n]
+        positions[row, :n] = np.arange(n)
+    yield tokens, positions
+    for step in range(DECODE_STEPS):
+        tok = np.asarray([[ids[120 + 3 * row + step]] for row in range(len(PROMPTS))], np.int32)
+        pos = np.asarray([[n + step if n else -1] for n in PROMPTS], np.int32)
+        yield tok, pos
+
+
+def _run_paged(cfg, params, ids, kv_dtype, num_slots=6):
+    blocks, slot_alloc = BlockAllocator(12), SlotAllocator(num_slots)
+    blocks.allocate(2)  # someone else's blocks: ours are not the first ones
+    slot_alloc.allocate()
+    table = np.full((len(PROMPTS), MAX_BLOCKS), NULL_BLOCK, np.int32)
+    slots = np.full((len(PROMPTS),), SCRATCH_SLOT, np.int32)
+    for row, n in enumerate(PROMPTS):
+        if n:
+            need = -(-(n + DECODE_STEPS) // BLOCK_SIZE)
+            table[row, :need] = blocks.allocate(need)[::-1]  # descending: not contiguous in order
+            slots[row] = slot_alloc.allocate()
+    kv_pool = create_kv_pool(cfg, 12, kv_dtype, jnp.float32, with_mtp=True)
+    state_pool = create_state_pool(cfg, num_slots, jnp.float32)
+    outs = []
+    for tokens, positions in _batches(ids):
+        logits, mtp_logits, kv_pool, state_pool = paged_step(
+            params, kv_pool, state_pool, tokens, positions, (jnp.asarray(table), jnp.asarray(slots)), cfg
+        )
+        outs.append((np.asarray(logits), np.asarray(mtp_logits), positions >= 0))
+    return outs, kv_pool, state_pool, slots
+
+
+def _run_contiguous(cfg, params, ids):
+    cache = init_cache(cfg, len(PROMPTS), MAX_BLOCKS * BLOCK_SIZE, jnp.float32, with_mtp=True)
+    outs = []
+    for tokens, positions in _batches(ids):
+        logits, mtp_logits, cache = contiguous_step(params, cache, tokens, positions, cfg)
+        outs.append((np.asarray(logits), np.asarray(mtp_logits), positions >= 0))
+    return outs
+
+
+def test_paged_forward_equals_contiguous_forward(model):
+    cfg, params, ids = model
+    paged, kv_pool, state_pool, slots = _run_paged(cfg, params, ids, "bf16")
+    reference = _run_contiguous(cfg, params, ids)
+    for (lp, mp, valid), (lr, mr, _) in zip(paged, reference):
+        np.testing.assert_allclose(lp[valid], lr[valid], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(mp[valid], mr[valid], rtol=1e-4, atol=1e-4)
+    # the scratch slot and the null block stay untouched by the padding row
+    for layer in state_pool.layers:
+        assert not np.asarray(layer.conv[SCRATCH_SLOT]).any()
+        assert not np.asarray(layer.recurrent[SCRATCH_SLOT]).any()
+    for pages in kv_pool.layers + kv_pool.mtp:
+        assert not np.asarray(pages.k_pages[NULL_BLOCK]).any()
+
+
+def test_padding_row_leaves_other_slots_alone(model):
+    """Slots nobody in the batch owns keep their contents across steps with padding rows."""
+    cfg, params, ids = model
+    num_slots = 6
+    kv_pool = create_kv_pool(cfg, 12, "bf16", jnp.float32, with_mtp=True)
+    state_pool = create_state_pool(cfg, num_slots, jnp.float32)
+    rng = np.random.default_rng(0)
+    state_pool = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), state_pool)
+    state_pool = jax.tree.map(lambda a: a.at[SCRATCH_SLOT].set(0), state_pool)
+    before = jax.tree.map(np.asarray, state_pool)
+    table = np.zeros((len(PROMPTS), MAX_BLOCKS), np.int32)
+    table[0, :2] = [3, 4]
+    slots = np.asarray([2, SCRATCH_SLOT, SCRATCH_SLOT], np.int32)  # one real row, two padding rows
+    tokens, positions = next(_batches(ids))
+    positions[1:] = np.arange(positions.shape[1])  # padding rows even carry valid-looking positions
+    _, _, _, after = paged_step(params, kv_pool, state_pool, tokens, positions, (table, slots), cfg)
+    for old, new in zip(before.layers, after.layers):
+        for slot in range(num_slots):
+            changed = not np.array_equal(np.asarray(new.recurrent[slot]), old.recurrent[slot])
+            assert changed == (slot == 2), f"slot {slot} changed={changed}"
+            assert np.array_equal(np.asarray(new.conv[slot]), old.conv[slot]) == (slot != 2)
