@@ -1,0 +1,285 @@
+"""`EngineCore`: the synchronous heart of the engine — schedule, run, turn tokens into events.
+
+One `step()` asks the scheduler what to advance, builds the host arrays of (at most) one prefill
+and one decode dispatch, runs them, reads the sampled tokens back once per dispatch, applies the
+host-side stop rules, and returns the `TokenEvent`s produced. It owns all device state and is not
+thread-safe: the async `Engine` runs it on one thread; `LLM` calls it directly.
+
+Host time is measured per step (`EngineMetrics`): the time spent waiting for the device's results
+versus everything the host does around them (scheduling, packing arrays, dispatch, detokenizing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from infernix_jax.cache import BLOCK_SIZE, BlockAllocator, SlotAllocator, kv_bytes_per_block, state_bytes_per_slot
+from infernix_jax.config import ModelConfig
+from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.protocol import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    EngineStats,
+    GenerationRequest,
+    TokenEvent,
+    TokenLogprob,
+)
+from infernix_jax.engine.request_state import OutputTracker, RequestState, Status
+from infernix_jax.engine.runner import Runner, Sampled, enable_compilation_cache
+from infernix_jax.engine.sampling import resolve_seed
+from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
+from infernix_jax.model.params import Params
+
+
+@dataclass
+class EngineMetrics:
+    """Cumulative counters since start (for /metrics, benchmarks and the host-overhead target)."""
+
+    steps: int = 0  # scheduler steps that ran a dispatch
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens fed
+    generated_tokens: int = 0  # tokens sampled and kept
+    preemptions: int = 0
+    decode_dispatches: int = 0
+    decode_wall_s: float = 0.0  # wall time of steps that ran only a decode dispatch
+    decode_device_wait_s: float = 0.0  # of which the host waited for the device's results
+    warmup_s: float = 0.0  # compile time at start
+
+    @property
+    def decode_host_fraction(self) -> float:
+        """Share of decode time the host spent outside waiting for the device (0 when idle)."""
+        if self.decode_wall_s <= 0:
+            return 0.0
+        return 1.0 - self.decode_device_wait_s / self.decode_wall_s
+
+
+def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -> int:
+    """KV blocks in the pool (the null block included), from kv_capacity or the memory budget."""
+    per_sequence = config.max_blocks_per_sequence
+    if config.kv_capacity != "auto":
+        return int(config.kv_capacity) + 1
+    wanted = config.max_concurrency * per_sequence + 1
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:  # the CPU: room for every sequence at full length
+        return wanted
+    weights = sum(x.nbytes for x in jax.tree.leaves(params))
+    budget = stats["bytes_limit"] * config.gpu_memory_utilization - weights - stats.get("bytes_in_use", 0)
+    budget -= (config.max_concurrency + 1) * state_bytes_per_slot(cfg, dtype)
+    affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype))
+    if affordable < per_sequence + 1:
+        raise ValueError(f"memory for {affordable} KV blocks, fewer than one sequence of {config.max_context} "
+                         f"tokens needs ({per_sequence}); lower max_context or free memory")
+    return min(wanted, affordable)
+
+
+class EngineCore:
+    """Scheduler + runner + the host side of every request."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, tokenizer=None,
+                 eos_token_ids: Sequence[int] = ()):
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.cfg = cfg
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        num_blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)
+        num_slots = config.max_concurrency + 1
+        self.runner = Runner(cfg, params, config, num_blocks, num_slots, self.eos_token_ids)
+        self.scheduler = Scheduler(config, BlockAllocator(num_blocks), SlotAllocator(num_slots))
+        self.requests: dict[str, RequestState] = {}
+        self.metrics = EngineMetrics()
+        self._arrivals = 0
+        if config.warmup:
+            self.metrics.warmup_s = self.runner.warmup(config.progress)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request: GenerationRequest) -> list[TokenEvent]:
+        """Queue a request. Returns events at once only when it ends at once (invalid, or no room)."""
+        prompt = request.prompt_token_ids
+        error = None
+        if request.request_id in self.requests:
+            error = f"request id {request.request_id!r} is already running"
+        elif not prompt:
+            error = "the prompt is empty"
+        elif len(prompt) > self.config.max_context:
+            error = f"the prompt has {len(prompt)} tokens, more than the context of {self.config.max_context}"
+        elif any(not 0 <= t < self.cfg.vocab_size for t in prompt):
+            error = f"prompt token ids must be in [0, {self.cfg.vocab_size})"
+        if error:
+            return [TokenEvent(request.request_id, [], "", finish_reason=FINISH_ERROR, error=error,
+                               prompt_tokens=len(prompt))]
+        params = request.sampling
+        max_total = min(self.config.max_context, len(prompt) + params.max_tokens)
+        state = RequestState(request, resolve_seed(params), self._arrivals, max_total)
+        self._arrivals += 1
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        state.tracker = OutputTracker(state, self.tokenizer, stops)
+        if state.remaining <= 0:
+            state.finish_reason = FINISH_LENGTH
+            state.status = Status.FINISHED
+            return [self._final_event(state)]
+        self.requests[request.request_id] = state
+        self.scheduler.add(state)
+        return []
+
+    def abort(self, request_id: str) -> list[TokenEvent]:
+        """Cancel a request: its blocks and slot are freed now. Returns its final event (if it was live)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        self.scheduler.finish(state)
+        state.finish_reason = FINISH_ABORT
+        return [self._final_event(state)]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.blocks
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           kv_blocks_total=blocks.num_total, kv_blocks_used=blocks.num_total - blocks.num_free,
+                           max_context=self.config.max_context)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """Advance every scheduled request once; returns the events produced."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        events: list[TokenEvent] = []
+        for state in plan.rejected:
+            state.finish_reason = FINISH_ERROR
+            events.append(self._fail(state, f"the request needs more KV memory than the pool holds "
+                                            f"({self.scheduler.blocks.num_total} blocks of {BLOCK_SIZE} tokens)"))
+        self.metrics.preemptions += len(plan.preempted)
+        if plan.empty:
+            return events
+        self.metrics.steps += 1
+        for state in self._newly_scheduled(plan):
+            self.runner.set_slot(state.slot, state.request.sampling, state.seed, state.prompt, state.output)
+        wait = 0.0
+        if plan.prefill:
+            wait += self._run_prefill(plan, events)
+        if plan.decode:
+            wait += self._run_decode(plan, events)
+        if plan.decode and not plan.prefill:
+            self.metrics.decode_dispatches += 1
+            self.metrics.decode_wall_s += time.perf_counter() - start
+            self.metrics.decode_device_wait_s += wait
+        return events
+
+    def _newly_scheduled(self, plan: SchedulerOutput) -> list[RequestState]:
+        """Requests whose slot has no sampling state yet: admitted (or resumed) and at position 0."""
+        return [c.request for c in plan.prefill if c.start == 0] + [r.request for r in plan.decode if r.position == 0]
+
+    def _run_prefill(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
+        rows, length = plan.prefill_shape
+        batch = self.runner.empty_prefill(rows, length)
+        for i, chunk in enumerate(plan.prefill):
+            state = chunk.request
+            batch.tokens[i, : chunk.num_tokens] = state.tokens(chunk.start, chunk.start + chunk.num_tokens)
+            batch.positions[i, : chunk.num_tokens] = np.arange(chunk.start, chunk.start + chunk.num_tokens)
+            batch.block_table[i, : len(state.blocks)] = state.blocks
+            batch.slots[i] = state.slot
+            batch.sample_rows[i] = chunk.sample
+            self.metrics.prefill_tokens += chunk.num_tokens
+        try:
+            out = self.runner.prefill(batch)
+            t0 = time.perf_counter()
+            sampled = self.runner.read_prefill(out, rows)
+            wait = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - one failed dispatch fails its requests, not the engine
+            self._fail_step([c.request for c in plan.prefill], exc, events)
+            return 0.0
+        for i, chunk in enumerate(plan.prefill):
+            chunk.request.num_computed += chunk.num_tokens
+            if chunk.sample:
+                self._accept(chunk.request, sampled, i, 1, events)
+        return wait
+
+    def _run_decode(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
+        batch = self.runner.empty_decode(plan.decode_batch, plan.decode_steps)
+        for i, row in enumerate(plan.decode):
+            state = row.request
+            batch.tokens[i] = state.token_at(row.position)
+            batch.positions[i] = row.position
+            batch.block_table[i, : len(state.blocks)] = state.blocks
+            batch.slots[i] = state.slot
+            batch.max_steps[i] = row.max_steps
+        try:
+            out = self.runner.decode(batch)
+            t0 = time.perf_counter()
+            sampled = self.runner.read_decode(out)
+            wait = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001
+            self._fail_step([r.request for r in plan.decode], exc, events)
+            return 0.0
+        for i, row in enumerate(plan.decode):
+            count = int(sampled.counts[i])
+            row.request.num_computed += count
+            self._accept(row.request, sampled, i, count, events)
+        return wait
+
+    # ---- host-side output ----------------------------------------------------------------------
+    def _accept(self, state: RequestState, sampled: Sampled, row: int, count: int, events: list[TokenEvent]) -> None:
+        """Feed a row's sampled tokens through the stop rules; emit one event; finish if stopped."""
+        if state.status != Status.RUNNING:
+            return
+        tracker = state.tracker
+        want = state.request.sampling.logprobs
+        alive = True
+        for n in range(count):
+            logprob = None
+            if want is not None:
+                top = tuple((int(t), float(lp)) for t, lp in zip(sampled.top_ids[n, row, :want],
+                                                                 sampled.top_logprobs[n, row, :want]))
+                logprob = TokenLogprob(int(sampled.tokens[n, row]), float(sampled.logprobs[n, row]), top)
+            alive = tracker.add(int(sampled.tokens[n, row]), logprob)
+            if not alive:
+                break
+        self.metrics.generated_tokens += count
+        if alive:
+            tokens, text, logprobs = tracker.take(final=False)
+            if tokens or text:
+                events.append(self._event(state, tokens, text, logprobs))
+            return
+        self.requests.pop(state.request_id, None)
+        self.scheduler.finish(state)
+        events.append(self._final_event(state))
+
+    def _event(self, state: RequestState, tokens, text, logprobs, **final) -> TokenEvent:
+        want = state.request.sampling.logprobs is not None
+        return TokenEvent(state.request_id, tokens, text, logprobs=list(logprobs) if want else None,
+                          prompt_tokens=len(state.prompt), completion_tokens=state.tracker.generated, **final)
+
+    def _final_event(self, state: RequestState) -> TokenEvent:
+        tokens, text, logprobs = state.tracker.take(final=True) if state.tracker else ([], "", [])
+        return self._event(state, tokens, text, logprobs, finish_reason=state.finish_reason,
+                           stop_reason=state.stop_reason)
+
+    def _fail(self, state: RequestState, message: str) -> TokenEvent:
+        self.requests.pop(state.request_id, None)
+        if state.status != Status.FINISHED:
+            self.scheduler.finish(state)
+        state.finish_reason = FINISH_ERROR
+        event = self._final_event(state)
+        event.error = message
+        return event
+
+    def _fail_step(self, states: list[RequestState], exc: Exception, events: list[TokenEvent]) -> None:
+        """A dispatch raised: end its requests with an error. The pools were donated to the failed
+        call, so they are rebuilt empty and every other running request is recomputed."""
+        message = f"{type(exc).__name__}: {exc}"
+        for state in states:
+            if state.status != Status.FINISHED:
+                events.append(self._fail(state, message))
+        if any(x.is_deleted() for x in jax.tree.leaves((self.runner.kv_pool, self.runner.state_pool))
+               if hasattr(x, "is_deleted")):
+            self.runner.reset_pools()
+            for state in list(self.scheduler.running):
+                self.scheduler.preempt(state)

@@ -1,0 +1,338 @@
+"""The runner: device state and one jitted program per bucket.
+
+Programs (module-level `jax.jit`s, so engines with the same shapes share compiled code):
+
+- `prefill_program` [rows, chunk]: feed one chunk per row, sample one token from each row's last
+  valid token (used only for rows whose chunk ends the pending tokens).
+- `decode_program` [batch, steps]: a `lax.fori_loop` of `steps` decode steps (forward T=1, sampling,
+  stop-token and length checks, cache writes) entirely on the device; a row that stops feeds
+  padding (position -1) for the remaining steps, so nothing more is written for it.
+- `set_slot_program`: install one request's sampling settings and penalty state in its slot.
+
+The pools (KV pages, GDN state slots) and the per-slot sampling state are donated to every
+program and updated in place. Per-slot sampling state lives on the device so that a dispatch
+gathers its rows by slot instead of re-uploading settings every step.
+
+Letters: r prefill rows, t chunk length, b decode batch, m blocks per row, s slots, v vocabulary,
+k top logprobs, n steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infernix_jax.cache import (
+    NULL_BLOCK,
+    SCRATCH_SLOT,
+    KVPool,
+    StatePool,
+    cache_view,
+    commit_view,
+    create_kv_pool,
+    create_state_pool,
+)
+from infernix_jax.config import ModelConfig
+from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.protocol import SamplingParams
+from infernix_jax.engine.sampling import (
+    PenaltyState,
+    SamplingArrays,
+    row_keys,
+    sample,
+    stop_token_hit,
+    update_penalty_state,
+)
+from infernix_jax.model.forward import forward
+from infernix_jax.model.params import Params
+
+
+def _register(cls, fields: Sequence[str]):
+    return jax.tree_util.register_dataclass(cls, data_fields=list(fields), meta_fields=[])
+
+
+@dataclass(frozen=True)
+class SlotSampling:
+    """Sampling settings and penalty state of every slot, on the device (row = slot)."""
+
+    arrays: SamplingArrays  # [s, ...]
+    penalties: PenaltyState  # [s, v]
+
+    def rows(self, slots: jax.Array) -> tuple[SamplingArrays, PenaltyState]:
+        take = lambda x: x[slots]  # noqa: E731
+        return jax.tree.map(take, self.arrays), jax.tree.map(take, self.penalties)
+
+    def with_penalties(self, slots: jax.Array, penalties: PenaltyState) -> "SlotSampling":
+        """Scatter the rows' penalty state back; rows aimed at the scratch slot are dropped."""
+        num_slots = self.penalties.num_generated.shape[0]
+        target = jnp.where(slots == SCRATCH_SLOT, num_slots, slots)
+        merged = jax.tree.map(lambda full, rows: full.at[target].set(rows, mode="drop"), self.penalties, penalties)
+        return SlotSampling(self.arrays, merged)
+
+
+_register(SlotSampling, ["arrays", "penalties"])
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Tokens a program sampled, read back to the host."""
+
+    tokens: np.ndarray  # i32 [n, b] (prefill: n = 1)
+    counts: np.ndarray  # i32 [b]: valid tokens per row (the rest are discarded)
+    logprobs: np.ndarray  # f32 [n, b]
+    top_ids: np.ndarray  # i32 [n, b, k]
+    top_logprobs: np.ndarray  # f32 [n, b, k]
+
+
+# ---------------------------------------------------------------------------------------------
+# Programs
+
+
+@partial(jax.jit, static_argnames=("cfg", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
+def prefill_program(
+    params: Params,
+    kv_pool: KVPool,
+    state_pool: StatePool,
+    slot_sampling: SlotSampling,
+    tokens: jax.Array,  # i32 [r, t]
+    positions: jax.Array,  # i32 [r, t], -1 after a row's tokens
+    block_table: jax.Array,  # i32 [r, m]
+    slots: jax.Array,  # i32 [r]
+    sample_rows: jax.Array,  # bool [r]: the chunk ends the row's pending tokens; sample from it
+    *,
+    cfg: ModelConfig,
+    num_top: int,
+):
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0).astype(jnp.int32)
+    logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last[:, None])
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    arrays, penalties = slot_sampling.rows(slots)
+    out = sample(logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top)
+    penalties = update_penalty_state(penalties, out.tokens, sample_rows)
+    slot_sampling = slot_sampling.with_penalties(jnp.where(sample_rows, slots, SCRATCH_SLOT), penalties)
+    return kv_pool, state_pool, slot_sampling, (out.tokens[None], out.logprobs[None], out.top_ids[None],
+                                                out.top_logprobs[None])
+
+
+@partial(
+    jax.jit, static_argnames=("cfg", "steps", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling")
+)
+def decode_program(
+    params: Params,
+    kv_pool: KVPool,
+    state_pool: StatePool,
+    slot_sampling: SlotSampling,
+    tokens: jax.Array,  # i32 [b]: the token each row feeds first
+    positions: jax.Array,  # i32 [b]: its position
+    block_table: jax.Array,  # i32 [b, m]
+    slots: jax.Array,  # i32 [b]
+    max_steps: jax.Array,  # i32 [b]: tokens each row may generate (0 on padding rows)
+    *,
+    cfg: ModelConfig,
+    steps: int,
+    num_top: int,
+):
+    b = tokens.shape[0]
+    arrays, penalties = slot_sampling.rows(slots)
+
+    def step(i, carry):
+        kv_pool, state_pool, penalties, current, done, count, out = carry
+        active = (i < max_steps) & ~done
+        pos = jnp.where(active, positions + i, -1)
+        cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+        logits, _, cache = forward(params, current[:, None], pos[:, None], cache, cfg)
+        kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+        sampled = sample(logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated),
+                         num_top_logprobs=num_top)
+        penalties = update_penalty_state(penalties, sampled.tokens, active)
+        done = done | (active & stop_token_hit(arrays, sampled.tokens))
+        current = jnp.where(active, sampled.tokens, current)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, (sampled.tokens, sampled.logprobs, sampled.top_ids,
+                                                         sampled.top_logprobs)))
+        return kv_pool, state_pool, penalties, current, done, count + active.astype(jnp.int32), out
+
+    out = (
+        jnp.zeros((steps, b), jnp.int32),
+        jnp.zeros((steps, b), jnp.float32),
+        jnp.zeros((steps, b, num_top), jnp.int32),
+        jnp.zeros((steps, b, num_top), jnp.float32),
+    )
+    carry = (kv_pool, state_pool, penalties, tokens, jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), out)
+    kv_pool, state_pool, penalties, _, _, count, out = jax.lax.fori_loop(0, steps, step, carry)
+    slot_sampling = slot_sampling.with_penalties(slots, penalties)
+    return kv_pool, state_pool, slot_sampling, (count, *out)
+
+
+@partial(jax.jit, donate_argnames=("slot_sampling",))
+def set_slot_program(
+    slot_sampling: SlotSampling,
+    slot: jax.Array,  # i32 []
+    arrays: SamplingArrays,  # one row
+    seen: jax.Array,  # bool [1, v]: tokens of the prompt and output so far
+    output_counts: jax.Array,  # i32 [1, v]
+    num_generated: jax.Array,  # i32 [1]
+) -> SlotSampling:
+    put = lambda full, row: full.at[slot].set(row[0])  # noqa: E731
+    penalties = PenaltyState(seen=seen, output_counts=output_counts, num_generated=num_generated)
+    return SlotSampling(jax.tree.map(put, slot_sampling.arrays, arrays), jax.tree.map(put, slot_sampling.penalties,
+                                                                                       penalties))
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Turn on JAX's persistent compilation cache so that a restart loads programs instead of compiling."""
+    if not directory:
+        return
+    path = os.path.expanduser(directory)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclass
+class PrefillBatch:
+    """Host arrays of one prefill dispatch."""
+
+    tokens: np.ndarray  # i32 [r, t]
+    positions: np.ndarray  # i32 [r, t]
+    block_table: np.ndarray  # i32 [r, m]
+    slots: np.ndarray  # i32 [r]
+    sample_rows: np.ndarray  # bool [r]
+
+
+@dataclass
+class DecodeBatch:
+    """Host arrays of one decode dispatch."""
+
+    tokens: np.ndarray  # i32 [b]
+    positions: np.ndarray  # i32 [b]
+    block_table: np.ndarray  # i32 [b, m]
+    slots: np.ndarray  # i32 [b]
+    max_steps: np.ndarray  # i32 [b]
+    steps: int
+
+
+class Runner:
+    """Owns the parameters, the pools and the per-slot sampling state; runs bucketed programs."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, num_blocks: int, num_slots: int,
+                 eos_token_ids: Sequence[int] = ()):
+        self.cfg = cfg
+        self.params = params
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.dtype = params.final_norm.dtype
+        self.num_top = config.max_top_logprobs
+        self.max_blocks = config.max_blocks_per_sequence
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.reset_pools()
+
+    def reset_pools(self) -> None:
+        """Fresh, empty pools and slot state (at start, and after a failed dispatch consumed them)."""
+        self.kv_pool = create_kv_pool(self.cfg, self.num_blocks, self.config.kv_dtype, self.dtype)
+        self.state_pool = create_state_pool(self.cfg, self.num_slots, self.dtype)
+        self.slot_sampling = SlotSampling(
+            arrays=self._sampling_arrays([], [], self.num_slots),
+            penalties=PenaltyState.zeros(self.num_slots, self.cfg.vocab_size),
+        )
+
+    def _sampling_arrays(self, params, seeds, batch: int) -> SamplingArrays:
+        return SamplingArrays.build(params, seeds, batch, eos_token_ids=self.eos_token_ids,
+                                    max_logit_bias=self.config.max_logit_bias, max_stop_ids=self.config.max_stop_ids)
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def set_slot(self, slot: int, params: SamplingParams, seed: int, prompt: Sequence[int],
+                 output: Sequence[int]) -> None:
+        """Install a request's sampling settings and its penalty state (prompt + output so far)."""
+        vocab = self.cfg.vocab_size
+        seen = np.zeros((1, vocab), bool)
+        counts = np.zeros((1, vocab), np.int32)
+        seen[0, np.asarray(prompt, np.int64)] = True
+        if output:
+            np.add.at(counts[0], np.asarray(output, np.int64), 1)
+            seen |= counts > 0
+        self.slot_sampling = set_slot_program(
+            self.slot_sampling, jnp.int32(slot), self._sampling_arrays([params], [seed], 1), jnp.asarray(seen),
+            jnp.asarray(counts), jnp.asarray([len(output)], jnp.int32))
+
+    # ---- dispatches ----------------------------------------------------------------------------
+    def prefill(self, batch: PrefillBatch):
+        """Dispatch a prefill program; returns device outputs (read them with `read`)."""
+        self.kv_pool, self.state_pool, self.slot_sampling, out = prefill_program(
+            self.params, self.kv_pool, self.state_pool, self.slot_sampling, batch.tokens, batch.positions,
+            batch.block_table, batch.slots, batch.sample_rows, cfg=self.cfg, num_top=self.num_top)
+        return out
+
+    def decode(self, batch: DecodeBatch):
+        self.kv_pool, self.state_pool, self.slot_sampling, out = decode_program(
+            self.params, self.kv_pool, self.state_pool, self.slot_sampling, batch.tokens, batch.positions,
+            batch.block_table, batch.slots, batch.max_steps, cfg=self.cfg, steps=batch.steps, num_top=self.num_top)
+        return out
+
+    @staticmethod
+    def read_prefill(out, rows: int) -> Sampled:
+        tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
+        return Sampled(tokens, np.ones(rows, np.int32), logprobs, top_ids, top_logprobs)
+
+    @staticmethod
+    def read_decode(out) -> Sampled:
+        counts, tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
+        return Sampled(tokens, counts, logprobs, top_ids, top_logprobs)
+
+    # ---- host arrays ---------------------------------------------------------------------------
+    def empty_prefill(self, rows: int, length: int) -> PrefillBatch:
+        return PrefillBatch(
+            tokens=np.zeros((rows, length), np.int32),
+            positions=np.full((rows, length), -1, np.int32),
+            block_table=np.full((rows, self.max_blocks), NULL_BLOCK, np.int32),
+            slots=np.full(rows, SCRATCH_SLOT, np.int32),
+            sample_rows=np.zeros(rows, bool),
+        )
+
+    def empty_decode(self, batch: int, steps: int) -> DecodeBatch:
+        return DecodeBatch(
+            tokens=np.zeros(batch, np.int32),
+            positions=np.zeros(batch, np.int32),
+            block_table=np.full((batch, self.max_blocks), NULL_BLOCK, np.int32),
+            slots=np.full(batch, SCRATCH_SLOT, np.int32),
+            max_steps=np.zeros(batch, np.int32),
+            steps=steps,
+        )
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket by running it on padding rows (their writes are dropped). Returns seconds."""
+        start = time.perf_counter()
+        work = [("prefill", shape) for shape in self.config.prefill_shapes]
+        work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
+        bar = _progress(len(work), "compiling", progress)
+        self.set_slot(SCRATCH_SLOT, SamplingParams(), 0, [0], [])
+        for kind, (a, b) in work:
+            bar.set_postfix_str(f"{kind} {a}x{b}")
+            if kind == "prefill":
+                out = self.prefill(self.empty_prefill(a, b))
+            else:
+                out = self.decode(self.empty_decode(a, b))
+            jax.block_until_ready(out)
+            bar.update(1)
+        bar.close()
+        return time.perf_counter() - start
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False)

@@ -1,0 +1,203 @@
+"""The phaseless scheduler: each step, how many tokens each running request advances.
+
+Pure host logic (no JAX). A request is a list of tokens (prompt + generated) of which the first
+`num_computed` are in the cache. When more than one token is pending the request gets a *prefill
+chunk* of up to `prefill_chunk` tokens; when exactly one is pending (the last sampled token) it
+gets *decode steps*. Resuming a preempted request, a long prompt and a fresh prompt are the same
+thing: pending tokens. Every step carries at most one prefill dispatch and one decode dispatch, so
+a long prompt delays the running decodes by one chunk at most, and decodes never wait for a
+prompt to finish.
+
+Admission is FIFO up to `max_concurrency`. Blocks are allocated just ahead of what a step writes.
+When they run out, the newest running request is preempted by *recompute*: its blocks and slot are
+freed and it goes back to the head of the queue with prompt + output as pending tokens. Recompute
+rather than swap-to-host because (a) the recurrent state summarises the whole prefix and cannot be
+split by block, so a swap would have to move every KV block and the slot through host memory and
+back, (b) recomputing a prefix is one batched prefill (compute-bound, fast) while the swap is
+bounded by PCIe, and (c) it needs no extra programs or host buffers. The resumed request keeps its
+output so far and its random stream (the sampler keys on the count of generated tokens), so it
+continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from infernix_jax.cache.allocators import BLOCK_SIZE, BlockAllocator, SlotAllocator
+from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.request_state import RequestState, Status
+
+
+@dataclass
+class PrefillChunk:
+    """One request's share of a prefill dispatch."""
+
+    request: RequestState  # whose tokens
+    start: int  # position of the chunk's first token (= request.num_computed when scheduled)
+    num_tokens: int  # tokens fed (<= the bucket's chunk length; the rest of the row is padding)
+    sample: bool  # the chunk reaches the end of the pending tokens: sample the next token from it
+
+
+@dataclass
+class DecodeRow:
+    """One request's share of a decode dispatch."""
+
+    request: RequestState  # whose token
+    position: int  # position of the token fed first (= request.num_computed)
+    max_steps: int  # tokens it may generate in this dispatch (its remaining budget, <= steps)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner executes this step: at most one prefill dispatch, then one decode dispatch."""
+
+    prefill: list[PrefillChunk] = field(default_factory=list)  # rows of the prefill dispatch, in row order
+    prefill_shape: tuple[int, int] | None = None  # (rows, chunk length) bucket; None: no prefill
+    decode: list[DecodeRow] = field(default_factory=list)  # rows of the decode dispatch, in row order
+    decode_batch: int = 0  # decode batch bucket (rows beyond len(decode) are padding); 0: no decode
+    decode_steps: int = 0  # decode steps run on the device in this dispatch
+    preempted: list[RequestState] = field(default_factory=list)  # sent back to the queue this step
+    rejected: list[RequestState] = field(default_factory=list)  # cannot ever fit: finish with an error
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set, and the block and slot allocators."""
+
+    def __init__(self, config: EngineConfig, blocks: BlockAllocator, slots: SlotAllocator):
+        self.config = config
+        self.blocks = blocks
+        self.slots = slots
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []  # in admission order (oldest first)
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, state: RequestState) -> None:
+        state.status = Status.WAITING
+        self.waiting.append(state)
+
+    def finish(self, state: RequestState) -> None:
+        """Remove a request (finished, aborted or failed) and free its blocks and slot at once."""
+        if state.status == Status.RUNNING:
+            self.running.remove(state)
+        elif state.status == Status.WAITING and state in self.waiting:
+            self.waiting.remove(state)
+        self._release(state)
+        state.status = Status.FINISHED
+
+    def _release(self, state: RequestState) -> None:
+        if state.blocks:
+            self.blocks.free(state.blocks)
+            state.blocks = []
+        if state.slot is not None:
+            self.slots.free(state.slot)
+            state.slot = None
+        state.num_computed = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._admit(out)
+        self._schedule_prefill(out)
+        self._schedule_decode(out)
+        return out
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        while self.waiting and len(self.running) < self.config.max_concurrency and self.slots.num_free:
+            state = self.waiting[0]
+            if self._blocks_for(state.num_tokens) > self.blocks.num_total:
+                self.waiting.popleft()
+                out.rejected.append(state)
+                continue
+            first = min(state.num_pending, self.config.prefill_chunk)
+            if self._blocks_for(first) > self.blocks.num_free:
+                break  # wait for blocks; never preempt to admit
+            self.waiting.popleft()
+            state.slot = self.slots.allocate()
+            state.status = Status.RUNNING
+            self.running.append(state)
+
+    def _schedule_prefill(self, out: SchedulerOutput) -> None:
+        shapes = self.config.prefill_shapes
+        max_rows = max(r for r, _ in shapes)
+        budget = self.config.prefill_chunk
+        chosen: list[PrefillChunk] = []
+        for state in list(self.running):
+            if len(chosen) == max_rows or budget <= 0:
+                break
+            if state.status != Status.RUNNING or state.num_pending <= 1:
+                continue
+            n = min(state.num_pending, budget)
+            if not self._reserve(state, state.num_computed + n, out):
+                continue  # preempted itself
+            chosen.append(PrefillChunk(state, state.num_computed, n, sample=n == state.num_pending))
+            budget -= n
+        chosen = [c for c in chosen if c.request.status == Status.RUNNING]  # a later reserve may preempt
+        if not chosen:
+            return
+        longest = max(c.num_tokens for c in chosen)
+        fitting = [(r, t) for r, t in shapes if t >= longest and r >= len(chosen)]
+        if not fitting:  # too many rows for the chunk length: keep the oldest rows that fit a bucket
+            rows = max(r for r, t in shapes if t >= longest)
+            chosen = chosen[:rows]
+            fitting = [(r, t) for r, t in shapes if t >= longest and r >= len(chosen)]
+        out.prefill = chosen
+        out.prefill_shape = min(fitting, key=lambda s: (s[0] * s[1], s[1]))
+
+    def _schedule_decode(self, out: SchedulerOutput) -> None:
+        steps = self.config.decode_steps_per_dispatch
+        in_prefill = {id(c.request) for c in out.prefill}
+        rows: list[DecodeRow] = []
+        for state in list(self.running):
+            if state.status != Status.RUNNING or state.num_pending != 1 or id(state) in in_prefill:
+                continue
+            n = max(1, min(steps, state.remaining))
+            if not self._reserve(state, state.num_computed + n, out):
+                continue
+            rows.append(DecodeRow(state, state.num_computed, n))
+        rows = [r for r in rows if r.request.status == Status.RUNNING]
+        if out.prefill:
+            out.prefill = [c for c in out.prefill if c.request.status == Status.RUNNING]
+            if not out.prefill:
+                out.prefill_shape = None
+        if rows:
+            out.decode = rows
+            out.decode_batch = min(b for b in self.config.decode_buckets if b >= len(rows))
+            out.decode_steps = steps
+
+    # ---- blocks and preemption ---------------------------------------------------------------
+    @staticmethod
+    def _blocks_for(num_tokens: int) -> int:
+        return -(-num_tokens // BLOCK_SIZE)
+
+    def _reserve(self, state: RequestState, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Give `state` blocks for its first num_tokens tokens, preempting the newest running
+        requests while short. False when `state` itself had to be preempted."""
+        need = self._blocks_for(num_tokens) - len(state.blocks)
+        while need > self.blocks.num_free:
+            victim = self.running[-1]
+            self.preempt(victim, out)
+            if victim is state:
+                return False
+        if need > 0:
+            state.blocks.extend(self.blocks.allocate(need))
+        return True
+
+    def preempt(self, state: RequestState, out: SchedulerOutput | None = None) -> None:
+        """Free a running request's blocks and slot; it waits at the head of the queue to be recomputed."""
+        self.running.remove(state)
+        self._release(state)
+        state.status = Status.WAITING
+        state.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(state)
+        if out is not None:
+            out.preempted.append(state)
