@@ -1,6 +1,6 @@
 """The machine's physical ceilings, measured the same way for every benchmark.
 
-    python -m bench.ceilings            # full sizes (an accelerator); writes bench/results/ceilings-<machine>.json
+    python -m bench.ceilings            # full sizes; writes bench/results/ceilings-<machine>.json
     python -m bench.ceilings --quick    # small sizes, runs anywhere (the CPU in tests)
 
 What is measured (each timed after warm-up as the median of repeats, on random data):
@@ -23,8 +23,9 @@ import argparse
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,9 @@ class Sizes:
     repeats: int = 10
 
 
-QUICK = Sizes(read_bytes=64 << 20, copy_bytes=64 << 20, matmul_n=512, host_bytes=64 << 20, warmup=1, repeats=3)
+QUICK = Sizes(
+    read_bytes=64 << 20, copy_bytes=64 << 20, matmul_n=512, host_bytes=64 << 20, warmup=1, repeats=3
+)
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,20 @@ class Measurement:
 # Vendor datasheet peaks (dense, no sparsity), in display units, by a substring of device_kind.
 # They are context for the measured ceilings, never a substitute for them.
 DATASHEET: dict[str, dict[str, float]] = {
-    "H200": {"hbm_read": 4800.0, "copy": 4800.0, "matmul_bf16": 989.4, "matmul_fp8": 1978.9, "host_to_device": 64.0},
-    "H100": {"hbm_read": 3350.0, "copy": 3350.0, "matmul_bf16": 989.4, "matmul_fp8": 1978.9, "host_to_device": 64.0},
+    "H200": {
+        "hbm_read": 4800.0,
+        "copy": 4800.0,
+        "matmul_bf16": 989.4,
+        "matmul_fp8": 1978.9,
+        "host_to_device": 64.0,
+    },
+    "H100": {
+        "hbm_read": 3350.0,
+        "copy": 3350.0,
+        "matmul_bf16": 989.4,
+        "matmul_fp8": 1978.9,
+        "host_to_device": 64.0,
+    },
 }
 
 
@@ -93,8 +108,15 @@ def _random_bf16(num_bytes: int, seed: int, columns: int = 8192) -> jax.Array:
 
 def _bandwidth(key: str, name: str, moved_bytes: int, timings: list[float], **details) -> Measurement:
     seconds = statistics.median(timings)
-    return Measurement(key, name, moved_bytes / seconds, "GB/s", 1e9, timings,
-                       {"bytes_moved": moved_bytes, "median_s": seconds, **details})
+    return Measurement(
+        key,
+        name,
+        moved_bytes / seconds,
+        "GB/s",
+        1e9,
+        timings,
+        {"bytes_moved": moved_bytes, "median_s": seconds, **details},
+    )
 
 
 def _size_words(num_bytes: int) -> str:
@@ -106,8 +128,13 @@ def measure_hbm_read(sizes: Sizes = Sizes()) -> Measurement:
     x = _random_bf16(sizes.read_bytes, seed=1)
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
     timings = median_seconds(lambda: total(x), sizes.warmup, sizes.repeats)
-    return _bandwidth("hbm_read", f"ceiling hbm read bf16 sum {_size_words(x.nbytes)}", x.nbytes, timings,
-                      shape=list(x.shape))
+    return _bandwidth(
+        "hbm_read",
+        f"ceiling hbm read bf16 sum {_size_words(x.nbytes)}",
+        x.nbytes,
+        timings,
+        shape=list(x.shape),
+    )
 
 
 def measure_copy(sizes: Sizes = Sizes()) -> Measurement:
@@ -115,8 +142,13 @@ def measure_copy(sizes: Sizes = Sizes()) -> Measurement:
     x = _random_bf16(sizes.copy_bytes, seed=2)
     scale = jax.jit(lambda a: a * jnp.bfloat16(1.5))
     timings = median_seconds(lambda: scale(x), sizes.warmup, sizes.repeats)
-    return _bandwidth("copy", f"ceiling copy bf16 elementwise {_size_words(x.nbytes)}", 2 * x.nbytes, timings,
-                      shape=list(x.shape))
+    return _bandwidth(
+        "copy",
+        f"ceiling copy bf16 elementwise {_size_words(x.nbytes)}",
+        2 * x.nbytes,
+        timings,
+        shape=list(x.shape),
+    )
 
 
 def measure_matmul(dtype: Any, sizes: Sizes = Sizes()) -> Measurement:
@@ -125,12 +157,21 @@ def measure_matmul(dtype: Any, sizes: Sizes = Sizes()) -> Measurement:
     a = _random_bf16(n * n * 2, seed=3, columns=n).astype(dtype)
     b = _random_bf16(n * n * 2, seed=4, columns=n).astype(dtype)
     contract_last = (((1,), (1,)), ((), ()))
-    matmul = jax.jit(lambda x, y: jax.lax.dot_general(x, y, contract_last, preferred_element_type=jnp.bfloat16))
+    matmul = jax.jit(
+        lambda x, y: jax.lax.dot_general(x, y, contract_last, preferred_element_type=jnp.bfloat16)
+    )
     timings = median_seconds(lambda: matmul(a, b), sizes.warmup, sizes.repeats)
     seconds = statistics.median(timings)
     label = "fp8" if jnp.dtype(dtype).itemsize == 1 else "bf16"
-    return Measurement(f"matmul_{label}", f"ceiling matmul {label} {n}^3", 2 * n**3 / seconds, "TFLOP/s", 1e12,
-                       timings, {"n": n, "dtype": jnp.dtype(dtype).name, "median_s": seconds})
+    return Measurement(
+        f"matmul_{label}",
+        f"ceiling matmul {label} {n}^3",
+        2 * n**3 / seconds,
+        "TFLOP/s",
+        1e12,
+        timings,
+        {"n": n, "dtype": jnp.dtype(dtype).name, "median_s": seconds},
+    )
 
 
 def measure_host_to_device(sizes: Sizes = Sizes()) -> Measurement:
@@ -146,8 +187,13 @@ def measure_host_to_device(sizes: Sizes = Sizes()) -> Measurement:
     jax.block_until_ready(host)
     del x
     timings = median_seconds(lambda: jax.device_put(host, target), sizes.warmup, sizes.repeats)
-    return _bandwidth("host_to_device", f"ceiling host->device {source} {_size_words(host.nbytes)}",
-                      host.nbytes, timings, source=source)
+    return _bandwidth(
+        "host_to_device",
+        f"ceiling host->device {source} {_size_words(host.nbytes)}",
+        host.nbytes,
+        timings,
+        source=source,
+    )
 
 
 def measure_ceilings(sizes: Sizes = Sizes(), *, fp8: bool = True) -> dict[str, Measurement]:
@@ -170,10 +216,25 @@ def ceiling_records(measurements: dict[str, Measurement], machine: str, commit: 
     records = []
     for key, m in measurements.items():
         peak = peaks.get(key)
-        details = {**m.details, "seconds": m.seconds, "jax": jax.__version__, "backend": jax.default_backend(),
-                   "ceiling_source": "datasheet peak" if peak else None}
-        records.append(make_record(m.name, m.figure, m.unit, peak, m.unit if peak else None,
-                                   machine=machine, commit=commit, details=details))
+        details = {
+            **m.details,
+            "seconds": m.seconds,
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "ceiling_source": "datasheet peak" if peak else None,
+        }
+        records.append(
+            make_record(
+                m.name,
+                m.figure,
+                m.unit,
+                peak,
+                m.unit if peak else None,
+                machine=machine,
+                commit=commit,
+                details=details,
+            )
+        )
     return records
 
 
@@ -193,7 +254,9 @@ def main(argv: list[str] | None = None) -> list[BenchRecord]:
     suffix = "-quick" if args.quick else ""
     path = write_records(records, args.out or f"ceilings-{_slug(machine)}{suffix}.json")
     for r in records:
-        of_peak = f"  ({r.fraction:.0%} of the {r.ceiling:g} {r.ceiling_unit} datasheet peak)" if r.fraction else ""
+        of_peak = (
+            f"  ({r.fraction:.0%} of the {r.ceiling:g} {r.ceiling_unit} datasheet peak)" if r.fraction else ""
+        )
         print(f"{r.name:45s} {r.figure:10.1f} {r.unit}{of_peak}")
     print(f"wrote {path}")
     return records

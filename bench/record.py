@@ -12,9 +12,10 @@ import math
 import platform
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -76,12 +77,19 @@ def machine_name() -> str:
 
 
 def git_commit(repo: Path | None = None) -> str:
-    """HEAD of the repository holding bench/, with "-dirty" if tracked files changed; "unknown" outside git."""
+    """HEAD of the repository holding bench/ ("-dirty" if tracked files changed; "unknown" outside git)."""
     cwd = repo or Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, check=True)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -127,7 +135,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     """Read and validate a file written by write_records."""
     rows = json.loads(Path(path).read_text())
     if not isinstance(rows, list):
-        raise ValueError(f"{path}: expected a JSON list of records")
+        raise TypeError(f"{path}: expected a JSON list of records")
     for row in rows:
         validate_record(row)
     return rows

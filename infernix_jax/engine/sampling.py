@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +86,7 @@ class SamplingArrays:
         eos_token_ids: Sequence[int] = (),
         max_logit_bias: int = 300,
         max_stop_ids: int = 16,
-    ) -> "SamplingArrays":
+    ) -> SamplingArrays:
         """Pack one SamplingParams per running request into padded arrays.
 
         params[i] / seeds[i] describe row i; None (or rows past len(params)) is padding. Seeds must
@@ -125,11 +125,17 @@ class SamplingArrays:
             presence[row] = p.presence_penalty
             frequency[row] = p.frequency_penalty
             if len(p.logit_bias) > max_logit_bias:
-                raise ValueError(f"row {row}: {len(p.logit_bias)} logit_bias entries, at most {max_logit_bias}")
+                raise ValueError(
+                    f"row {row}: {len(p.logit_bias)} logit_bias entries, at most {max_logit_bias}"
+                )
+            if any(token < 0 for token, _ in p.logit_bias):
+                raise ValueError(f"row {row}: logit_bias token ids must be >= 0, got {p.logit_bias}")
             for j, (token, bias) in enumerate(p.logit_bias):
                 bias_ids[row, j] = token
                 bias_values[row, j] = bias
-            stops = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))))
+            stops = list(
+                dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)))
+            )
             if len(stops) > max_stop_ids:
                 raise ValueError(f"row {row}: {len(stops)} stop token ids, at most {max_stop_ids}")
             stop_ids[row, : len(stops)] = stops
@@ -166,7 +172,7 @@ class PenaltyState:
     num_generated: jax.Array  # i32 [b]: output tokens so far = the index of the next token
 
     @staticmethod
-    def zeros(batch_size: int, vocab_size: int) -> "PenaltyState":
+    def zeros(batch_size: int, vocab_size: int) -> PenaltyState:
         return PenaltyState(
             seen=jnp.zeros((batch_size, vocab_size), bool),
             output_counts=jnp.zeros((batch_size, vocab_size), jnp.int32),
@@ -232,7 +238,7 @@ def set_penalty_rows(
 
 
 def update_penalty_state(state: PenaltyState, tokens: jax.Array, active: jax.Array) -> PenaltyState:
-    """Record one sampled token per row (tokens i32 [b]); rows where active (bool [b]) is False keep their state."""
+    """Record one sampled token per row (tokens i32 [b]); rows with active (bool [b]) False are unchanged."""
     b = tokens.shape[0]
     rows = jnp.arange(b)
     inc = active.astype(jnp.int32)

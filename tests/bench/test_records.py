@@ -30,7 +30,9 @@ def test_quick_ceilings_run_on_the_cpu_and_write_valid_records(tmp_path):
 
 
 def test_known_devices_report_the_fraction_of_the_datasheet_peak():
-    measured = {"hbm_read": Measurement("hbm_read", "ceiling hbm read bf16 sum 4GiB", 4.0e12, "GB/s", 1e9, [0.1])}
+    measured = {
+        "hbm_read": Measurement("hbm_read", "ceiling hbm read bf16 sum 4GiB", 4.0e12, "GB/s", 1e9, [0.1])
+    }
     [record] = ceiling_records(measured, "NVIDIA H200", "abc")
     assert record.ceiling == 4800.0 and record.fraction == pytest.approx(4000.0 / 4800.0)
     [unknown] = ceiling_records(measured, "some new GPU", "abc")

@@ -55,8 +55,14 @@ def _generate(arrays, state, logits_per_step):
 
 def test_greedy_rows_take_the_argmax_even_beside_sampled_rows():
     logits = jax.random.normal(jax.random.key(0), (6, VOCAB)) * 3
-    params = [SamplingParams(), SamplingParams(temperature=1.5), SamplingParams(), SamplingParams(temperature=0.9,
-              top_p=0.5), SamplingParams(top_k=3), SamplingParams(temperature=2.0, top_k=5)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.5),
+        SamplingParams(),
+        SamplingParams(temperature=0.9, top_p=0.5),
+        SamplingParams(top_k=3),
+        SamplingParams(temperature=2.0, top_k=5),
+    ]
     state = PenaltyState.zeros(6, VOCAB)
     mixed = _sample_step(logits, _arrays(params), state)
     argmax = np.argmax(np.asarray(logits), axis=1)
@@ -83,8 +89,12 @@ def test_a_seed_gives_the_same_tokens_whatever_else_is_batched_and_wherever_its_
         return _generate(arrays, PenaltyState.zeros(batch_size, VOCAB), per_step)[:, my_row]
 
     alone = run(1, 0, [], [])
-    crowded = run(8, 5, [SamplingParams(temperature=0.7, seed=1), SamplingParams(), SamplingParams(temperature=1.2,
-                  top_k=4)], [1, 2, 3])
+    crowded = run(
+        8,
+        5,
+        [SamplingParams(temperature=0.7, seed=1), SamplingParams(), SamplingParams(temperature=1.2, top_k=4)],
+        [1, 2, 3],
+    )
     other_slot = run(8, 1, [SamplingParams(temperature=1.0, seed=99)], [99])
     np.testing.assert_array_equal(alone, crowded)
     np.testing.assert_array_equal(alone, other_slot)
@@ -98,8 +108,9 @@ def test_resumed_request_continues_its_random_stream():
     steps = [jax.random.normal(jax.random.key(s), (1, VOCAB)) for s in range(6)]
     straight = _generate(arrays, PenaltyState.zeros(1, VOCAB), steps)[:, 0]
     prompt = jnp.array([[5, 6, -1]], jnp.int32)
-    resumed_state = set_penalty_rows(PenaltyState.zeros(1, VOCAB), jnp.array([0]), prompt,
-                                     jnp.asarray(straight[None, :3], jnp.int32))
+    resumed_state = set_penalty_rows(
+        PenaltyState.zeros(1, VOCAB), jnp.array([0]), prompt, jnp.asarray(straight[None, :3], jnp.int32)
+    )
     resumed = _generate(arrays, resumed_state, steps[3:])[:, 0]
     np.testing.assert_array_equal(straight[3:], resumed)
 
@@ -150,8 +161,12 @@ def test_truncated_sampling_draws_only_allowed_tokens_with_the_expected_frequenc
     draws = 8000
     arrays = _arrays([params], [0])
     arrays = jax.tree.map(lambda x: jnp.repeat(x, draws, axis=0), arrays)
-    arrays = SamplingArrays(**{**arrays.__dict__, "seed": jnp.stack(
-        [jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], axis=1)})
+    arrays = SamplingArrays(
+        **{
+            **arrays.__dict__,
+            "seed": jnp.stack([jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], axis=1),
+        }
+    )
     logits = jnp.broadcast_to(jnp.asarray(TINY_LOGITS), (draws, len(TINY_LOGITS)))
     out = _sample_step(logits, arrays, PenaltyState.zeros(draws, len(TINY_LOGITS)))
     counts = np.bincount(np.asarray(out.tokens), minlength=len(TINY_LOGITS))
@@ -199,14 +214,16 @@ def test_penalties_change_logits_as_openai_and_hf_define_them():
     state = set_penalty_rows(PenaltyState.zeros(1, 6), jnp.array([0]), prompt, output)
     p = SamplingParams(repetition_penalty=2.0, presence_penalty=0.3, frequency_penalty=0.25)
     got = np.asarray(process_logits(jnp.asarray(logits), _arrays([p]), state))[0]
-    expected = np.array([
-        2.0 / 2.0,  # prompt token, positive logit: divided (HF/CTRL)
-        -1.0 * 2.0,  # prompt token, negative logit: multiplied
-        0.5 / 2.0 - 0.25 * 2 - 0.3,  # output token twice: repetition, then frequency x2 and presence once
-        -0.5 * 2.0 - 0.25 * 1 - 0.3,
-        3.0,  # never seen: unchanged
-        0.0,
-    ])
+    expected = np.array(
+        [
+            2.0 / 2.0,  # prompt token, positive logit: divided (HF/CTRL)
+            -1.0 * 2.0,  # prompt token, negative logit: multiplied
+            0.5 / 2.0 - 0.25 * 2 - 0.3,  # output token twice: repetition, then frequency x2 and presence once
+            -0.5 * 2.0 - 0.25 * 1 - 0.3,
+            3.0,  # never seen: unchanged
+            0.0,
+        ]
+    )
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert int(state.num_generated[0]) == 3
 
@@ -224,7 +241,10 @@ def test_update_penalty_state_counts_only_active_rows():
 def test_logit_bias_is_added_and_can_force_or_ban_a_token():
     logits = jax.random.normal(jax.random.key(1), (2, VOCAB))
     best = int(jnp.argmax(logits[0]))
-    params = [SamplingParams(logit_bias=((17, 100.0),)), SamplingParams(logit_bias=((best, -100.0), (3, 0.5)))]
+    params = [
+        SamplingParams(logit_bias=((17, 100.0),)),
+        SamplingParams(logit_bias=((best, -100.0), (3, 0.5))),
+    ]
     arrays = _arrays(params, max_logit_bias=4)
     state = PenaltyState.zeros(2, VOCAB)
     processed = np.asarray(process_logits(logits, arrays, state))
@@ -239,8 +259,11 @@ def test_logit_bias_is_added_and_can_force_or_ban_a_token():
 
 def test_min_tokens_suppresses_stop_and_eos_tokens_until_reached():
     logits = jnp.zeros((3, 8)).at[:, 2].set(5.0).at[:, 6].set(4.0)  # 2 is EOS, 6 a stop id
-    params = [SamplingParams(min_tokens=2, stop_token_ids=(6,)), SamplingParams(min_tokens=2, ignore_eos=True),
-              SamplingParams(stop_token_ids=(6,))]
+    params = [
+        SamplingParams(min_tokens=2, stop_token_ids=(6,)),
+        SamplingParams(min_tokens=2, ignore_eos=True),
+        SamplingParams(stop_token_ids=(6,)),
+    ]
     arrays = _arrays(params, eos_token_ids=(2,), max_stop_ids=4)
     state = PenaltyState.zeros(3, 8)
     first = np.asarray(_sample_step(logits, arrays, state).tokens)
@@ -251,7 +274,9 @@ def test_min_tokens_suppresses_stop_and_eos_tokens_until_reached():
     state = update_penalty_state(state, jnp.array([0, 0, 0]), jnp.ones(3, bool))
     later = _sample_step(logits, arrays, state).tokens
     assert int(later[0]) == 2
-    np.testing.assert_array_equal(np.asarray(stop_token_hit(arrays, jnp.array([6, 2, 6]))), [True, False, True])
+    np.testing.assert_array_equal(
+        np.asarray(stop_token_hit(arrays, jnp.array([6, 2, 6]))), [True, False, True]
+    )
 
 
 def test_mask_restricts_greedy_and_sampled_rows_and_packed_bits_mean_the_same():
@@ -263,7 +288,8 @@ def test_mask_restricts_greedy_and_sampled_rows_and_packed_bits_mean_the_same():
     packed = np.packbits(allowed, axis=1, bitorder="little").view(np.uint32)
     np.testing.assert_array_equal(np.asarray(unpack_token_mask(jnp.asarray(packed), VOCAB)), allowed)
     np.testing.assert_array_equal(
-        np.asarray(unpack_token_mask(jnp.asarray(packed.view(np.int32)), VOCAB)), allowed)
+        np.asarray(unpack_token_mask(jnp.asarray(packed.view(np.int32)), VOCAB)), allowed
+    )
     params = [SamplingParams(), SamplingParams(temperature=1.5), SamplingParams()]
     for seed in range(20):
         arrays = _arrays(params, [seed] * 3)
@@ -283,15 +309,22 @@ def test_mask_restricts_greedy_and_sampled_rows_and_packed_bits_mean_the_same():
 
 def test_raw_logprobs_are_the_models_normalised_distribution():
     logits = jax.random.normal(jax.random.key(3), (4, 16)) * 2
-    params = [SamplingParams(), SamplingParams(temperature=0.5, top_k=2), SamplingParams(temperature=1.0),
-              SamplingParams(repetition_penalty=1.5)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.5, top_k=2),
+        SamplingParams(temperature=1.0),
+        SamplingParams(repetition_penalty=1.5),
+    ]
     arrays = _arrays(params)
     state = PenaltyState.zeros(4, 16)
     out = jax.jit(lambda l, a, s: sample(l, a, s, row_keys(a, s.num_generated), num_top_logprobs=16))(
-        logits, arrays, state)
+        logits, arrays, state
+    )
     reference = np.asarray(jax.nn.log_softmax(logits, axis=1))
     np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs)).sum(axis=1), 1.0, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(out.logprobs), reference[np.arange(4), np.asarray(out.tokens)], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs), reference[np.arange(4), np.asarray(out.tokens)], rtol=1e-6
+    )
     top = np.asarray(out.top_logprobs)
     assert (np.diff(top, axis=1) <= 0).all(), "alternatives come most likely first"
     np.testing.assert_allclose(top, np.take_along_axis(reference, np.asarray(out.top_ids), axis=1), rtol=1e-6)
@@ -302,11 +335,19 @@ def test_processed_logprobs_describe_the_distribution_sampled_from():
     params = [SamplingParams(temperature=0.8, top_k=3), SamplingParams()]
     arrays = _arrays(params)
     state = PenaltyState.zeros(2, len(TINY_LOGITS))
-    out = jax.jit(lambda l, a, s: sample(l, a, s, row_keys(a, s.num_generated), num_top_logprobs=4,
-                                         logprobs_mode="processed"))(logits, arrays, state)
-    np.testing.assert_allclose(np.exp(np.asarray(out.top_logprobs[0])),
-                               np.sort(_reference_distribution(TINY_LOGITS, params[0]))[::-1][:4], atol=1e-6)
-    np.testing.assert_allclose(np.asarray(out.logprobs[1]), np.asarray(jax.nn.log_softmax(logits[1]))[0], rtol=1e-6)
+    out = jax.jit(
+        lambda l, a, s: sample(
+            l, a, s, row_keys(a, s.num_generated), num_top_logprobs=4, logprobs_mode="processed"
+        )
+    )(logits, arrays, state)
+    np.testing.assert_allclose(
+        np.exp(np.asarray(out.top_logprobs[0])),
+        np.sort(_reference_distribution(TINY_LOGITS, params[0]))[::-1][:4],
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs[1]), np.asarray(jax.nn.log_softmax(logits[1]))[0], rtol=1e-6
+    )
     with pytest.raises(ValueError, match="logprobs_mode"):
         sample(logits, arrays, state, row_keys(arrays, state.num_generated), logprobs_mode="final")
 
@@ -326,14 +367,27 @@ def test_new_settings_of_the_same_batch_size_do_not_recompile():
     logits = jnp.zeros((4, VOCAB))
     state = PenaltyState.zeros(4, VOCAB)
     step(logits, _arrays([SamplingParams()], batch_size=4), state)
-    step(logits, _arrays([SamplingParams(temperature=0.5, top_k=3, logit_bias=((1, 2.0),)), None,
-                          SamplingParams(top_p=0.3, temperature=1.0)], [1, None, 5], batch_size=4), state)
+    step(
+        logits,
+        _arrays(
+            [
+                SamplingParams(temperature=0.5, top_k=3, logit_bias=((1, 2.0),)),
+                None,
+                SamplingParams(top_p=0.3, temperature=1.0),
+            ],
+            [1, None, 5],
+            batch_size=4,
+        ),
+        state,
+    )
     assert len(traces) == 1
 
 
 def test_build_rejects_what_does_not_fit_and_unresolved_seeds():
     with pytest.raises(ValueError, match="logit_bias"):
         _arrays([SamplingParams(logit_bias=tuple((i, 1.0) for i in range(5)))], max_logit_bias=4)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _arrays([SamplingParams(logit_bias=((-1, 1.0),))])
     with pytest.raises(ValueError, match="stop token ids"):
         _arrays([SamplingParams(stop_token_ids=(1, 2, 3))], eos_token_ids=(4, 5), max_stop_ids=4)
     with pytest.raises(ValueError, match="resolve_seed"):
