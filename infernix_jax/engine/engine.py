@@ -1,0 +1,142 @@
+"""The async engine the API server talks to: one thread owns all device state.
+
+`AsyncEngine.submit(request)` returns an async iterator of `TokenEvent`s. The scheduler thread
+runs `EngineCore.step()` in a loop and hands each event to the request's asyncio queue with
+`loop.call_soon_threadsafe`, so the event loop never waits on the device and the device never
+waits on the event loop. Commands (new requests, aborts) reach the thread through a thread-safe
+inbox; a stream the client stops reading (a disconnect) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from typing import AsyncIterator
+
+from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.core import EngineCore, EngineMetrics
+from infernix_jax.engine.protocol import FINISH_ERROR, EngineStats, GenerationRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Implements the `Engine` protocol (engine/protocol.py) over an `EngineCore` on its own thread."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stats = core.stats()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="infernix-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def max_context(self) -> int:
+        return self.core.config.max_context
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def metrics(self) -> EngineMetrics:
+        """Cumulative counters, including the host's share of decode time."""
+        return self.core.metrics
+
+    # ---- the protocol --------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams:
+                events.put_nowait(TokenEvent(request.request_id, [], "", finish_reason=FINISH_ERROR,
+                                             error=f"request id {request.request_id!r} is already running"))
+                return self._drain(request.request_id, events, owned=False)
+            self._streams[request.request_id] = (loop, events)
+        self._inbox.put(("add", request))
+        return self._drain(request.request_id, events, owned=True)
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def close(self) -> None:
+        """Stop the scheduler thread (running requests are abandoned)."""
+        self._stopped.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    async def _drain(self, request_id: str, events: asyncio.Queue, owned: bool) -> AsyncIterator[TokenEvent]:
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = event.finished
+                yield event
+        finally:
+            if owned and not finished:  # the consumer went away: free the request's memory now
+                self._inbox.put(("abort", request_id))
+
+    # ---- the scheduler thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        while not self._stopped.is_set():
+            commands = []
+            if not core.has_work():  # idle: sleep until a command arrives
+                commands.append(self._inbox.get())
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            events: list[TokenEvent] = []
+            for kind, payload in commands:
+                if kind == "add":
+                    events += core.add_request(payload)
+                elif kind == "abort":
+                    events += core.abort(payload)
+            if core.has_work():
+                try:
+                    events += core.step()
+                except Exception as exc:  # noqa: BLE001 - a host-side failure ends the step's requests
+                    log.exception("engine step failed")
+                    for request_id in list(core.requests):
+                        for event in core.abort(request_id):
+                            event.finish_reason, event.error = FINISH_ERROR, f"{type(exc).__name__}: {exc}"
+                            events.append(event)
+            self._stats = core.stats()
+            self._deliver(events)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            with self._lock:
+                target = self._streams.get(event.request_id)
+                if target is not None and event.finished:
+                    del self._streams[event.request_id]
+            if target is None:
+                continue
+            loop, events_queue = target
+            try:
+                loop.call_soon_threadsafe(events_queue.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def create_engine(model_dir: str | os.PathLike | None = None, *, dtype=None, **options) -> AsyncEngine:
+    """Load a checkpoint and start an engine. `options` are EngineConfig fields; kv_dtype "auto"
+    means the model dtype ("bf16") and max_context None the smaller of the model's and 8192."""
+    from infernix_jax.loaded_model import load
+
+    kv_dtype = options.get("kv_dtype")
+    if kv_dtype in (None, "auto"):
+        options["kv_dtype"] = "bf16"
+    model = load(model_dir, dtype=dtype)
+    if options.get("max_context") is None:
+        options["max_context"] = model.max_context
+    options = {k: v for k, v in options.items() if v is not None}
+    config = EngineConfig(**options)
+    core = EngineCore(model.config, model.params, config, model.tokenizer, model.eos_token_ids())
+    return AsyncEngine(core)
