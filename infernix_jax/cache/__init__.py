@@ -14,6 +14,7 @@ from infernix_jax.cache.allocators import (
     OutOfSlots,
     SlotAllocator,
 )
+from infernix_jax.cache.capacity import CapacityError, CapacityPlan, parse_bytes, plan_capacity
 from infernix_jax.cache.kv_formats import KV_FORMATS, KVFormat, get_kv_format
 from infernix_jax.cache.kv_pool import KVPages, KVPool, PagedKV, create_kv_pool, kv_bytes_per_block
 from infernix_jax.cache.sequence import ContiguousKV, GDNState, SequenceCache, init_cache
@@ -22,27 +23,31 @@ from infernix_jax.cache.view import cache_view, commit_view
 
 __all__ = [
     "BLOCK_SIZE",
+    "KV_FORMATS",
     "NULL_BLOCK",
     "SCRATCH_SLOT",
     "BlockAllocator",
-    "OutOfBlocks",
-    "OutOfSlots",
-    "SlotAllocator",
-    "KV_FORMATS",
-    "KVFormat",
-    "get_kv_format",
-    "KVPages",
-    "KVPool",
-    "PagedKV",
-    "create_kv_pool",
-    "kv_bytes_per_block",
+    "CapacityError",
+    "CapacityPlan",
     "ContiguousKV",
     "GDNState",
+    "KVFormat",
+    "KVPages",
+    "KVPool",
+    "OutOfBlocks",
+    "OutOfSlots",
+    "PagedKV",
     "SequenceCache",
-    "init_cache",
+    "SlotAllocator",
     "StatePool",
-    "create_state_pool",
-    "state_bytes_per_slot",
     "cache_view",
     "commit_view",
+    "create_kv_pool",
+    "create_state_pool",
+    "get_kv_format",
+    "init_cache",
+    "kv_bytes_per_block",
+    "parse_bytes",
+    "plan_capacity",
+    "state_bytes_per_slot",
 ]

@@ -54,7 +54,7 @@ class KVPages:
     def num_blocks(self) -> int:
         return self.k_pages.shape[0]
 
-    def view(self, block_table: jax.Array) -> "PagedKV":
+    def view(self, block_table: jax.Array) -> PagedKV:
         """The forward's view of these pages for the rows of `block_table` [B, M]."""
         return PagedKV(self.k_pages, self.v_pages, self.k_scales, self.v_scales, block_table, self.kv_format)
 
@@ -79,7 +79,7 @@ class PagedKV:
         """The storage without the block table (what goes back into the pool)."""
         return KVPages(self.k_pages, self.v_pages, self.k_scales, self.v_scales, self.kv_format)
 
-    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKV":
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> PagedKV:
         """Store k, v [B, T, K, Dh] at positions [B, T].
 
         Positions < 0 (padding), positions past the row's block table, and tokens whose block is

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from infernix_jax.cache import NULL_BLOCK, SCRATCH_SLOT, BlockAllocator, OutOfBlocks, OutOfSlots, SlotAllocator
+from infernix_jax.cache import (
+    NULL_BLOCK,
+    SCRATCH_SLOT,
+    BlockAllocator,
+    OutOfBlocks,
+    OutOfSlots,
+    SlotAllocator,
+)
 
 
 def test_blocks_are_distinct_and_never_the_null_block():

@@ -37,7 +37,9 @@ def test_scale_is_amax_over_format_max_per_token_per_head(name, qmax):
     back = np.asarray(fmt.dequantize(stored, scale, jnp.float32))
     assert np.isfinite(back).all() and not back[0, 0, 0].any()
     # worst-case per-element error: half a step for int8, 2^-4 relative (3 mantissa bits) for e4m3
-    bound = amax[..., None] / 254 if name == "int8" else np.maximum(np.abs(x) / 16, amax[..., None] / 448 / 2**9)
+    bound = (
+        amax[..., None] / 254 if name == "int8" else np.maximum(np.abs(x) / 16, amax[..., None] / 448 / 2**9)
+    )
     assert (np.abs(back - x) <= bound * 1.0001).all()
 
 
@@ -73,7 +75,9 @@ def test_bytes_per_block_match_the_pool():
         assert kv_bytes_per_block(cfg, name, jnp.bfloat16, with_mtp=True) * 3 == total
     per_layer_bf16 = 2 * 64 * 2 * 128 * 2
     assert kv_bytes_per_block(cfg, "bf16") == len(cfg.full_attention_layers) * per_layer_bf16
-    assert kv_bytes_per_block(cfg, "int8") == len(cfg.full_attention_layers) * (per_layer_bf16 // 2 + 2 * 64 * 2 * 4)
+    assert kv_bytes_per_block(cfg, "int8") == len(cfg.full_attention_layers) * (
+        per_layer_bf16 // 2 + 2 * 64 * 2 * 4
+    )
 
 
 def test_unknown_format_is_rejected():

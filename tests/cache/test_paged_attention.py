@@ -70,7 +70,9 @@ def test_paged_equals_contiguous(lengths, chunk):
         paged, out_paged = write_attend(paged, k, v, q, jnp.asarray(pos))
         contiguous, out_ref = write_attend(contiguous, k, v, q, jnp.asarray(pos))
         valid = pos >= 0
-        np.testing.assert_allclose(np.asarray(out_paged)[valid], np.asarray(out_ref)[valid], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(out_paged)[valid], np.asarray(out_ref)[valid], rtol=1e-5, atol=1e-5
+        )
     assert not np.asarray(paged.k_pages[NULL_BLOCK]).any(), "padding must never write the null block"
 
 

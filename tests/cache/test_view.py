@@ -106,7 +106,7 @@ def _run_contiguous(cfg, params, ids):
 
 def test_paged_forward_equals_contiguous_forward(model):
     cfg, params, ids = model
-    paged, kv_pool, state_pool, slots = _run_paged(cfg, params, ids, "bf16")
+    paged, kv_pool, state_pool, _ = _run_paged(cfg, params, ids, "bf16")
     reference = _run_contiguous(cfg, params, ids)
     for (lp, mp, valid), (lr, mr, _) in zip(paged, reference):
         np.testing.assert_allclose(lp[valid], lr[valid], rtol=1e-4, atol=1e-4)
