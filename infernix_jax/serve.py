@@ -23,7 +23,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m infernix_jax.serve",
         description="Serve a Qwen hybrid model over the OpenAI and Anthropic HTTP APIs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     model = parser.add_argument_group("model")
     model.add_argument("--model", required=True, help="model folder (HF checkpoint or converted artifact)")
@@ -32,16 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model id clients send and /v1/models lists (default: the folder name)")
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-concurrency", type=int, default=16, help="requests decoded together at most")
+    engine.add_argument("--max-concurrency", type=int, default=16, help="requests decoded together at most (default: %(default)s)")
     engine.add_argument("--max-context", type=int, default=None,
                         help="context length in tokens (default: the model's)")
     engine.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"],
-                        help="storage format of the KV cache")
-    engine.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill step")
+                        help="storage format of the KV cache (default: %(default)s)")
+    engine.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill step (default: %(default)s)")
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     server.add_argument("--api-key", default=None,
                         help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
     server.add_argument("--max-waiting", type=int, default=0,
@@ -52,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tools = parser.add_argument_group("tools and reasoning")
     tools.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
-                       help="tool-call format (auto: read from the chat template)")
+                       help="tool-call format (default: auto, read from the chat template)")
     tools.add_argument("--tolerant-tool-calls", action="store_true",
                        help="recover tool calls from broken output (missing tags, truncated JSON)")
     tools.add_argument("--reasoning-budget", type=int, default=None,

@@ -1,0 +1,38 @@
+"""The command line: grouped --help, flags into ServerConfig, and the engine seam."""
+
+from __future__ import annotations
+
+import pytest
+
+from infernix_jax import serve
+
+
+def test_help_is_grouped_by_category(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--help"])
+    text = capsys.readouterr().out
+    for group in ("model:", "engine:", "server:", "tools and reasoning:"):
+        assert group in text
+    for flag in ("--model", "--host", "--port", "--served-model-name", "--api-key", "--max-concurrency",
+                 "--max-context", "--kv-dtype", "--prefill-chunk", "--tool-call-parser", "--tolerant-tool-calls",
+                 "--reasoning-budget", "--reasoning-loop"):
+        assert flag in text
+
+
+def test_flags_become_server_config(tmp_path):
+    args = serve.build_parser().parse_args([
+        "--model", str(tmp_path / "Qwen3-Next-80B"), "--api-key", "k", "--tool-call-parser", "qwen3_coder",
+        "--tolerant-tool-calls", "--reasoning-budget", "512", "--reasoning-loop", "--max-waiting", "4"])
+    config = serve.server_config(args)
+    assert config.served_model_name == "Qwen3-Next-80B" and config.api_key == "k"
+    assert config.tool_call_parser == "qwen3_coder" and config.tolerant_tool_calls
+    assert config.reasoning_budget == 512 and config.reasoning_loop and config.max_waiting == 4
+
+
+def test_build_engine_without_engine_package_says_so(tmp_path, monkeypatch):
+    import infernix_jax.engine as engine_package
+
+    monkeypatch.delattr(engine_package, "create_engine", raising=False)
+    args = serve.build_parser().parse_args(["--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match="create_engine"):
+        serve.build_engine(args)
