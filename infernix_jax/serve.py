@@ -31,12 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model id clients send and /v1/models lists (default: the folder name)")
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-concurrency", type=int, default=16, help="requests decoded together at most (default: %(default)s)")
+    engine.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests decoded together at most (default: the engine's, 8)")
     engine.add_argument("--max-context", type=int, default=None,
                         help="context length in tokens (default: the model's)")
-    engine.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp8", "nvfp4"],
+    engine.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "int8", "fp8"],
                         help="storage format of the KV cache (default: %(default)s)")
-    engine.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill step (default: %(default)s)")
+    engine.add_argument("--prefill-chunk", type=int, default=None,
+                        help="most prompt tokens fed in one step (default: the engine's, 4096)")
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default thinking budget in tokens (unlimited when unset)")
     tools.add_argument("--reasoning-loop", action="store_true",
                        help="wrap up thinking that keeps repeating itself")
+    tools.add_argument("--reasoning-wrap-up", default=None,
+                       help="text inserted to close thinking that ran out of budget or looped")
     return parser
 
 
@@ -71,6 +75,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tolerant_tool_calls=args.tolerant_tool_calls,
         reasoning_budget=args.reasoning_budget,
         reasoning_loop=args.reasoning_loop,
+        **({"reasoning_wrap_up": args.reasoning_wrap_up} if args.reasoning_wrap_up else {}),
         max_waiting=args.max_waiting,
         accept_any_model=args.accept_any_model,
     )
@@ -78,15 +83,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def build_engine(args: argparse.Namespace):
     """The real engine for `args`. The one place the command line reaches into infernix_jax.engine."""
-    try:
-        from infernix_jax.engine import create_engine  # noqa: F401  (lands with the engine)
-    except ImportError as exc:
-        raise SystemExit(
-            "infernix_jax.engine does not provide create_engine yet, so there is no engine to serve "
-            f"({exc}). The API server itself is ready; see docs/api.md."
-        ) from None
+    from infernix_jax.engine import create_engine  # imported here: it pulls in JAX and the model
+
     return create_engine(
-        model_dir=args.model, max_concurrency=args.max_concurrency, max_context=args.max_context,
+        args.model, max_concurrency=args.max_concurrency, max_context=args.max_context,
         kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
     )
 

@@ -158,18 +158,19 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None,
     raise bad_request(f"tool_choice type {kind!r} is unknown", param="tool_choice")
 
 
-def _template_kwargs(body: dict) -> dict:
+def _thinking(body: dict) -> tuple[dict, int | None | str]:
+    """(template kwargs, thinking budget) from Anthropic's `thinking` option."""
     thinking = body.get("thinking")
     if thinking is None:
-        return {}
+        return {}, "default"
     if not isinstance(thinking, dict):
         raise bad_request("thinking must be an object", param="thinking")
     kind = thinking.get("type")
     if kind == "disabled":
-        return {"enable_thinking": False}
+        return {"enable_thinking": False}, "default"
     if kind in ("enabled", "adaptive"):
-        fields.get_int(thinking, "budget_tokens", minimum=0)
-        return {"enable_thinking": True}
+        budget = fields.get_int(thinking, "budget_tokens", minimum=0)
+        return {"enable_thinking": True}, "default" if budget is None else budget
     raise bad_request(f"thinking.type {kind!r} is unknown", param="thinking")
 
 
@@ -177,9 +178,10 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
     model = fields.check_model(state, body)
     tools = chat_tools(body.get("tools"))
     tool_choice, forced_name, parallel = _tool_choice(body, tools)
+    template_kwargs, budget = _thinking(body)
     return plan_chat(
         state, model=model, messages=chat_messages(body), tools=tools, tool_choice=tool_choice,
-        forced_name=forced_name, template_kwargs=_template_kwargs(body),
+        forced_name=forced_name, template_kwargs=template_kwargs, thinking_budget=budget,
         max_tokens=fields.get_int(body, "max_tokens", minimum=0),
         sampling_options=dict(
             temperature=fields.get_float(body, "temperature"),
@@ -241,7 +243,8 @@ def _allowed(plan: ChatPlan, events: list) -> list:
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
     request_id = new_request_id("msg")
-    generation = await start_generation(state, request_id, plan.prompt_ids, plan.sampling, arrival)
+    generation = await start_generation(state, request_id, plan.prompt_ids, plan.sampling, arrival,
+                                        plan.new_thinking_watch())
     if fields.get_bool(body, "stream"):
         return Response(_stream(plan, generation), content_type="text/event-stream", headers=SSE_HEADERS)
     outcome = await generation.collect()

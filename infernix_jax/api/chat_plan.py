@@ -11,6 +11,17 @@ from infernix_jax.api.errors import bad_request
 from infernix_jax.api.generation import clamp_max_tokens, make_sampling
 from infernix_jax.api.requests import ChatPlan
 from infernix_jax.api.state import ServerState
+from infernix_jax.api.thinking import EFFORT_BUDGETS, ThinkingPolicy
+
+
+def effort_budget(effort: str | None) -> int | None | str:
+    """The thinking budget of a reasoning_effort level ("default" when no level was given)."""
+    if effort is None:
+        return "default"
+    if effort not in EFFORT_BUDGETS:
+        raise bad_request(f"reasoning effort {effort!r} is not one of {sorted(EFFORT_BUDGETS)}",
+                          param="reasoning_effort")
+    return EFFORT_BUDGETS[effort]
 
 
 def normalize_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[str, str | None]:
@@ -52,9 +63,16 @@ def check_tools(tools) -> list[dict] | None:
 
 def plan_chat(state: ServerState, *, model: str, messages: list[dict], tools: list[dict] | None,
               tool_choice: str, forced_name: str | None, template_kwargs: dict, max_tokens: int | None,
-              sampling_options: dict, parallel_tool_calls: bool = True) -> ChatPlan:
-    """Render and encode the conversation and fix the sampling for one chat request."""
+              sampling_options: dict, parallel_tool_calls: bool = True,
+              thinking_budget: int | None | str = "default") -> ChatPlan:
+    """Render and encode the conversation and fix the sampling for one chat request.
+
+    `thinking_budget` is the request's own budget in tokens, None for unlimited, or "default" for
+    the server's --reasoning-budget.
+    """
     config = state.config
+    budget = config.reasoning_budget if thinking_budget == "default" else thinking_budget
+    thinking = ThinkingPolicy(budget=budget, detect_loops=config.reasoning_loop, wrap_up=config.reasoning_wrap_up)
     rendered_tools = None if tool_choice == "none" else tools
     prompt = chat_support.render_prompt(state.tokenizer, messages, rendered_tools, template_kwargs)
     parser = chat_support.tool_parser_name(state.tokenizer, config.tool_call_parser)
@@ -68,5 +86,5 @@ def plan_chat(state: ServerState, *, model: str, messages: list[dict], tools: li
         tools=rendered_tools, parser_name=parser, tolerant=config.tolerant_tool_calls,
         starts_in_reasoning=not forced and chat_support.prompt_opens_thinking(prompt),
         forced_prefix=forced, parallel_tool_calls=parallel_tool_calls,
-        stop_sequences=tuple(sampling_options.get("stop") or ()),
+        stop_sequences=tuple(sampling_options.get("stop") or ()), thinking=thinking,
     )

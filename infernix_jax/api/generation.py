@@ -10,17 +10,21 @@ and state slot are freed at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from infernix_jax.api import chat_support
 from infernix_jax.api.errors import ApiError, bad_request
 from infernix_jax.api.state import ServerState
+from infernix_jax.api.thinking import ThinkingWatch
 from infernix_jax.engine.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
+    FINISH_LENGTH,
     GenerationRequest,
     SamplingParams,
     TokenEvent,
@@ -49,17 +53,29 @@ class GenerationOutcome:
 
 
 class Generation:
-    """The event stream of one submitted request; iterate it exactly once."""
+    """The event stream of one submitted request; iterate it exactly once.
+
+    With a `ThinkingWatch`, thinking that runs past its budget (or loops) is wrapped up: the engine
+    request is aborted and continued from prompt + generated tokens + the wrap-up text, and the
+    events carry on as one stream (completion_tokens counts the inserted tokens too).
+    """
 
     def __init__(self, state: ServerState, request: GenerationRequest,
-                 stream: AsyncIterator[TokenEvent], first: TokenEvent) -> None:
+                 stream: AsyncIterator[TokenEvent], first: TokenEvent,
+                 thinking: ThinkingWatch | None = None) -> None:
         self.state = state
         self.request = request
         self._stream = stream
         self._first: TokenEvent | None = first
-        self.finished = first.finished
+        self.finished = False
         self._last_token_time: float | None = None
         self._abort_task: asyncio.Task | None = None
+        self._thinking = thinking if thinking is not None and thinking.policy.active else None
+        self._engine_id = request.request_id  # the engine request now running (changes on a wrap-up)
+        self._generated: list[int] = []  # every completion token so far, inserted ones included
+        self._offset = 0  # completion tokens before the running engine request started
+        self._cached_tokens = first.cached_tokens
+        self._wrap_ups = 0
 
     @property
     def request_id(self) -> str:
@@ -68,15 +84,23 @@ class Generation:
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The engine's events, ending with the finished one; aborts the request if abandoned."""
         try:
-            if self._first is not None:
-                first, self._first = self._first, None
-                self._record(first)
-                yield first
             while not self.finished:
-                event = await self._stream.__anext__()
+                if self._first is not None:
+                    event, self._first = self._first, None
+                else:
+                    event = await self._stream.__anext__()
+                event = self._as_one_stream(event)
                 self.finished = event.finished
+                self._generated.extend(event.token_ids)
                 self._record(event)
                 yield event
+                watch = self._thinking
+                if not event.finished and watch is not None and watch.observe(event.token_ids, event.text):
+                    closing = await self._wrap_up_thinking(watch)
+                    self.finished = closing.finished
+                    self._generated.extend(closing.token_ids)
+                    self._record(closing)
+                    yield closing
         except StopAsyncIteration:
             self.finished = True
             raise ApiError(500, "the engine ended the stream without a final event") from None
@@ -84,11 +108,46 @@ class Generation:
             if not self.finished:
                 await self.abort()
 
+    def _as_one_stream(self, event: TokenEvent) -> TokenEvent:
+        """After a wrap-up, the continuation's counts as if it were the original request."""
+        if self._offset == 0:
+            return event
+        return dataclasses.replace(
+            event, request_id=self.request_id, prompt_tokens=len(self.request.prompt_token_ids),
+            cached_tokens=self._cached_tokens, completion_tokens=event.completion_tokens + self._offset)
+
+    async def _wrap_up_thinking(self, watch: ThinkingWatch) -> TokenEvent:
+        """Stop the running request and continue it after a wrap-up message that closes the thinking."""
+        log.info("%s: wrapping up thinking (%s after %d tokens)", self.request_id, watch.reason,
+                 watch.reasoning_tokens)
+        await self.state.engine.abort(self._engine_id)
+        await _drain(self._stream)
+        text = watch.policy.closing_text()
+        closing_ids = chat_support.encode(self.state.tokenizer, text)
+        generated = len(self._generated) + len(closing_ids)
+        remaining = self.request.sampling.max_tokens - generated
+        event = TokenEvent(request_id=self.request_id, token_ids=closing_ids, text=text,
+                           prompt_tokens=len(self.request.prompt_token_ids), cached_tokens=self._cached_tokens,
+                           completion_tokens=generated)
+        if remaining <= 0:
+            event.finish_reason = FINISH_LENGTH
+            return event
+        self._wrap_ups += 1
+        self._engine_id = f"{self.request_id}-wrapup{self._wrap_ups}"
+        self._offset = generated
+        continuation = GenerationRequest(
+            request_id=self._engine_id,
+            prompt_token_ids=[*self.request.prompt_token_ids, *self._generated, *closing_ids],
+            sampling=self.request.sampling.replace(max_tokens=remaining),
+            constraint=self.request.constraint, arrival_time=self.request.arrival_time)
+        self._stream = aiter(self.state.engine.submit(continuation))
+        return event
+
     async def abort(self) -> None:
         """Tell the engine to drop this request (idempotent; survives the caller being cancelled)."""
         if self._abort_task is None:
             log.info("aborting %s (client gone)", self.request_id)
-            self._abort_task = asyncio.ensure_future(self.state.engine.abort(self.request_id))
+            self._abort_task = asyncio.ensure_future(self.state.engine.abort(self._engine_id))
             self.state.metrics.finished.labels(FINISH_ABORT).inc()
         try:
             await asyncio.shield(self._abort_task)
@@ -153,8 +212,23 @@ def make_sampling(**options) -> SamplingParams:
         raise bad_request(str(exc)) from None
 
 
+async def _drain(stream: AsyncIterator[TokenEvent], timeout_s: float = 10.0) -> None:
+    """Read an aborted request's stream to its final event, so the engine can let it go."""
+
+    async def read_to_end() -> None:
+        async for event in stream:
+            if event.finished:
+                return
+
+    try:
+        await asyncio.wait_for(read_to_end(), timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("an aborted request did not end within %.0f s", timeout_s)
+
+
 async def start_generation(state: ServerState, request_id: str, prompt_ids: list[int],
-                           sampling: SamplingParams, arrival_time: float) -> Generation:
+                           sampling: SamplingParams, arrival_time: float,
+                           thinking: ThinkingWatch | None = None) -> Generation:
     """Submit a request and wait for its first event; engine rejections become 4xx errors."""
     if not prompt_ids:
         raise bad_request("the prompt is empty")
@@ -180,4 +254,4 @@ async def start_generation(state: ServerState, request_id: str, prompt_ids: list
     if first.finish_reason == FINISH_ERROR and not first.token_ids:
         state.metrics.finished.labels(FINISH_ERROR).inc()
         raise bad_request(first.error or "the engine rejected the request")
-    return Generation(state, request, stream, first)
+    return Generation(state, request, stream, first, thinking)

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from quart import Response, jsonify
 
 from infernix_jax.api import chat_support, fields
-from infernix_jax.api.chat_plan import check_tools, normalize_tool_choice, plan_chat
+from infernix_jax.api.chat_plan import check_tools, effort_budget, normalize_tool_choice, plan_chat
 from infernix_jax.api.chat_support import ContentDelta, ReasoningDelta, ToolCallDelta, collect_events
 from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import Generation, new_request_id, start_generation
@@ -76,8 +76,6 @@ def template_kwargs_for(body: dict) -> dict:
     kwargs = dict(kwargs)
     effort = body.get("reasoning_effort")
     if effort is not None:
-        if effort not in ("none", "minimal", "low", "medium", "high", "xhigh"):
-            raise bad_request(f"reasoning_effort {effort!r} is not a known level", param="reasoning_effort")
         if effort in ("none", "minimal"):
             kwargs.setdefault("enable_thinking", False)
     return kwargs
@@ -130,6 +128,7 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
         tool_choice=tool_choice, forced_name=forced_name, template_kwargs=template_kwargs_for(body),
         max_tokens=max_tokens, sampling_options=sampling_options(body),
         parallel_tool_calls=fields.get_bool(body, "parallel_tool_calls", default=True),
+        thinking_budget=effort_budget(body.get("reasoning_effort")),
     )
 
 
@@ -186,7 +185,8 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     stream_options = body.get("stream_options") or {}
     include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
     request_id = new_request_id("chatcmpl")
-    generation = await start_generation(state, request_id, plan.prompt_ids, plan.sampling, arrival)
+    generation = await start_generation(state, request_id, plan.prompt_ids, plan.sampling, arrival,
+                                        plan.new_thinking_watch())
     if stream:
         body_iter = _stream(state, plan, generation, include_usage)
         return Response(body_iter, content_type="text/event-stream", headers=SSE_HEADERS)

@@ -10,7 +10,7 @@ from quart import Response, jsonify
 
 from infernix_jax.api import fields
 from infernix_jax.api.blocks import REASONING, TEXT, TOOL, Block, BlockTracker, Step
-from infernix_jax.api.chat_plan import check_tools, normalize_tool_choice, plan_chat
+from infernix_jax.api.chat_plan import check_tools, effort_budget, normalize_tool_choice, plan_chat
 from infernix_jax.api.chat_support import limit_tool_calls
 from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import Generation, new_request_id, start_generation
@@ -120,6 +120,7 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
                               top_p=fields.get_float(body, "top_p"),
                               seed=fields.get_int(body, "seed")),
         parallel_tool_calls=fields.get_bool(body, "parallel_tool_calls", default=True),
+        thinking_budget=effort_budget((body.get("reasoning") or {}).get("effort")),
     )
 
 
@@ -181,7 +182,8 @@ def _reasoning_token_estimate(blocks: list[Block], tokenizer) -> int:
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
     response_id = new_request_id("resp")
-    generation = await start_generation(state, response_id, plan.prompt_ids, plan.sampling, arrival)
+    generation = await start_generation(state, response_id, plan.prompt_ids, plan.sampling, arrival,
+                                        plan.new_thinking_watch())
     created = int(time.time())
     if fields.get_bool(body, "stream"):
         return Response(_stream(state, plan, body, generation, created),

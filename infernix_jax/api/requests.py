@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infernix_jax.api.chat_support import OutputParser
+from infernix_jax.api.thinking import ThinkingPolicy, ThinkingWatch
 from infernix_jax.engine.protocol import SamplingParams
 
 
@@ -23,7 +24,14 @@ class ChatPlan:
     forced_prefix: str = ""  # assistant text appended to the prompt to force a tool call
     parallel_tool_calls: bool = True
     stop_sequences: tuple[str, ...] = field(default_factory=tuple)
+    thinking: ThinkingPolicy = field(default_factory=ThinkingPolicy)
 
     def new_parser(self) -> OutputParser:
         return OutputParser(self.tools, self.parser_name, self.tolerant,
                             starts_in_reasoning=self.starts_in_reasoning, forced_prefix=self.forced_prefix)
+
+    def new_thinking_watch(self) -> ThinkingWatch | None:
+        """A watch over the thinking of one generation, or None when nothing limits it."""
+        if not self.thinking.active or self.forced_prefix:
+            return None
+        return ThinkingWatch(self.thinking, self.starts_in_reasoning)

@@ -29,10 +29,14 @@ def test_flags_become_server_config(tmp_path):
     assert config.reasoning_budget == 512 and config.reasoning_loop and config.max_waiting == 4
 
 
-def test_build_engine_without_engine_package_says_so(tmp_path, monkeypatch):
+def test_build_engine_passes_engine_flags_to_create_engine(tmp_path, monkeypatch):
     import infernix_jax.engine as engine_package
 
-    monkeypatch.delattr(engine_package, "create_engine", raising=False)
-    args = serve.build_parser().parse_args(["--model", str(tmp_path)])
-    with pytest.raises(SystemExit, match="create_engine"):
-        serve.build_engine(args)
+    calls = []
+    monkeypatch.setattr(engine_package, "create_engine", lambda *a, **kw: calls.append((a, kw)) or "engine",
+                        raising=False)
+    args = serve.build_parser().parse_args(["--model", str(tmp_path), "--max-concurrency", "4",
+                                            "--max-context", "1024", "--kv-dtype", "fp8"])
+    assert serve.build_engine(args) == "engine"
+    assert calls == [((str(tmp_path),), {"max_concurrency": 4, "max_context": 1024, "kv_dtype": "fp8",
+                                          "prefill_chunk": None})]
