@@ -7,8 +7,9 @@ Three ways to size the KV pool (state slots are always `max_concurrency` + the s
   the state slots are taken first and the rest becomes KV blocks.
 - an explicit ``max_context``: exactly max_concurrency * ceil(max_context / 64) blocks (+ the
   null block), so every admitted sequence can reach max_context; an error if that does not fit.
-- ``kv_capacity`` as a byte size (an int, or a string such as "24GiB" / "500MB"): that many
-  bytes of KV blocks, whatever the budget says beyond checking it fits.
+- ``kv_capacity`` explicit: an int (or a string of digits) is a number of usable blocks, as
+  `EngineConfig.kv_capacity` means it; a string with a unit ("24GiB", "500MB") is a byte budget
+  for the KV blocks. Either is checked against the memory budget.
 
 The safety margin covers what is not weights, KV or state: XLA's workspace, the activations of
 the largest bucket (a 4096-token prefill chunk, the MoE dispatch buffers), logits and fragmentation.
@@ -53,7 +54,7 @@ class CapacityPlan:
     bytes_state: int  # num_slots * bytes_per_slot
     max_concurrency: int  # sequences running at once
     max_context: int  # tokens one sequence may reach (prompt + output)
-    mode: str  # "auto", "max_context" or "bytes": how num_blocks was chosen
+    mode: str  # "auto", "max_context", "blocks" or "bytes": how num_blocks was chosen
     weights_bytes: int
     device_bytes: int
     gpu_memory_utilization: float
@@ -80,6 +81,7 @@ class CapacityPlan:
         how = {
             "auto": "filling the memory the weights leave",
             "max_context": f"sized for {self.max_concurrency} sequences of {self.max_context:,} tokens",
+            "blocks": "sized by the kv_capacity block count",
             "bytes": "sized by the kv_capacity byte budget",
         }[self.mode]
         per_seq = self.token_capacity // max(self.max_concurrency, 1)
@@ -134,9 +136,12 @@ def plan_capacity(
     num_slots = max_concurrency + RESERVED_SLOTS
     bytes_state = num_slots * per_slot
     budget = _budget(device_bytes, gpu_memory_utilization, weights_bytes, safety_margin_bytes)
-    explicit_bytes = None if kv_capacity == "auto" else parse_bytes(kv_capacity)
+    explicit_blocks, explicit_bytes = _explicit_capacity(kv_capacity)
 
-    if explicit_bytes is not None:
+    if explicit_blocks is not None:
+        mode = "blocks"
+        num_blocks = explicit_blocks + RESERVED_BLOCKS
+    elif explicit_bytes is not None:
         mode = "bytes"
         num_blocks = explicit_bytes // per_block if per_block else RESERVED_BLOCKS + max_concurrency
     elif max_context is not None:
@@ -195,6 +200,20 @@ def parse_bytes(value: str | int) -> int:
     if size <= 0:
         raise ValueError(f"byte size must be positive, got {value!r}")
     return size
+
+
+def _explicit_capacity(kv_capacity: str | int) -> tuple[int | None, int | None]:
+    """("auto" -> (None, None)), a block count -> (blocks, None), a byte size with a unit -> (None, bytes)."""
+    if kv_capacity == "auto":
+        return None, None
+    if isinstance(kv_capacity, int) or str(kv_capacity).strip().isdigit():
+        blocks = int(kv_capacity)
+        if blocks < 1:
+            raise ValueError(
+                f"kv_capacity must be 'auto', a positive block count or a byte size, got {kv_capacity!r}"
+            )
+        return blocks, None
+    return None, parse_bytes(kv_capacity)
 
 
 def _budget(device_bytes: int, utilization: float, weights_bytes: int, margin: int) -> int:

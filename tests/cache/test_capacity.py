@@ -69,9 +69,13 @@ def test_plan_that_does_not_fit_is_an_error(big_cfg):
         plan_capacity(big_cfg, 130 * GiB, 141 * GiB)  # weights leave nothing
 
 
-def test_kv_capacity_in_bytes(big_cfg):
+def test_kv_capacity_as_blocks_or_bytes(big_cfg):
     plan = plan_capacity(big_cfg, 80 * GiB, 141 * GiB, "bf16", kv_capacity="6GiB")
     assert plan.mode == "bytes" and plan.num_blocks == 6 * GiB // plan.bytes_per_block == 4096
+    plan = plan_capacity(big_cfg, 80 * GiB, 141 * GiB, "bf16", kv_capacity=1000)
+    assert plan.mode == "blocks" and plan.usable_blocks == 1000 and plan.num_blocks == 1001
+    with pytest.raises(CapacityError):
+        plan_capacity(big_cfg, 80 * GiB, 141 * GiB, "bf16", kv_capacity=100_000)  # 146 GiB of bf16 KV
     assert parse_bytes("500MB") == 500 * 10**6 and parse_bytes("1.5gib") == 3 * 2**29
     with pytest.raises(ValueError):
         parse_bytes("lots")
