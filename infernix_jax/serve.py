@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from infernix_jax.api.config import ServerConfig
 
@@ -27,41 +27,80 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_argument_group("model")
     model.add_argument("--model", required=True, help="model folder (HF checkpoint or converted artifact)")
     model.add_argument("--tokenizer", default=None, help="tokenizer folder, when not the model folder")
-    model.add_argument("--served-model-name", default=None,
-                       help="model id clients send and /v1/models lists (default: the folder name)")
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send and /v1/models lists (default: the folder name)",
+    )
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-concurrency", type=int, default=None,
-                        help="requests decoded together at most (default: the engine's, 8)")
-    engine.add_argument("--max-context", type=int, default=None,
-                        help="context length in tokens (default: the model's)")
-    engine.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "int8", "fp8"],
-                        help="storage format of the KV cache (default: %(default)s)")
-    engine.add_argument("--prefill-chunk", type=int, default=None,
-                        help="most prompt tokens fed in one step (default: the engine's, 4096)")
+    engine.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests decoded together at most (default: the engine's, 8)",
+    )
+    engine.add_argument(
+        "--max-context", type=int, default=None, help="context length in tokens (default: the model's)"
+    )
+    engine.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "bf16", "int8", "fp8"],
+        help="storage format of the KV cache (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="most prompt tokens fed in one step (default: the engine's, 4096)",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    server.add_argument("--api-key", default=None,
-                        help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
-    server.add_argument("--max-waiting", type=int, default=0,
-                        help="answer 503 + Retry-After when this many requests already wait (0: no limit)")
-    server.add_argument("--accept-any-model", action="store_true",
-                        help="answer requests naming any model (clients with fixed model names)")
+    server.add_argument(
+        "--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key: KEY)"
+    )
+    server.add_argument(
+        "--max-waiting",
+        type=int,
+        default=0,
+        help="answer 503 + Retry-After when this many requests already wait (0: no limit)",
+    )
+    server.add_argument(
+        "--accept-any-model",
+        action="store_true",
+        help="answer requests naming any model (clients with fixed model names)",
+    )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     tools = parser.add_argument_group("tools and reasoning")
-    tools.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_coder"],
-                       help="tool-call format (default: auto, read from the chat template)")
-    tools.add_argument("--tolerant-tool-calls", action="store_true",
-                       help="recover tool calls from broken output (missing tags, truncated JSON)")
-    tools.add_argument("--reasoning-budget", type=int, default=None,
-                       help="default thinking budget in tokens (unlimited when unset)")
-    tools.add_argument("--reasoning-loop", action="store_true",
-                       help="wrap up thinking that keeps repeating itself")
-    tools.add_argument("--reasoning-wrap-up", default=None,
-                       help="text inserted to close thinking that ran out of budget or looped")
+    tools.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "qwen3_coder"],
+        help="tool-call format (default: auto, read from the chat template)",
+    )
+    tools.add_argument(
+        "--tolerant-tool-calls",
+        action="store_true",
+        help="recover tool calls from broken output (missing tags, truncated JSON)",
+    )
+    tools.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=None,
+        help="default thinking budget in tokens (unlimited when unset)",
+    )
+    tools.add_argument(
+        "--reasoning-loop", action="store_true", help="wrap up thinking that keeps repeating itself"
+    )
+    tools.add_argument(
+        "--reasoning-wrap-up",
+        default=None,
+        help="text inserted to close thinking that ran out of budget or looped",
+    )
     return parser
 
 
@@ -86,8 +125,11 @@ def build_engine(args: argparse.Namespace):
     from infernix_jax.engine import create_engine  # imported here: it pulls in JAX and the model
 
     return create_engine(
-        args.model, max_concurrency=args.max_concurrency, max_context=args.max_context,
-        kv_dtype=args.kv_dtype, prefill_chunk=args.prefill_chunk,
+        args.model,
+        max_concurrency=args.max_concurrency,
+        max_context=args.max_context,
+        kv_dtype=args.kv_dtype,
+        prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -123,7 +165,12 @@ async def _main_async(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, shutdown.set)
         except NotImplementedError:  # platforms without loop signal handlers
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(shutdown.set))
-    log.info("ready: http://%s:%d (model %s)", args.host, args.port, app.extensions["infernix"].config.served_model_name)
+    log.info(
+        "ready: http://%s:%d (model %s)",
+        args.host,
+        args.port,
+        app.extensions["infernix"].config.served_model_name,
+    )
     await serve_app(app, args.host, args.port, shutdown)
     close = getattr(engine, "close", None)
     if close is not None:
@@ -135,7 +182,9 @@ async def _main_async(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     asyncio.run(_main_async(args))
     return 0
 

@@ -8,4 +8,4 @@ response and stream shapes.
 from infernix_jax.api.app import create_app
 from infernix_jax.api.config import ServerConfig
 
-__all__ = ["create_app", "ServerConfig"]
+__all__ = ["ServerConfig", "create_app"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from quart import Response, jsonify
 
@@ -86,9 +86,16 @@ def _assistant_message(content: list, where: str) -> dict:
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"),
-                                       "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": block.get("name"),
+                        "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False),
+                    },
+                }
+            )
         else:
             raise not_supported(f"assistant content block type {kind!r}", param=f"{where}.content")
     out["content"] = "".join(texts)
@@ -128,8 +135,16 @@ def chat_tools(tools) -> list[dict] | None:
             raise bad_request("each tool needs a name", param="tools")
         if "input_schema" not in tool:
             continue  # Anthropic-hosted tools (web search, ...) have no schema and cannot run here
-        out.append({"type": "function", "function": {
-            "name": tool["name"], "description": tool.get("description", ""), "parameters": tool["input_schema"]}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool["name"],
+                    "description": tool.get("description", ""),
+                    "parameters": tool["input_schema"],
+                },
+            }
+        )
     return out or None
 
 
@@ -153,7 +168,9 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> tuple[str, str | None,
     if kind == "tool":
         name = choice.get("name")
         if name not in {t["function"]["name"] for t in tools}:
-            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+            raise bad_request(
+                f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+            )
         return "required", name, parallel
     raise bad_request(f"tool_choice type {kind!r} is unknown", param="tool_choice")
 
@@ -180,15 +197,21 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
     tool_choice, forced_name, parallel = _tool_choice(body, tools)
     template_kwargs, budget = _thinking(body)
     return plan_chat(
-        state, model=model, messages=chat_messages(body), tools=tools, tool_choice=tool_choice,
-        forced_name=forced_name, template_kwargs=template_kwargs, thinking_budget=budget,
+        state,
+        model=model,
+        messages=chat_messages(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_name=forced_name,
+        template_kwargs=template_kwargs,
+        thinking_budget=budget,
         max_tokens=fields.get_int(body, "max_tokens", minimum=0),
-        sampling_options=dict(
-            temperature=fields.get_float(body, "temperature"),
-            top_p=fields.get_float(body, "top_p"),
-            top_k=fields.get_int(body, "top_k", minimum=0),
-            stop=fields.get_stop(body, "stop_sequences") or None,
-        ),
+        sampling_options={
+            "temperature": fields.get_float(body, "temperature"),
+            "top_p": fields.get_float(body, "top_p"),
+            "top_k": fields.get_int(body, "top_k", minimum=0),
+            "stop": fields.get_stop(body, "stop_sequences") or None,
+        },
         parallel_tool_calls=parallel,
     )
 
@@ -197,7 +220,9 @@ def count_tokens(state: ServerState, body: dict) -> int:
     return len(plan_from_body(state, body).prompt_ids)
 
 
-def stop_reason(engine_reason: str, stop: str | int | None, plan: ChatPlan, has_tool_use: bool) -> tuple[str, str | None]:
+def stop_reason(
+    engine_reason: str, stop: str | int | None, plan: ChatPlan, has_tool_use: bool
+) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) in Anthropic's terms."""
     if has_tool_use:
         return "tool_use", None
@@ -210,8 +235,12 @@ def stop_reason(engine_reason: str, stop: str | int | None, plan: ChatPlan, has_
 
 def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
     """Anthropic counts cache reads apart: input_tokens are the prompt tokens that were not cached."""
-    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
-            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def tool_use_id(call_id: str | None) -> str:
@@ -231,8 +260,12 @@ def content_block(block: Block) -> dict:
     if block.kind == REASONING:
         return {"type": "thinking", "thinking": block.text, "signature": ""}
     if block.kind == TOOL:
-        return {"type": "tool_use", "id": tool_use_id(block.call_id), "name": block.name,
-                "input": _tool_input(block.text)}
+        return {
+            "type": "tool_use",
+            "id": tool_use_id(block.call_id),
+            "name": block.name,
+            "input": _tool_input(block.text),
+        }
     return {"type": "text", "text": block.text}
 
 
@@ -243,22 +276,31 @@ def _allowed(plan: ChatPlan, events: list) -> list:
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
     request_id = new_request_id("msg")
-    generation = await start_generation(state, request_id, plan.prompt_ids, plan.sampling, arrival,
-                                        plan.new_thinking_watch())
+    generation = await start_generation(
+        state, request_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch()
+    )
     if fields.get_bool(body, "stream"):
         return Response(_stream(plan, generation), content_type="text/event-stream", headers=SSE_HEADERS)
     outcome = await generation.collect()
     parser, tracker = plan.new_parser(), BlockTracker()
     tracker.feed(_allowed(plan, [*parser.feed(outcome.text), *parser.finish()]))
-    blocks = [b for b in tracker.blocks if not (b.kind == TEXT and not b.text.strip() and len(tracker.blocks) > 1)]
+    blocks = [
+        b for b in tracker.blocks if not (b.kind == TEXT and not b.text.strip() and len(tracker.blocks) > 1)
+    ]
     has_tool_use = any(b.kind == TOOL for b in blocks)
     reason, sequence = stop_reason(outcome.finish_reason, outcome.stop_reason, plan, has_tool_use)
-    return jsonify({
-        "id": request_id, "type": "message", "role": "assistant", "model": plan.model,
-        "content": [content_block(b) for b in blocks],
-        "stop_reason": reason, "stop_sequence": sequence,
-        "usage": usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens),
-    })
+    return jsonify(
+        {
+            "id": request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": plan.model,
+            "content": [content_block(b) for b in blocks],
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens),
+        }
+    )
 
 
 async def _stream(plan: ChatPlan, generation: Generation) -> AsyncIterator[bytes]:
@@ -268,10 +310,22 @@ async def _stream(plan: ChatPlan, generation: Generation) -> AsyncIterator[bytes
     async for event in generation.events():
         if first:
             first = False
-            yield sse_event("message_start", {"type": "message_start", "message": {
-                "id": generation.request_id, "type": "message", "role": "assistant", "model": plan.model,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": usage(event.prompt_tokens, event.cached_tokens, 0)}})
+            yield sse_event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": generation.request_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": plan.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": usage(event.prompt_tokens, event.cached_tokens, 0),
+                    },
+                },
+            )
         events = parser.feed(event.text)
         if event.finished:
             events += parser.finish()
@@ -283,13 +337,23 @@ async def _stream(plan: ChatPlan, generation: Generation) -> AsyncIterator[bytes
             yield _step_event(step)
         if event.finished:
             if event.finish_reason == FINISH_ERROR:
-                yield sse_event("error", {"type": "error", "error": {
-                    "type": "api_error", "message": event.error or "generation failed"}})
+                yield sse_event(
+                    "error",
+                    {
+                        "type": "error",
+                        "error": {"type": "api_error", "message": event.error or "generation failed"},
+                    },
+                )
                 return
             reason, sequence = stop_reason(event.finish_reason, event.stop_reason, plan, has_tool_use)
-            yield sse_event("message_delta", {
-                "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)})
+            yield sse_event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens),
+                },
+            )
             yield sse_event("message_stop", {"type": "message_stop"})
 
 
@@ -297,8 +361,10 @@ def _step_event(step: Step) -> bytes:
     block = step.block
     if step.action == "open":
         start = content_block(Block(block.index, block.kind, "", block.call_id, block.name))
-        return sse_event("content_block_start", {"type": "content_block_start", "index": block.index,
-                                                 "content_block": start})
+        return sse_event(
+            "content_block_start",
+            {"type": "content_block_start", "index": block.index, "content_block": start},
+        )
     if step.action == "close":
         return sse_event("content_block_stop", {"type": "content_block_stop", "index": block.index})
     if block.kind == REASONING:
@@ -307,4 +373,6 @@ def _step_event(step: Step) -> bytes:
         delta = {"type": "input_json_delta", "partial_json": step.text}
     else:
         delta = {"type": "text_delta", "text": step.text}
-    return sse_event("content_block_delta", {"type": "content_block_delta", "index": block.index, "delta": delta})
+    return sse_event(
+        "content_block_delta", {"type": "content_block_delta", "index": block.index, "delta": delta}
+    )

@@ -27,7 +27,7 @@ from infernix_jax.api.metrics import CONTENT_TYPE, ServerMetrics
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import Engine
 
-__all__ = ["create_app", "ServerConfig"]
+__all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,11 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None) ->
     @app.before_request
     async def _authorize():
         if not is_authorized(request.headers, request.path, config.api_key):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY or x-api-key: KEY)",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "invalid or missing API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                code="invalid_api_key",
+            )
 
     @app.after_request
     async def _count(response: Response) -> Response:
@@ -97,8 +100,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None) ->
         return _error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}"))
 
     for path, handler in _GENERATION_ROUTES.items():
-        app.add_url_rule(path, view_func=_generation_view(state, handler), methods=["POST"],
-                         endpoint=path)
+        app.add_url_rule(path, view_func=_generation_view(state, handler), methods=["POST"], endpoint=path)
 
     @app.post("/v1/messages/count_tokens")
     async def _count_tokens():
@@ -108,8 +110,15 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None) ->
     @app.get("/health")
     async def _health():
         stats = engine.stats()
-        return jsonify({"status": "ok", "running": stats.running, "waiting": stats.waiting,
-                        "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total})
+        return jsonify(
+            {
+                "status": "ok",
+                "running": stats.running,
+                "waiting": stats.waiting,
+                "kv_blocks_used": stats.kv_blocks_used,
+                "kv_blocks_total": stats.kv_blocks_total,
+            }
+        )
 
     @app.get("/v1/models")
     async def _models():
@@ -141,7 +150,9 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None) ->
         body = await read_json()
         fields.check_model(state, body)
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
             raise bad_request("tokens must be a list of integers", param="tokens")
         return jsonify({"prompt": chat_support.decode(tokenizer, tokens)})
 
@@ -153,8 +164,13 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None) ->
 
 
 def _model_card(state: ServerState, name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "infernix",
-            "max_model_len": state.engine.max_context}
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "infernix",
+        "max_model_len": state.engine.max_context,
+    }
 
 
 def _generation_view(state: ServerState, handler):

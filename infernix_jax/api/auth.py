@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from typing import Mapping
+from collections.abc import Mapping
 
 # Routes that stay open without a key, so probes and scrapers need no secret.
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})

@@ -19,8 +19,9 @@ def effort_budget(effort: str | None) -> int | None | str:
     if effort is None:
         return "default"
     if effort not in EFFORT_BUDGETS:
-        raise bad_request(f"reasoning effort {effort!r} is not one of {sorted(EFFORT_BUDGETS)}",
-                          param="reasoning_effort")
+        raise bad_request(
+            f"reasoning effort {effort!r} is not one of {sorted(EFFORT_BUDGETS)}", param="reasoning_effort"
+        )
     return EFFORT_BUDGETS[effort]
 
 
@@ -30,8 +31,10 @@ def normalize_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[str, s
         return "auto", None
     if isinstance(tool_choice, str):
         if tool_choice not in ("auto", "none", "required"):
-            raise bad_request(f"tool_choice must be auto, none, required or a function, got {tool_choice!r}",
-                              param="tool_choice")
+            raise bad_request(
+                f"tool_choice must be auto, none, required or a function, got {tool_choice!r}",
+                param="tool_choice",
+            )
         if tool_choice == "required" and not tools:
             raise bad_request('tool_choice "required" needs tools', param="tool_choice")
         return tool_choice, None
@@ -43,7 +46,9 @@ def normalize_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[str, s
             raise bad_request("tool_choice names no function", param="tool_choice")
         known = {t["function"]["name"] for t in tools or ()}
         if name not in known:
-            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+            raise bad_request(
+                f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+            )
         return "required", name
     raise bad_request("tool_choice has an unknown form", param="tool_choice")
 
@@ -57,14 +62,26 @@ def check_tools(tools) -> list[dict] | None:
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request('each tool must be {"type": "function", "function": {"name": ...}}', param="tools")
+            raise bad_request(
+                'each tool must be {"type": "function", "function": {"name": ...}}', param="tools"
+            )
     return tools
 
 
-def plan_chat(state: ServerState, *, model: str, messages: list[dict], tools: list[dict] | None,
-              tool_choice: str, forced_name: str | None, template_kwargs: dict, max_tokens: int | None,
-              sampling_options: dict, parallel_tool_calls: bool = True,
-              thinking_budget: int | None | str = "default") -> ChatPlan:
+def plan_chat(
+    state: ServerState,
+    *,
+    model: str,
+    messages: list[dict],
+    tools: list[dict] | None,
+    tool_choice: str,
+    forced_name: str | None,
+    template_kwargs: dict,
+    max_tokens: int | None,
+    sampling_options: dict,
+    parallel_tool_calls: bool = True,
+    thinking_budget: int | None | str = "default",
+) -> ChatPlan:
     """Render and encode the conversation and fix the sampling for one chat request.
 
     `thinking_budget` is the request's own budget in tokens, None for unlimited, or "default" for
@@ -72,7 +89,9 @@ def plan_chat(state: ServerState, *, model: str, messages: list[dict], tools: li
     """
     config = state.config
     budget = config.reasoning_budget if thinking_budget == "default" else thinking_budget
-    thinking = ThinkingPolicy(budget=budget, detect_loops=config.reasoning_loop, wrap_up=config.reasoning_wrap_up)
+    thinking = ThinkingPolicy(
+        budget=budget, detect_loops=config.reasoning_loop, wrap_up=config.reasoning_wrap_up
+    )
     rendered_tools = None if tool_choice == "none" else tools
     prompt = chat_support.render_prompt(state.tokenizer, messages, rendered_tools, template_kwargs)
     parser = chat_support.tool_parser_name(state.tokenizer, config.tool_call_parser)
@@ -80,11 +99,20 @@ def plan_chat(state: ServerState, *, model: str, messages: list[dict], tools: li
     if rendered_tools and tool_choice == "required":
         forced = chat_support.forced_tool_prefix(parser, forced_name)
     prompt_ids = chat_support.encode(state.tokenizer, prompt + forced)
-    sampling = make_sampling(max_tokens=clamp_max_tokens(state, len(prompt_ids), max_tokens), **sampling_options)
+    sampling = make_sampling(
+        max_tokens=clamp_max_tokens(state, len(prompt_ids), max_tokens), **sampling_options
+    )
     return ChatPlan(
-        model=model, prompt_text=prompt + forced, prompt_ids=prompt_ids, sampling=sampling,
-        tools=rendered_tools, parser_name=parser, tolerant=config.tolerant_tool_calls,
+        model=model,
+        prompt_text=prompt + forced,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        tools=rendered_tools,
+        parser_name=parser,
+        tolerant=config.tolerant_tool_calls,
         starts_in_reasoning=not forced and chat_support.prompt_opens_thinking(prompt),
-        forced_prefix=forced, parallel_tool_calls=parallel_tool_calls,
-        stop_sequences=tuple(sampling_options.get("stop") or ()), thinking=thinking,
+        forced_prefix=forced,
+        parallel_tool_calls=parallel_tool_calls,
+        stop_sequences=tuple(sampling_options.get("stop") or ()),
+        thinking=thinking,
     )

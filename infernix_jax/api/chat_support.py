@@ -5,7 +5,8 @@ Protocol modules call only these functions, so a change in chat/'s signatures is
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jinja2
 
@@ -23,24 +24,37 @@ from infernix_jax.chat.tool_parsing.types import (
 )
 
 __all__ = [
-    "ContentDelta", "Event", "OutputParser", "ParsedOutput", "ReasoningDelta", "ToolCallDelta",
-    "collect_events", "encode", "decode", "render_prompt", "tool_parser_name", "forced_tool_prefix",
-    "prompt_opens_thinking", "limit_tool_calls",
+    "ContentDelta",
+    "Event",
+    "OutputParser",
+    "ParsedOutput",
+    "ReasoningDelta",
+    "ToolCallDelta",
+    "collect_events",
+    "decode",
+    "encode",
+    "forced_tool_prefix",
+    "limit_tool_calls",
+    "prompt_opens_thinking",
+    "render_prompt",
+    "tool_parser_name",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
 
 
-def render_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None,
-                  template_kwargs: dict | None = None) -> str:
+def render_prompt(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None = None
+) -> str:
     """The prompt text of a conversation, through the model's chat template; a template error is a 400."""
     get = getattr(tokenizer, "get_chat_template", None)
     template = get(has_tools=bool(tools)) if get else tokenizer.chat_template
     if template is None:
         raise bad_request("this model has no chat template; use /v1/completions")
     try:
-        return template.render(messages, tools=tools or None, add_generation_prompt=True,
-                               **(template_kwargs or {}))
+        return template.render(
+            messages, tools=tools or None, add_generation_prompt=True, **(template_kwargs or {})
+        )
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise bad_request(f"the conversation does not fit the chat template: {exc}") from None
 
@@ -94,10 +108,18 @@ class OutputParser:
     A forced tool-call prefix (appended to the prompt) is fed first, as if the model had written it.
     """
 
-    def __init__(self, tools: list[dict] | None, parser: str, tolerant: bool,
-                 starts_in_reasoning: bool = False, forced_prefix: str = "") -> None:
+    def __init__(
+        self,
+        tools: list[dict] | None,
+        parser: str,
+        tolerant: bool,
+        starts_in_reasoning: bool = False,
+        forced_prefix: str = "",
+    ) -> None:
         self._inner = StreamingChatOutputParser(
-            tools or None, parser if tools else None, tolerant=tolerant,
+            tools or None,
+            parser if tools else None,
+            tolerant=tolerant,
             starts_in_thinking=False if forced_prefix else starts_in_reasoning,
         )
         self._prefix = forced_prefix

@@ -80,5 +80,9 @@ def check_model(state: ServerState, body: dict) -> str:
         raise bad_request("model must be a string", param="model")
     if state.config.accept_any_model or model in state.model_names():
         return model
-    raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.config.served_model_name!r}",
-                   param="model", code="model_not_found")
+    raise ApiError(
+        404,
+        f"the model {model!r} does not exist; this server serves {state.config.served_model_name!r}",
+        param="model",
+        code="model_not_found",
+    )

@@ -14,8 +14,8 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from infernix_jax.api import chat_support
 from infernix_jax.api.errors import ApiError, bad_request
@@ -60,9 +60,14 @@ class Generation:
     events carry on as one stream (completion_tokens counts the inserted tokens too).
     """
 
-    def __init__(self, state: ServerState, request: GenerationRequest,
-                 stream: AsyncIterator[TokenEvent], first: TokenEvent,
-                 thinking: ThinkingWatch | None = None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        request: GenerationRequest,
+        stream: AsyncIterator[TokenEvent],
+        first: TokenEvent,
+        thinking: ThinkingWatch | None = None,
+    ) -> None:
         self.state = state
         self.request = request
         self._stream = stream
@@ -113,22 +118,35 @@ class Generation:
         if self._offset == 0:
             return event
         return dataclasses.replace(
-            event, request_id=self.request_id, prompt_tokens=len(self.request.prompt_token_ids),
-            cached_tokens=self._cached_tokens, completion_tokens=event.completion_tokens + self._offset)
+            event,
+            request_id=self.request_id,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            cached_tokens=self._cached_tokens,
+            completion_tokens=event.completion_tokens + self._offset,
+        )
 
     async def _wrap_up_thinking(self, watch: ThinkingWatch) -> TokenEvent:
         """Stop the running request and continue it after a wrap-up message that closes the thinking."""
-        log.info("%s: wrapping up thinking (%s after %d tokens)", self.request_id, watch.reason,
-                 watch.reasoning_tokens)
+        log.info(
+            "%s: wrapping up thinking (%s after %d tokens)",
+            self.request_id,
+            watch.reason,
+            watch.reasoning_tokens,
+        )
         await self.state.engine.abort(self._engine_id)
         await _drain(self._stream)
         text = watch.policy.closing_text()
         closing_ids = chat_support.encode(self.state.tokenizer, text)
         generated = len(self._generated) + len(closing_ids)
         remaining = self.request.sampling.max_tokens - generated
-        event = TokenEvent(request_id=self.request_id, token_ids=closing_ids, text=text,
-                           prompt_tokens=len(self.request.prompt_token_ids), cached_tokens=self._cached_tokens,
-                           completion_tokens=generated)
+        event = TokenEvent(
+            request_id=self.request_id,
+            token_ids=closing_ids,
+            text=text,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            cached_tokens=self._cached_tokens,
+            completion_tokens=generated,
+        )
         if remaining <= 0:
             event.finish_reason = FINISH_LENGTH
             return event
@@ -139,7 +157,9 @@ class Generation:
             request_id=self._engine_id,
             prompt_token_ids=[*self.request.prompt_token_ids, *self._generated, *closing_ids],
             sampling=self.request.sampling.replace(max_tokens=remaining),
-            constraint=self.request.constraint, arrival_time=self.request.arrival_time)
+            constraint=self.request.constraint,
+            arrival_time=self.request.arrival_time,
+        )
         self._stream = aiter(self.state.engine.submit(continuation))
         return event
 
@@ -222,13 +242,18 @@ async def _drain(stream: AsyncIterator[TokenEvent], timeout_s: float = 10.0) -> 
 
     try:
         await asyncio.wait_for(read_to_end(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("an aborted request did not end within %.0f s", timeout_s)
 
 
-async def start_generation(state: ServerState, request_id: str, prompt_ids: list[int],
-                           sampling: SamplingParams, arrival_time: float,
-                           thinking: ThinkingWatch | None = None) -> Generation:
+async def start_generation(
+    state: ServerState,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    arrival_time: float,
+    thinking: ThinkingWatch | None = None,
+) -> Generation:
     """Submit a request and wait for its first event; engine rejections become 4xx errors."""
     if not prompt_ids:
         raise bad_request("the prompt is empty")
@@ -241,8 +266,9 @@ async def start_generation(state: ServerState, request_id: str, prompt_ids: list
     limit = state.config.max_waiting
     if limit and state.engine.stats().waiting >= limit:
         raise ApiError(503, "the server is busy; retry shortly", retry_after_s=state.config.retry_after_s)
-    request = GenerationRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
-                                sampling=sampling, arrival_time=arrival_time)
+    request = GenerationRequest(
+        request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=sampling, arrival_time=arrival_time
+    )
     stream = aiter(state.engine.submit(request))
     try:
         first = await anext(stream)

@@ -6,8 +6,14 @@ Gauges that mirror the engine are read from `engine.stats()` at scrape time.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from infernix_jax.engine.protocol import EngineStats
 
@@ -31,24 +37,34 @@ class ServerMetrics:
             "infernix_cached_prompt_tokens", "Prompt tokens served from the prefix cache", registry=r
         )
         self.generation_tokens = Counter("infernix_generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("infernix_finished_requests", "Generations by finish reason", ["reason"], registry=r)
+        self.finished = Counter(
+            "infernix_finished_requests", "Generations by finish reason", ["reason"], registry=r
+        )
         self.time_to_first_token = Histogram(
-            "infernix_time_to_first_token_seconds", "From arrival to the first generated token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "infernix_time_to_first_token_seconds",
+            "From arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inter_token_latency = Histogram(
-            "infernix_inter_token_latency_seconds", "Mean time between generated tokens, per event",
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+            "infernix_inter_token_latency_seconds",
+            "Mean time between generated tokens, per event",
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
         )
         self.request_latency = Histogram(
-            "infernix_e2e_request_latency_seconds", "From arrival to the last token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "infernix_e2e_request_latency_seconds",
+            "From arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.running = Gauge("infernix_requests_running", "Requests being advanced by the engine", registry=r)
         self.waiting = Gauge("infernix_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_blocks_used = Gauge("infernix_kv_blocks_used", "KV-cache blocks in use", registry=r)
         self.kv_blocks_total = Gauge("infernix_kv_blocks_total", "KV-cache blocks in the pool", registry=r)
-        self.kv_usage = Gauge("infernix_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
+        self.kv_usage = Gauge(
+            "infernix_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r
+        )
 
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.running)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from quart import Response, jsonify
 
@@ -75,9 +75,8 @@ def template_kwargs_for(body: dict) -> dict:
         raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
     kwargs = dict(kwargs)
     effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort in ("none", "minimal"):
-            kwargs.setdefault("enable_thinking", False)
+    if effort is not None and effort in ("none", "minimal"):
+        kwargs.setdefault("enable_thinking", False)
     return kwargs
 
 
@@ -86,22 +85,22 @@ def sampling_options(body: dict) -> dict:
     logprobs = None
     if fields.get_bool(body, "logprobs"):
         logprobs = fields.get_int(body, "top_logprobs", minimum=0) or 0
-    return dict(
-        temperature=fields.get_float(body, "temperature"),
-        top_p=fields.get_float(body, "top_p"),
-        top_k=fields.get_int(body, "top_k", minimum=0),
-        min_p=fields.get_float(body, "min_p"),
-        seed=fields.get_int(body, "seed"),
-        presence_penalty=fields.get_float(body, "presence_penalty"),
-        frequency_penalty=fields.get_float(body, "frequency_penalty"),
-        repetition_penalty=fields.get_float(body, "repetition_penalty"),
-        logit_bias=fields.get_logit_bias(body) or None,
-        stop=fields.get_stop(body, "stop") or None,
-        stop_token_ids=tuple(body["stop_token_ids"]) if body.get("stop_token_ids") else None,
-        ignore_eos=body.get("ignore_eos") if isinstance(body.get("ignore_eos"), bool) else None,
-        min_tokens=fields.get_int(body, "min_tokens", minimum=0),
-        logprobs=logprobs,
-    )
+    return {
+        "temperature": fields.get_float(body, "temperature"),
+        "top_p": fields.get_float(body, "top_p"),
+        "top_k": fields.get_int(body, "top_k", minimum=0),
+        "min_p": fields.get_float(body, "min_p"),
+        "seed": fields.get_int(body, "seed"),
+        "presence_penalty": fields.get_float(body, "presence_penalty"),
+        "frequency_penalty": fields.get_float(body, "frequency_penalty"),
+        "repetition_penalty": fields.get_float(body, "repetition_penalty"),
+        "logit_bias": fields.get_logit_bias(body) or None,
+        "stop": fields.get_stop(body, "stop") or None,
+        "stop_token_ids": tuple(body["stop_token_ids"]) if body.get("stop_token_ids") else None,
+        "ignore_eos": body.get("ignore_eos") if isinstance(body.get("ignore_eos"), bool) else None,
+        "min_tokens": fields.get_int(body, "min_tokens", minimum=0),
+        "logprobs": logprobs,
+    }
 
 
 def check_response_format(body: dict) -> None:
@@ -124,9 +123,15 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
     if max_tokens is None:
         max_tokens = fields.get_int(body, "max_tokens", minimum=0)
     return plan_chat(
-        state, model=model, messages=chat_messages(body.get("messages")), tools=tools,
-        tool_choice=tool_choice, forced_name=forced_name, template_kwargs=template_kwargs_for(body),
-        max_tokens=max_tokens, sampling_options=sampling_options(body),
+        state,
+        model=model,
+        messages=chat_messages(body.get("messages")),
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_name=forced_name,
+        template_kwargs=template_kwargs_for(body),
+        max_tokens=max_tokens,
+        sampling_options=sampling_options(body),
         parallel_tool_calls=fields.get_bool(body, "parallel_tool_calls", default=True),
         thinking_budget=effort_budget(body.get("reasoning_effort")),
     )
@@ -168,7 +173,10 @@ def _limit_calls(plan: ChatPlan, events: list) -> list:
 
 def message_from_events(events: list) -> tuple[dict, bool]:
     parsed = collect_events(events)
-    message: dict = {"role": "assistant", "content": parsed.content if parsed.content or not parsed.tool_calls else None}
+    message: dict = {
+        "role": "assistant",
+        "content": parsed.content if parsed.content or not parsed.tool_calls else None,
+    }
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
@@ -185,8 +193,9 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     stream_options = body.get("stream_options") or {}
     include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
     request_id = new_request_id("chatcmpl")
-    generation = await start_generation(state, request_id, plan.prompt_ids, plan.sampling, arrival,
-                                        plan.new_thinking_watch())
+    generation = await start_generation(
+        state, request_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch()
+    )
     if stream:
         body_iter = _stream(state, plan, generation, include_usage)
         return Response(body_iter, content_type="text/event-stream", headers=SSE_HEADERS)
@@ -197,28 +206,41 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     choice = {
         "index": 0,
         "message": message,
-        "logprobs": chat_logprobs(state.tokenizer, outcome.logprobs) if plan.sampling.logprobs is not None else None,
+        "logprobs": chat_logprobs(state.tokenizer, outcome.logprobs)
+        if plan.sampling.logprobs is not None
+        else None,
         "finish_reason": finish_reason(outcome.finish_reason, has_calls),
     }
     if isinstance(outcome.stop_reason, str):
         choice["stop_reason"] = outcome.stop_reason
-    return jsonify({
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": plan.model,
-        "choices": [choice],
-        "usage": usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
-    })
+    return jsonify(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": plan.model,
+            "choices": [choice],
+            "usage": usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
+        }
+    )
 
 
-async def _stream(state: ServerState, plan: ChatPlan, generation: Generation,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(
+    state: ServerState, plan: ChatPlan, generation: Generation, include_usage: bool
+) -> AsyncIterator[bytes]:
     created = int(time.time())
-    base = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created, "model": plan.model}
+    base = {
+        "id": generation.request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": plan.model,
+    }
 
     def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
-        payload = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        payload = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
         if include_usage:
             payload["usage"] = None
         return sse_data(payload)
@@ -241,13 +263,26 @@ async def _stream(state: ServerState, plan: ChatPlan, generation: Generation,
             yield chunk({}, logprobs=logprobs)
         if event.finished:
             if event.finish_reason == FINISH_ERROR:
-                yield sse_data({"error": {"message": event.error or "generation failed", "type": "server_error",
-                                          "param": None, "code": None}})
+                yield sse_data(
+                    {
+                        "error": {
+                            "message": event.error or "generation failed",
+                            "type": "server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                )
                 break
             yield chunk({}, finish=finish_reason(event.finish_reason, has_calls))
             if include_usage:
-                yield sse_data({**base, "choices": [],
-                                "usage": usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)})
+                yield sse_data(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
+                    }
+                )
     yield SSE_DONE
 
 

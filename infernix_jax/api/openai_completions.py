@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from quart import Response, jsonify
 
 from infernix_jax.api import chat_support, fields
 from infernix_jax.api.errors import bad_request, not_supported
-from infernix_jax.api.generation import Generation, clamp_max_tokens, make_sampling, new_request_id, start_generation
+from infernix_jax.api.generation import (
+    Generation,
+    clamp_max_tokens,
+    make_sampling,
+    new_request_id,
+    start_generation,
+)
 from infernix_jax.api.openai_chat import usage
 from infernix_jax.api.sse import SSE_DONE, SSE_HEADERS, sse_data
 from infernix_jax.api.state import ServerState
@@ -24,7 +30,11 @@ def prompt_ids(state: ServerState, prompt) -> tuple[str | None, list[int]]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt, chat_support.encode(state.tokenizer, prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         return None, list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise not_supported("several prompts in one request", param="prompt")
@@ -50,7 +60,9 @@ def finish_reason(engine_reason: str) -> str:
 
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     model = fields.check_model(state, body)
-    if (fields.get_int(body, "n", minimum=1) or 1) != 1 or (fields.get_int(body, "best_of", minimum=1) or 1) != 1:
+    if (fields.get_int(body, "n", minimum=1) or 1) != 1 or (
+        fields.get_int(body, "best_of", minimum=1) or 1
+    ) != 1:
         raise not_supported("n > 1 / best_of > 1", param="n")
     if body.get("suffix"):
         raise not_supported("suffix (fill-in-the-middle)", param="suffix")
@@ -79,30 +91,50 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     if fields.get_bool(body, "stream"):
         stream_options = body.get("stream_options") or {}
         include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
-        return Response(_stream(state, model, generation, prefix, include_usage),
-                        content_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(
+            _stream(state, model, generation, prefix, include_usage),
+            content_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
     outcome = await generation.collect()
     choice = {
         "index": 0,
         "text": prefix + outcome.text,
-        "logprobs": (completion_logprobs(state.tokenizer, outcome.logprobs, len(prefix))
-                     if want_logprobs is not None else None),
+        "logprobs": (
+            completion_logprobs(state.tokenizer, outcome.logprobs, len(prefix))
+            if want_logprobs is not None
+            else None
+        ),
         "finish_reason": finish_reason(outcome.finish_reason),
     }
-    return jsonify({
-        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [choice],
-        "usage": usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
-    })
+    return jsonify(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "usage": usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
+        }
+    )
 
 
-async def _stream(state: ServerState, model: str, generation: Generation, prefix: str,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    base = {"id": generation.request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+async def _stream(
+    state: ServerState, model: str, generation: Generation, prefix: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    base = {
+        "id": generation.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
     offset = len(prefix)
 
     def chunk(text: str, finish: str | None = None, logprobs: dict | None = None) -> bytes:
-        payload = {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        payload = {
+            **base,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
         if include_usage:
             payload["usage"] = None
         return sse_data(payload)
@@ -111,16 +143,31 @@ async def _stream(state: ServerState, model: str, generation: Generation, prefix
         yield chunk(prefix)
     async for event in generation.events():
         if event.text or event.logprobs:
-            logprobs = completion_logprobs(state.tokenizer, event.logprobs, offset) if event.logprobs else None
+            logprobs = (
+                completion_logprobs(state.tokenizer, event.logprobs, offset) if event.logprobs else None
+            )
             offset += len(event.text)
             yield chunk(event.text, logprobs=logprobs)
         if event.finished:
             if event.finish_reason == FINISH_ERROR:
-                yield sse_data({"error": {"message": event.error or "generation failed", "type": "server_error",
-                                          "param": None, "code": None}})
+                yield sse_data(
+                    {
+                        "error": {
+                            "message": event.error or "generation failed",
+                            "type": "server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                )
                 break
             yield chunk("", finish=finish_reason(event.finish_reason))
             if include_usage:
-                yield sse_data({**base, "choices": [],
-                                "usage": usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens)})
+                yield sse_data(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
+                    }
+                )
     yield SSE_DONE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from quart import Response, jsonify
 
@@ -42,14 +42,19 @@ def chat_messages(body: dict) -> list[dict]:
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             if role not in ("system", "user", "assistant"):
-                raise bad_request(f"input[{i}].role {item.get('role')!r} is not a message role", param="input")
+                raise bad_request(
+                    f"input[{i}].role {item.get('role')!r} is not a message role", param="input"
+                )
             message = {"role": role, "content": _text_content(item.get("content"), f"input[{i}]")}
             if role == "assistant" and pending_reasoning is not None:
                 message["reasoning_content"], pending_reasoning = pending_reasoning, None
             messages.append(message)
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant" or messages_has_tool_reply(messages):
                 last = {"role": "assistant", "content": ""}
@@ -85,9 +90,16 @@ def chat_tools(tools) -> list[dict] | None:
             raise bad_request("each tool must be an object", param="tools")
         if tool.get("type") != "function":
             continue  # hosted tools (web_search, file_search, ...) cannot run here
-        out.append({"type": "function", "function": {
-            "name": tool.get("name"), "description": tool.get("description", ""),
-            "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.get("name"),
+                    "description": tool.get("description", ""),
+                    "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+                },
+            }
+        )
     return check_tools(out)
 
 
@@ -101,8 +113,10 @@ def _template_kwargs(body: dict) -> dict:
 def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
     model = fields.check_model(state, body)
     if body.get("previous_response_id"):
-        raise not_supported("previous_response_id (responses are not stored; send the whole input)",
-                            param="previous_response_id")
+        raise not_supported(
+            "previous_response_id (responses are not stored; send the whole input)",
+            param="previous_response_id",
+        )
     text = body.get("text") or {}
     kind = (text.get("format") or {}).get("type", "text") if isinstance(text, dict) else None
     if kind != "text":
@@ -113,12 +127,19 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     tool_choice, forced_name = normalize_tool_choice(choice, tools)
     return plan_chat(
-        state, model=model, messages=chat_messages(body), tools=tools, tool_choice=tool_choice,
-        forced_name=forced_name, template_kwargs=_template_kwargs(body),
+        state,
+        model=model,
+        messages=chat_messages(body),
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_name=forced_name,
+        template_kwargs=_template_kwargs(body),
         max_tokens=fields.get_int(body, "max_output_tokens", minimum=0),
-        sampling_options=dict(temperature=fields.get_float(body, "temperature"),
-                              top_p=fields.get_float(body, "top_p"),
-                              seed=fields.get_int(body, "seed")),
+        sampling_options={
+            "temperature": fields.get_float(body, "temperature"),
+            "top_p": fields.get_float(body, "top_p"),
+            "seed": fields.get_int(body, "seed"),
+        },
         parallel_tool_calls=fields.get_bool(body, "parallel_tool_calls", default=True),
         thinking_budget=effort_budget((body.get("reasoning") or {}).get("effort")),
     )
@@ -141,13 +162,29 @@ class _Items:
             self.ids[block.index] = _item_id(prefix)
         item_id = self.ids[block.index]
         if block.kind == REASONING:
-            return {"type": "reasoning", "id": item_id, "summary": [],
-                    "content": [{"type": "reasoning_text", "text": block.text}] if done else [], "status": status}
+            return {
+                "type": "reasoning",
+                "id": item_id,
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": block.text}] if done else [],
+                "status": status,
+            }
         if block.kind == TOOL:
-            return {"type": "function_call", "id": item_id, "call_id": block.call_id, "name": block.name,
-                    "arguments": block.text, "status": status}
-        return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-                "content": [_text_part(block.text)] if done else []}
+            return {
+                "type": "function_call",
+                "id": item_id,
+                "call_id": block.call_id,
+                "name": block.name,
+                "arguments": block.text,
+                "status": status,
+            }
+        return {
+            "type": "message",
+            "id": item_id,
+            "role": "assistant",
+            "status": status,
+            "content": [_text_part(block.text)] if done else [],
+        }
 
 
 def _text_part(text: str) -> dict:
@@ -155,22 +192,46 @@ def _text_part(text: str) -> dict:
 
 
 def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
-
-
-def _response(response_id: str, plan: ChatPlan, body: dict, created: int, status: str,
-              output: list[dict], usage: dict | None, incomplete: bool = False) -> dict:
     return {
-        "id": response_id, "object": "response", "created_at": created, "status": status,
-        "model": plan.model, "output": output, "usage": usage, "error": None,
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def _response(
+    response_id: str,
+    plan: ChatPlan,
+    body: dict,
+    created: int,
+    status: str,
+    output: list[dict],
+    usage: dict | None,
+    incomplete: bool = False,
+) -> dict:
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": plan.model,
+        "output": output,
+        "usage": usage,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-        "parallel_tool_calls": plan.parallel_tool_calls, "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [], "temperature": plan.sampling.temperature,
-        "top_p": plan.sampling.top_p, "max_output_tokens": body.get("max_output_tokens"),
-        "previous_response_id": None, "store": False, "text": {"format": {"type": "text"}},
+        "instructions": body.get("instructions"),
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": plan.parallel_tool_calls,
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "temperature": plan.sampling.temperature,
+        "top_p": plan.sampling.top_p,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "previous_response_id": None,
+        "store": False,
+        "text": {"format": {"type": "text"}},
         "truncation": "disabled",
     }
 
@@ -182,25 +243,44 @@ def _reasoning_token_estimate(blocks: list[Block], tokenizer) -> int:
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
     response_id = new_request_id("resp")
-    generation = await start_generation(state, response_id, plan.prompt_ids, plan.sampling, arrival,
-                                        plan.new_thinking_watch())
+    generation = await start_generation(
+        state, response_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch()
+    )
     created = int(time.time())
     if fields.get_bool(body, "stream"):
-        return Response(_stream(state, plan, body, generation, created),
-                        content_type="text/event-stream", headers=SSE_HEADERS)
+        return Response(
+            _stream(state, plan, body, generation, created),
+            content_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
     outcome = await generation.collect()
     parser, tracker, items = plan.new_parser(), BlockTracker(), _Items()
     tracker.feed(limit_tool_calls([*parser.feed(outcome.text), *parser.finish()], plan.parallel_tool_calls))
     incomplete = outcome.finish_reason == FINISH_LENGTH
-    usage = _usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens,
-                   _reasoning_token_estimate(tracker.blocks, state.tokenizer))
+    usage = _usage(
+        outcome.prompt_tokens,
+        outcome.cached_tokens,
+        outcome.completion_tokens,
+        _reasoning_token_estimate(tracker.blocks, state.tokenizer),
+    )
     output = [items.item(b, done=True) for b in tracker.blocks]
-    return jsonify(_response(response_id, plan, body, created, "incomplete" if incomplete else "completed",
-                             output, usage, incomplete))
+    return jsonify(
+        _response(
+            response_id,
+            plan,
+            body,
+            created,
+            "incomplete" if incomplete else "completed",
+            output,
+            usage,
+            incomplete,
+        )
+    )
 
 
-async def _stream(state: ServerState, plan: ChatPlan, body: dict, generation: Generation,
-                  created: int) -> AsyncIterator[bytes]:
+async def _stream(
+    state: ServerState, plan: ChatPlan, body: dict, generation: Generation, created: int
+) -> AsyncIterator[bytes]:
     sequence = 0
 
     def event(kind: str, **payload) -> bytes:
@@ -227,14 +307,29 @@ async def _stream(state: ServerState, plan: ChatPlan, body: dict, generation: Ge
         if token_event.finished:
             if token_event.finish_reason == FINISH_ERROR:
                 failed = _response(response_id, plan, body, created, "failed", [], None)
-                failed["error"] = {"code": "server_error", "message": token_event.error or "generation failed"}
+                failed["error"] = {
+                    "code": "server_error",
+                    "message": token_event.error or "generation failed",
+                }
                 yield event("response.failed", response=failed)
                 return
             incomplete = token_event.finish_reason == FINISH_LENGTH
-            usage = _usage(token_event.prompt_tokens, token_event.cached_tokens, token_event.completion_tokens,
-                           _reasoning_token_estimate(tracker.blocks, state.tokenizer))
-            final = _response(response_id, plan, body, created, "incomplete" if incomplete else "completed",
-                              [items.item(b, done=True) for b in tracker.blocks], usage, incomplete)
+            usage = _usage(
+                token_event.prompt_tokens,
+                token_event.cached_tokens,
+                token_event.completion_tokens,
+                _reasoning_token_estimate(tracker.blocks, state.tokenizer),
+            )
+            final = _response(
+                response_id,
+                plan,
+                body,
+                created,
+                "incomplete" if incomplete else "completed",
+                [items.item(b, done=True) for b in tracker.blocks],
+                usage,
+                incomplete,
+            )
             yield event("response.incomplete" if incomplete else "response.completed", response=final)
 
 
@@ -245,29 +340,83 @@ def _step_events(step: Step, items: _Items, event) -> list[bytes]:
     if step.action == "open":
         out = [event("response.output_item.added", output_index=index, item=item)]
         if block.kind == TEXT:
-            out.append(event("response.content_part.added", item_id=item_id, output_index=index,
-                             content_index=0, part=_text_part("")))
+            out.append(
+                event(
+                    "response.content_part.added",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=_text_part(""),
+                )
+            )
         return out
     if step.action == "delta":
         if block.kind == TEXT:
-            return [event("response.output_text.delta", item_id=item_id, output_index=index, content_index=0,
-                          delta=step.text, logprobs=[])]
+            return [
+                event(
+                    "response.output_text.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    delta=step.text,
+                    logprobs=[],
+                )
+            ]
         if block.kind == REASONING:
-            return [event("response.reasoning_text.delta", item_id=item_id, output_index=index,
-                          content_index=0, delta=step.text)]
-        return [event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                      delta=step.text)]
+            return [
+                event(
+                    "response.reasoning_text.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    delta=step.text,
+                )
+            ]
+        return [
+            event(
+                "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=step.text
+            )
+        ]
     out = []
     if block.kind == TEXT:
-        out.append(event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                         text=block.text, logprobs=[]))
-        out.append(event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                         part=_text_part(block.text)))
+        out.append(
+            event(
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=block.text,
+                logprobs=[],
+            )
+        )
+        out.append(
+            event(
+                "response.content_part.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part=_text_part(block.text),
+            )
+        )
     elif block.kind == REASONING:
-        out.append(event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
-                         text=block.text))
+        out.append(
+            event(
+                "response.reasoning_text.done",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                text=block.text,
+            )
+        )
     else:
-        out.append(event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                         name=block.name, arguments=block.text))
+        out.append(
+            event(
+                "response.function_call_arguments.done",
+                item_id=item_id,
+                output_index=index,
+                name=block.name,
+                arguments=block.text,
+            )
+        )
     out.append(event("response.output_item.done", output_index=index, item=item))
     return out

@@ -27,8 +27,13 @@ class ChatPlan:
     thinking: ThinkingPolicy = field(default_factory=ThinkingPolicy)
 
     def new_parser(self) -> OutputParser:
-        return OutputParser(self.tools, self.parser_name, self.tolerant,
-                            starts_in_reasoning=self.starts_in_reasoning, forced_prefix=self.forced_prefix)
+        return OutputParser(
+            self.tools,
+            self.parser_name,
+            self.tolerant,
+            starts_in_reasoning=self.starts_in_reasoning,
+            forced_prefix=self.forced_prefix,
+        )
 
     def new_thinking_watch(self) -> ThinkingWatch | None:
         """A watch over the thinking of one generation, or None when nothing limits it."""

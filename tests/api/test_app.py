@@ -11,12 +11,16 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_health_and_models(make_app):
-    app, _ = make_app(config=ServerConfig(served_model_name=MODEL, model_aliases=("alias",)), max_context=1234)
+    app, _ = make_app(
+        config=ServerConfig(served_model_name=MODEL, model_aliases=("alias",)), max_context=1234
+    )
     client = app.test_client()
     health = await (await client.get("/health")).get_json()
     assert health["status"] == "ok" and health["running"] == 0
     models = await (await client.get("/v1/models")).get_json()
-    assert [m["id"] for m in models["data"]] == [MODEL, "alias"] and models["data"][0]["max_model_len"] == 1234
+    assert [m["id"] for m in models["data"]] == [MODEL, "alias"] and models["data"][0][
+        "max_model_len"
+    ] == 1234
     assert (await client.get("/v1/models/alias")).status_code == 200
     assert (await client.get("/v1/models/other")).status_code == 404
 
@@ -38,7 +42,9 @@ async def test_tokenize_round_trip_and_chat_form(make_app, tokenizer):
 async def test_metrics_count_requests_tokens_and_kv(make_app, tokenizer):
     app, _ = make_app("Hello there!")
     client = app.test_client()
-    await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    )
     text = (await (await client.get("/metrics")).get_data()).decode()
     completion = len(tokenizer.encode("Hello there!")) + 1
     assert f"infernix_generation_tokens_total {float(completion)}" in text
@@ -56,8 +62,11 @@ async def test_api_key_via_bearer_or_x_api_key(make_app):
     assert missing.status_code == 401 and (await missing.get_json())["error"]["code"] == "invalid_api_key"
     wrong = await client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
-    assert (await client.post("/v1/chat/completions", json=body,
-                              headers={"Authorization": f"Bearer {API_KEY}"})).status_code == 200
-    assert (await client.post("/v1/chat/completions", json=body, headers={"x-api-key": API_KEY})).status_code == 200
+    assert (
+        await client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    ).status_code == 200
+    assert (
+        await client.post("/v1/chat/completions", json=body, headers={"x-api-key": API_KEY})
+    ).status_code == 200
     assert (await client.get("/v1/models")).status_code == 401
     assert (await client.get("/health")).status_code == 200  # probes need no key

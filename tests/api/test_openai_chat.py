@@ -18,7 +18,7 @@ def sse_payloads(raw: bytes) -> list:
     out, done = [], False
     for line in raw.decode().splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
             else:
@@ -42,21 +42,42 @@ async def test_chat_returns_scripted_text_with_exact_usage(make_app, tokenizer):
     prompt_ids = engine.submitted[0].prompt_token_ids
     assert tokenizer.decode(prompt_ids) == "<|im_start|>user\nSay hello<|im_end|>\n<|im_start|>assistant\n"
     completion = len(tokenizer.encode("Hello there!")) + 1  # the end-of-sequence token counts
-    assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                             "total_tokens": len(prompt_ids) + completion,
-                             "prompt_tokens_details": {"cached_tokens": 3}}
+    assert data["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt_ids) + completion,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
 
 
 async def test_request_options_reach_sampling_params(make_app):
     app, engine = make_app()
-    body = chat_body(max_completion_tokens=7, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=11,
-                     presence_penalty=0.5, frequency_penalty=0.25, stop=["END"], logit_bias={"42": -100},
-                     logprobs=True, top_logprobs=2, user="someone", store=False)
+    body = chat_body(
+        max_completion_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=11,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        stop=["END"],
+        logit_bias={"42": -100},
+        logprobs=True,
+        top_logprobs=2,
+        user="someone",
+        store=False,
+    )
     response = await app.test_client().post("/v1/chat/completions", json=body)
     assert response.status_code == 200
     sampling = engine.submitted[0].sampling
     assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (
-        7, 0.7, 0.9, 20, 0.05)
+        7,
+        0.7,
+        0.9,
+        20,
+        0.05,
+    )
     assert (sampling.seed, sampling.presence_penalty, sampling.frequency_penalty) == (11, 0.5, 0.25)
     assert sampling.stop == ("END",) and sampling.logit_bias == ((42, -100.0),) and sampling.logprobs == 2
     logprobs = (await response.get_json())["choices"][0]["logprobs"]["content"]
@@ -91,13 +112,16 @@ async def test_stream_equals_non_stream_and_reports_usage(make_app):
     app, _ = make_app(script)
     client = app.test_client()
     whole = await (await client.post("/v1/chat/completions", json=chat_body())).get_json()
-    response = await client.post("/v1/chat/completions",
-                                 json=chat_body(stream=True, stream_options={"include_usage": True}))
+    response = await client.post(
+        "/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True})
+    )
     assert response.status_code == 200 and response.content_type.startswith("text/event-stream")
     chunks = sse_payloads(await response.get_data())
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
+    reasoning = "".join(
+        c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]
+    )
     assert content == whole["choices"][0]["message"]["content"]
     assert reasoning == whole["choices"][0]["message"]["reasoning_content"]
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
@@ -107,9 +131,18 @@ async def test_stream_equals_non_stream_and_reports_usage(make_app):
 
 async def test_image_content_is_a_clear_400(make_app):
     app, engine = make_app()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    body = {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            }
+        ],
+    }
     response = await app.test_client().post("/v1/chat/completions", json=body)
     assert response.status_code == 400
     error = (await response.get_json())["error"]
@@ -129,14 +162,23 @@ async def test_bad_requests_get_openai_error_shapes(make_app):
     app, _ = make_app(max_context=64)
     client = app.test_client()
     cases = [
-        (await client.post("/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}),
-         400),
+        (
+            await client.post(
+                "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+            ),
+            400,
+        ),
         (await client.post("/v1/chat/completions", json=chat_body(max_tokens=-1)), 400),
         (await client.post("/v1/chat/completions", json=chat_body(temperature=-2)), 400),
         (await client.post("/v1/chat/completions", json={**chat_body(), "model": "nope"}), 404),
         (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400),
-        (await client.post("/v1/chat/completions",
-                           json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]}), 400),
+        (
+            await client.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 200}]},
+            ),
+            400,
+        ),
         (await client.post("/v1/no/such/route", json={}), 404),
     ]
     for response, status in cases:

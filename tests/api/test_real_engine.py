@@ -35,7 +35,9 @@ def tiny_qwen3_with_real_tokenizer(folder: Path) -> Path:
     weights = load_file(FIXTURE / "model.safetensors")
     hidden = weights["model.embed_tokens.weight"].shape[1]
     rng = np.random.default_rng(0)
-    weights["model.embed_tokens.weight"] = (rng.standard_normal((QWEN3_VOCAB, hidden)) * 0.5).astype(np.float32)
+    weights["model.embed_tokens.weight"] = (rng.standard_normal((QWEN3_VOCAB, hidden)) * 0.5).astype(
+        np.float32
+    )
     save_file(weights, folder / "model.safetensors")
     config = json.loads((FIXTURE / "config.json").read_text())
     config.update(vocab_size=QWEN3_VOCAB, eos_token_id=151645)
@@ -52,9 +54,18 @@ def real_server(tmp_path_factory):
     from infernix_jax.engine import create_engine
 
     folder = tiny_qwen3_with_real_tokenizer(tmp_path_factory.mktemp("tiny_qwen3"))
-    engine = create_engine(folder, max_context=512, max_concurrency=8, warmup=False, progress=False,
-                           prefill_chunk=64, prefill_buckets=(64,), prefill_batch_sizes=(1,),
-                           decode_batch_sizes=(1, 8), compilation_cache_dir=None)
+    engine = create_engine(
+        folder,
+        max_context=512,
+        max_concurrency=8,
+        warmup=False,
+        progress=False,
+        prefill_chunk=64,
+        prefill_buckets=(64,),
+        prefill_batch_sizes=(1,),
+        decode_batch_sizes=(1, 8),
+        compilation_cache_dir=None,
+    )
     app = create_app(engine, Tokenizer.from_dir(folder), ServerConfig(served_model_name=MODEL))
     try:
         with live_server(app) as url:
@@ -67,8 +78,16 @@ def test_real_engine_chat_stream_equals_non_stream(real_server):
     client = openai.OpenAI(base_url=real_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == (whole.choices[0].message.content or "")
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
@@ -77,8 +96,13 @@ def test_real_engine_chat_stream_equals_non_stream(real_server):
 
 def test_real_engine_messages_with_system_and_tools(real_server):
     client = anthropic.Anthropic(base_url=real_server[0], api_key="unused", max_retries=0, timeout=120)
-    request = dict(model=MODEL, max_tokens=6, system="You check the weather.", tools=[ANTHROPIC_TOOL],
-                   messages=[{"role": "user", "content": "Weather in Paris?"}])
+    request = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "system": "You check the weather.",
+        "tools": [ANTHROPIC_TOOL],
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
     message = client.messages.create(**request)
     counted = client.messages.count_tokens(**{k: v for k, v in request.items() if k != "max_tokens"})
     assert message.usage.input_tokens == counted.input_tokens and message.usage.output_tokens <= 6
@@ -89,8 +113,12 @@ def test_real_engine_eight_streams_and_a_disconnect(real_server):
 
     async def one(client, i):
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=8, stream=True,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Hi {i}"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         return [c async for c in stream][-1].usage.completion_tokens
 
     async def eight():
@@ -104,9 +132,19 @@ def test_real_engine_eight_streams_and_a_disconnect(real_server):
 
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
-                       body=json.dumps({"model": MODEL, "stream": True, "max_tokens": 400,
-                                        "messages": [{"role": "user", "content": "A story"}]}))
+    connection.request(
+        "POST",
+        "/v1/chat/completions",
+        headers={"Content-Type": "application/json"},
+        body=json.dumps(
+            {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 400,
+                "messages": [{"role": "user", "content": "A story"}],
+            }
+        ),
+    )
     response = connection.getresponse()
     assert response.readline().startswith(b"data: ")
     assert engine.stats().kv_blocks_used > 0
@@ -123,7 +161,11 @@ def test_real_engine_rejects_bad_requests_and_stays_healthy(real_server):
     with pytest.raises(openai.BadRequestError, match="context"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 600}])
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1
+        )
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
-    assert client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=3).usage.completion_tokens == 3
+    assert (
+        client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=3).usage.completion_tokens == 3
+    )

@@ -52,8 +52,9 @@ HELLO = [{"role": "user", "content": "Hi"}]
 
 def test_openai_chat_stream_equals_non_stream(oai):
     whole = oai.chat.completions.create(model=MODEL, messages=HELLO, temperature=0)
-    stream = oai.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, stream=True,
-                                         stream_options={"include_usage": True})
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=HELLO, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     text, usage, finish = "", None, None
     for chunk in stream:
         if chunk.usage:
@@ -63,7 +64,10 @@ def test_openai_chat_stream_equals_non_stream(oai):
             finish = choice.finish_reason or finish
     assert whole.choices[0].message.content == "Hello! Nice to meet you." == text
     assert finish == whole.choices[0].finish_reason == "stop"
-    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert (
+        usage.completion_tokens == whole.usage.completion_tokens
+        and usage.prompt_tokens == whole.usage.prompt_tokens
+    )
 
 
 def test_openai_chat_tool_round_trip(oai):
@@ -72,8 +76,10 @@ def test_openai_chat_tool_round_trip(oai):
     call = first.choices[0].message.tool_calls[0]
     assert first.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
-    messages += [first.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
     second = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
     assert second.choices[0].message.content == WEATHER_ANSWER
 
@@ -91,16 +97,30 @@ def test_openai_completions_and_responses(oai):
 
 
 def test_anthropic_messages_with_system_tools_and_results(claude):
-    first = claude.messages.create(model=MODEL, max_tokens=200, system="You check the weather.",
-                                   tools=[ANTHROPIC_TOOL], messages=[{"role": "user", "content": "Weather in Paris?"}])
+    first = claude.messages.create(
+        model=MODEL,
+        max_tokens=200,
+        system="You check the weather.",
+        tools=[ANTHROPIC_TOOL],
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )
     assert first.stop_reason == "tool_use"
     tool_use = next(b for b in first.content if b.type == "tool_use")
     assert tool_use.input == {"city": "Paris", "days": 2}
-    second = claude.messages.create(model=MODEL, max_tokens=200, system="You check the weather.",
-                                    tools=[ANTHROPIC_TOOL], messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny"}]}])
+    second = claude.messages.create(
+        model=MODEL,
+        max_tokens=200,
+        system="You check the weather.",
+        tools=[ANTHROPIC_TOOL],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny"}],
+            },
+        ],
+    )
     assert second.stop_reason == "end_turn" and second.content[0].text == WEATHER_ANSWER
 
 
@@ -130,12 +150,15 @@ def test_sdk_errors_and_server_stays_healthy(server, oai, claude):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
-            model=MODEL, max_tokens=10, messages=HELLO)
+            model=MODEL, max_tokens=10, messages=HELLO
+        )
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-unknown", max_tokens=10, messages=HELLO)
-    request = urllib.request.Request(url + "/v1/chat/completions", data=b"{broken",
-                                     headers={"Authorization": f"Bearer {API_KEY}",
-                                              "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=b"{broken",
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as malformed:
         urllib.request.urlopen(request, timeout=10)
     assert malformed.value.code == 400 and "JSON" in json.loads(malformed.value.read())["error"]["message"]
@@ -148,7 +171,8 @@ def test_eight_concurrent_streams(server):
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}], stream=True)
+            model=MODEL, messages=[{"role": "user", "content": f"Hi {i}"}], stream=True
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run() -> list[str]:
@@ -167,10 +191,18 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     try:
         host, port = url.removeprefix("http://").split(":")
         connection = http.client.HTTPConnection(host, int(port), timeout=10)
-        connection.request("POST", "/v1/chat/completions", headers={
-            "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
-            body=json.dumps({"model": MODEL, "stream": True,
-                             "messages": [{"role": "user", "content": "Tell me a long story"}]}))
+        connection.request(
+            "POST",
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+            body=json.dumps(
+                {
+                    "model": MODEL,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "Tell me a long story"}],
+                }
+            ),
+        )
         response = connection.getresponse()
         assert response.status == 200
         assert response.readline().startswith(b"data: ")  # the stream is flowing

@@ -13,16 +13,41 @@ def test_help_is_grouped_by_category(capsys):
     text = capsys.readouterr().out
     for group in ("model:", "engine:", "server:", "tools and reasoning:"):
         assert group in text
-    for flag in ("--model", "--host", "--port", "--served-model-name", "--api-key", "--max-concurrency",
-                 "--max-context", "--kv-dtype", "--prefill-chunk", "--tool-call-parser", "--tolerant-tool-calls",
-                 "--reasoning-budget", "--reasoning-loop"):
+    for flag in (
+        "--model",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--api-key",
+        "--max-concurrency",
+        "--max-context",
+        "--kv-dtype",
+        "--prefill-chunk",
+        "--tool-call-parser",
+        "--tolerant-tool-calls",
+        "--reasoning-budget",
+        "--reasoning-loop",
+    ):
         assert flag in text
 
 
 def test_flags_become_server_config(tmp_path):
-    args = serve.build_parser().parse_args([
-        "--model", str(tmp_path / "Qwen3-Next-80B"), "--api-key", "k", "--tool-call-parser", "qwen3_coder",
-        "--tolerant-tool-calls", "--reasoning-budget", "512", "--reasoning-loop", "--max-waiting", "4"])
+    args = serve.build_parser().parse_args(
+        [
+            "--model",
+            str(tmp_path / "Qwen3-Next-80B"),
+            "--api-key",
+            "k",
+            "--tool-call-parser",
+            "qwen3_coder",
+            "--tolerant-tool-calls",
+            "--reasoning-budget",
+            "512",
+            "--reasoning-loop",
+            "--max-waiting",
+            "4",
+        ]
+    )
     config = serve.server_config(args)
     assert config.served_model_name == "Qwen3-Next-80B" and config.api_key == "k"
     assert config.tool_call_parser == "qwen3_coder" and config.tolerant_tool_calls
@@ -33,10 +58,16 @@ def test_build_engine_passes_engine_flags_to_create_engine(tmp_path, monkeypatch
     import infernix_jax.engine as engine_package
 
     calls = []
-    monkeypatch.setattr(engine_package, "create_engine", lambda *a, **kw: calls.append((a, kw)) or "engine",
-                        raising=False)
-    args = serve.build_parser().parse_args(["--model", str(tmp_path), "--max-concurrency", "4",
-                                            "--max-context", "1024", "--kv-dtype", "fp8"])
+    monkeypatch.setattr(
+        engine_package, "create_engine", lambda *a, **kw: calls.append((a, kw)) or "engine", raising=False
+    )
+    args = serve.build_parser().parse_args(
+        ["--model", str(tmp_path), "--max-concurrency", "4", "--max-context", "1024", "--kv-dtype", "fp8"]
+    )
     assert serve.build_engine(args) == "engine"
-    assert calls == [((str(tmp_path),), {"max_concurrency": 4, "max_context": 1024, "kv_dtype": "fp8",
-                                          "prefill_chunk": None})]
+    assert calls == [
+        (
+            (str(tmp_path),),
+            {"max_concurrency": 4, "max_context": 1024, "kv_dtype": "fp8", "prefill_chunk": None},
+        )
+    ]

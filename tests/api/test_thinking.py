@@ -27,8 +27,12 @@ def thinker(thought: str):
 
 async def test_anthropic_budget_tokens_wraps_up_thinking(make_app, tokenizer):
     app, engine = make_app(thinker(LONG_THOUGHT))
-    body = {"model": MODEL, "max_tokens": 500, "thinking": {"type": "enabled", "budget_tokens": 20},
-            "messages": [{"role": "user", "content": "Think hard."}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 500,
+        "thinking": {"type": "enabled", "budget_tokens": 20},
+        "messages": [{"role": "user", "content": "Think hard."}],
+    }
     data = await (await app.test_client().post("/v1/messages", json=body)).get_json()
     thinking, text = data["content"]
     assert thinking["type"] == "thinking" and thinking["thinking"].rstrip().endswith(DEFAULT_WRAP_UP.strip())
@@ -44,7 +48,9 @@ async def test_anthropic_budget_tokens_wraps_up_thinking(make_app, tokenizer):
 
 
 async def test_reasoning_effort_low_and_server_budget_apply_to_openai_chat(make_app):
-    app, engine = make_app(thinker(LONG_THOUGHT), config=ServerConfig(served_model_name=MODEL, reasoning_budget=10))
+    app, engine = make_app(
+        thinker(LONG_THOUGHT), config=ServerConfig(served_model_name=MODEL, reasoning_budget=10)
+    )
     client = app.test_client()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Think."}]}
     stream = await client.post("/v1/chat/completions", json={**body, "stream": True})
@@ -52,20 +58,27 @@ async def test_reasoning_effort_low_and_server_budget_apply_to_openai_chat(make_
     assert "".join(d.get("content") or "" for d in deltas) == "The answer is 42."
     whole = await (await client.post("/v1/chat/completions", json=body)).get_json()
     message = whole["choices"][0]["message"]
-    assert message["content"] == "The answer is 42." and DEFAULT_WRAP_UP.strip() in message["reasoning_content"]
+    assert (
+        message["content"] == "The answer is 42." and DEFAULT_WRAP_UP.strip() in message["reasoning_content"]
+    )
     assert len(engine.submitted) == 4  # two requests, each continued once
 
 
 async def test_unlimited_thinking_runs_to_its_end(make_app):
     app, engine = make_app(thinker("<think>\nshort\n</think>\n\nDone."))
-    data = await (await app.test_client().post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"})).get_json()
+    data = await (
+        await app.test_client().post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
+        )
+    ).get_json()
     assert data["choices"][0]["message"]["content"] == "Done." and len(engine.submitted) == 1
 
 
 async def test_reasoning_loop_is_wrapped_up(make_app):
-    app, engine = make_app(thinker(LOOPING_THOUGHT), config=ServerConfig(served_model_name=MODEL,
-                                                                          reasoning_loop=True))
+    app, engine = make_app(
+        thinker(LOOPING_THOUGHT), config=ServerConfig(served_model_name=MODEL, reasoning_loop=True)
+    )
     body = {"model": MODEL, "max_tokens": 800, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     events = named_events(await (await app.test_client().post("/v1/messages", json=body)).get_data())
     thinking = "".join(p["delta"].get("thinking", "") for n, p in events if n == "content_block_delta")
