@@ -217,3 +217,19 @@ def test_llm_generates_from_text_and_ids(reference):
     assert results[0].prompt_tokens == len(ids) and results[0].finish_reason == FINISH_LENGTH
     assert results[0].text == model.tokenizer.decode(results[0].token_ids)
     assert len(results[1].token_ids) == 4
+
+
+def test_a_failing_dispatch_fails_its_requests_not_the_engine(core, reference, monkeypatch):
+    real_decode = core.runner.decode
+
+    def broken(batch):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(core.runner, "decode", broken)
+    failed = run(core, [GenerationRequest("f", prompts((5,), seed=9)[0], greedy(8))])
+    assert failed["f"]["finish"] == FINISH_ERROR
+    assert_pool_empty(core)
+    monkeypatch.setattr(core.runner, "decode", real_decode)
+    prompt = prompts((6,), seed=10)[0]
+    healthy = run(core, [GenerationRequest("h", prompt, greedy(6))])
+    assert healthy["h"]["tokens"] == reference.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids
