@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,8 @@ from infernix_jax.api.requests import ChatPlan
 from infernix_jax.api.sse import SSE_HEADERS, sse_event
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH
+
+CUSTOM_INPUT = "input"  # the one parameter a freeform tool is given as a function
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -49,11 +52,14 @@ def chat_messages(body: dict) -> list[dict]:
             if role == "assistant" and pending_reasoning is not None:
                 message["reasoning_content"], pending_reasoning = pending_reasoning, None
             messages.append(message)
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            arguments = item.get("arguments") or "{}"
+            if kind == "custom_tool_call":
+                arguments = json.dumps({CUSTOM_INPUT: item.get("input") or ""}, ensure_ascii=False)
             call = {
                 "id": item.get("call_id"),
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+                "function": {"name": item.get("name"), "arguments": arguments},
             }
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant" or messages_has_tool_reply(messages):
@@ -62,7 +68,7 @@ def chat_messages(body: dict) -> list[dict]:
                     last["reasoning_content"], pending_reasoning = pending_reasoning, None
                 messages.append(last)
             last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else _text_content(output, f"input[{i}].output")
             messages.append({"role": "tool", "content": text, "tool_call_id": item.get("call_id")})
@@ -78,8 +84,33 @@ def messages_has_tool_reply(messages: list[dict]) -> bool:
     return bool(messages) and messages[-1]["role"] == "tool"
 
 
+def custom_tool_names(tools) -> frozenset[str]:
+    """Names of the freeform ("custom") tools, whose calls carry one string instead of JSON arguments."""
+    if not isinstance(tools, list):
+        return frozenset()
+    return frozenset(t.get("name") for t in tools if isinstance(t, dict) and t.get("type") == "custom")
+
+
+def _custom_as_function(tool: dict) -> dict:
+    """A freeform tool as a function with one string parameter, the form the chat template knows."""
+    description = (tool.get("description") or "").strip()
+    note = f"Freeform tool: pass the whole input as the string parameter `{CUSTOM_INPUT}`."
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.get("name"),
+            "description": f"{description}\n\n{note}" if description else note,
+            "parameters": {
+                "type": "object",
+                "properties": {CUSTOM_INPUT: {"type": "string"}},
+                "required": [CUSTOM_INPUT],
+            },
+        },
+    }
+
+
 def chat_tools(tools) -> list[dict] | None:
-    """Responses function tools ({type, name, parameters}) in chat-template form; built-in tools are skipped."""
+    """Responses function and custom tools in chat-template form; hosted tools are skipped."""
     if not tools:
         return None
     if not isinstance(tools, list):
@@ -88,6 +119,9 @@ def chat_tools(tools) -> list[dict] | None:
     for tool in tools:
         if not isinstance(tool, dict):
             raise bad_request("each tool must be an object", param="tools")
+        if tool.get("type") == "custom":
+            out.append(_custom_as_function(tool))
+            continue
         if tool.get("type") != "function":
             continue  # hosted tools (web_search, file_search, ...) cannot run here
         out.append(
@@ -152,8 +186,12 @@ def _item_id(prefix: str) -> str:
 class _Items:
     """Output items built from blocks; item ids are fixed when a block opens."""
 
-    def __init__(self) -> None:
+    def __init__(self, custom_tools: frozenset[str] = frozenset()) -> None:
         self.ids: dict[int, str] = {}
+        self.custom_tools = custom_tools
+
+    def is_custom(self, block: Block) -> bool:
+        return block.kind == TOOL and block.name in self.custom_tools
 
     def item(self, block: Block, done: bool) -> dict:
         status = "completed" if done else "in_progress"
@@ -167,6 +205,15 @@ class _Items:
                 "id": item_id,
                 "summary": [],
                 "content": [{"type": "reasoning_text", "text": block.text}] if done else [],
+                "status": status,
+            }
+        if self.is_custom(block):
+            return {
+                "type": "custom_tool_call",
+                "id": item_id,
+                "call_id": block.call_id,
+                "name": block.name,
+                "input": custom_input(block.text) if done else "",
                 "status": status,
             }
         if block.kind == TOOL:
@@ -185,6 +232,17 @@ class _Items:
             "status": status,
             "content": [_text_part(block.text)] if done else [],
         }
+
+
+def custom_input(arguments: str) -> str:
+    """The freeform input of a custom tool call, from the JSON arguments the model wrote."""
+    try:
+        value = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
+        return value[CUSTOM_INPUT]
+    return arguments
 
 
 def _text_part(text: str) -> dict:
@@ -254,7 +312,7 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
             headers=SSE_HEADERS,
         )
     outcome = await generation.collect()
-    parser, tracker, items = plan.new_parser(), BlockTracker(), _Items()
+    parser, tracker, items = plan.new_parser(), BlockTracker(), _Items(custom_tool_names(body.get("tools")))
     tracker.feed(limit_tool_calls([*parser.feed(outcome.text), *parser.finish()], plan.parallel_tool_calls))
     incomplete = outcome.finish_reason == FINISH_LENGTH
     usage = _usage(
@@ -290,7 +348,7 @@ async def _stream(
         return sse_event(kind, data)
 
     response_id = generation.request_id
-    parser, tracker, items = plan.new_parser(), BlockTracker(), _Items()
+    parser, tracker, items = plan.new_parser(), BlockTracker(), _Items(custom_tool_names(body.get("tools")))
     skeleton = _response(response_id, plan, body, created, "in_progress", [], None)
     yield event("response.created", response=skeleton)
     yield event("response.in_progress", response=skeleton)
@@ -372,6 +430,8 @@ def _step_events(step: Step, items: _Items, event) -> list[bytes]:
                     delta=step.text,
                 )
             ]
+        if items.is_custom(block):
+            return []  # a custom call's input is sent whole when the call is complete
         return [
             event(
                 "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=step.text
@@ -407,6 +467,14 @@ def _step_events(step: Step, items: _Items, event) -> list[bytes]:
                 content_index=0,
                 text=block.text,
             )
+        )
+    elif items.is_custom(block):
+        text = item["input"]
+        out.append(
+            event("response.custom_tool_call_input.delta", item_id=item_id, output_index=index, delta=text)
+        )
+        out.append(
+            event("response.custom_tool_call_input.done", item_id=item_id, output_index=index, input=text)
         )
     else:
         out.append(

@@ -133,3 +133,39 @@ async def test_response_incomplete_and_unsupported_options(make_app):
             response.status_code == 400
             and "not supported yet" in (await response.get_json())["error"]["message"]
         )
+
+
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch"
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/s"},
+}
+
+
+async def test_custom_tool_is_a_string_input_call_both_ways(make_app, tokenizer):
+    call = json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}})
+    app, engine = make_app(f"<tool_call>\n{call}\n</tool_call>")
+    client = app.test_client()
+    request = {"model": MODEL, "input": "Add hello.txt", "tools": [APPLY_PATCH, {"type": "web_search"}]}
+    data = await (await client.post("/v1/responses", json=request)).get_json()
+    [item] = data["output"]
+    assert item["type"] == "custom_tool_call" and item["name"] == "apply_patch" and item["input"] == PATCH
+    events = named_events(
+        await (await client.post("/v1/responses", json={**request, "stream": True})).get_data()
+    )
+    done = [p["input"] for n, p in events if n == "response.custom_tool_call_input.done"]
+    assert done == [PATCH]
+    follow = {
+        **request,
+        "input": [
+            {"role": "user", "content": "Add hello.txt"},
+            item,
+            {"type": "custom_tool_call_output", "call_id": item["call_id"], "output": "Done!"},
+        ],
+    }
+    await client.post("/v1/responses", json=follow)
+    prompt = tokenizer.decode(engine.submitted[-1].prompt_token_ids)
+    assert '"name": "apply_patch", "arguments": {"input": "*** Begin Patch' in prompt
+    assert "<tool_response>\nDone!\n</tool_response>" in prompt
