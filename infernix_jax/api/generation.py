@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from infernix_jax.api import chat_support
@@ -281,3 +281,82 @@ async def start_generation(
         state.metrics.finished.labels(FINISH_ERROR).inc()
         raise bad_request(first.error or "the engine rejected the request")
     return Generation(state, request, stream, first, thinking)
+
+
+async def start_generations(
+    state: ServerState,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: SamplingParams,
+    arrival_time: float,
+    n: int = 1,
+    new_watch: Callable[[], ThinkingWatch | None] = lambda: None,
+) -> list[Generation]:
+    """`n` generations of one prompt (OpenAI's `n`); a seed, if given, becomes seed, seed + 1, ..."""
+    if n == 1:
+        return [await start_generation(state, request_id, prompt_ids, sampling, arrival_time, new_watch())]
+    started = await asyncio.gather(
+        *(
+            start_generation(
+                state,
+                f"{request_id}-{i}",
+                prompt_ids,
+                sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i),
+                arrival_time,
+                new_watch(),
+            )
+            for i in range(n)
+        ),
+        return_exceptions=True,
+    )
+    failures = [g for g in started if isinstance(g, BaseException)]
+    if failures:
+        for generation in started:
+            if isinstance(generation, Generation):
+                await generation.abort()
+        raise failures[0]
+    return list(started)
+
+
+async def collect_all(generations: list[Generation]) -> list[GenerationOutcome]:
+    return list(await asyncio.gather(*(g.collect() for g in generations)))
+
+
+def combined_usage(finals: list) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of n choices: the prompt counted once, completions summed."""
+    first = finals[0]
+    return first.prompt_tokens, sum(f.completion_tokens for f in finals), first.cached_tokens
+
+
+async def merge_events(generations: list[Generation]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """The events of several generations as they come, tagged with the generation's index.
+
+    If the consumer goes away, every generation still running is cancelled (and so aborted).
+    """
+    if len(generations) == 1:
+        async for event in generations[0].events():
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for event in generation.events():
+                await queue.put((index, event, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(generations)
+        while remaining:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event.finished:
+                remaining -= 1
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

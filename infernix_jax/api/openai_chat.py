@@ -11,11 +11,19 @@ from infernix_jax.api import chat_support, fields
 from infernix_jax.api.chat_plan import check_tools, effort_budget, normalize_tool_choice, plan_chat
 from infernix_jax.api.chat_support import ContentDelta, ReasoningDelta, ToolCallDelta, collect_events
 from infernix_jax.api.errors import bad_request, not_supported
-from infernix_jax.api.generation import Generation, new_request_id, start_generation
+from infernix_jax.api.generation import (
+    Generation,
+    GenerationOutcome,
+    collect_all,
+    combined_usage,
+    merge_events,
+    new_request_id,
+    start_generations,
+)
 from infernix_jax.api.requests import ChatPlan
 from infernix_jax.api.sse import SSE_DONE, SSE_HEADERS, sse_data
 from infernix_jax.api.state import ServerState
-from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenLogprob
+from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenEvent, TokenLogprob
 
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
@@ -115,8 +123,6 @@ def check_response_format(body: dict) -> None:
 def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
     model = fields.check_model(state, body)
     check_response_format(body)
-    if (fields.get_int(body, "n", minimum=1) or 1) != 1:
-        raise not_supported("n > 1", param="n")
     tools = check_tools(body.get("tools"))
     tool_choice, forced_name = normalize_tool_choice(body.get("tool_choice"), tools)
     max_tokens = fields.get_int(body, "max_completion_tokens", minimum=0)
@@ -189,22 +195,36 @@ def message_from_events(events: list) -> tuple[dict, bool]:
 
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
-    stream = fields.get_bool(body, "stream")
+    n = fields.get_int(body, "n", minimum=1) or 1
     stream_options = body.get("stream_options") or {}
     include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
     request_id = new_request_id("chatcmpl")
-    generation = await start_generation(
-        state, request_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch()
+    generations = await start_generations(
+        state, request_id, plan.prompt_ids, plan.sampling, arrival, n, plan.new_thinking_watch
     )
-    if stream:
-        body_iter = _stream(state, plan, generation, include_usage)
+    if fields.get_bool(body, "stream"):
+        body_iter = _stream(state, plan, request_id, generations, include_usage)
         return Response(body_iter, content_type="text/event-stream", headers=SSE_HEADERS)
-    outcome = await generation.collect()
+    outcomes = await collect_all(generations)
+    choices = [_choice(state, plan, index, outcome) for index, outcome in enumerate(outcomes)]
+    return jsonify(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": plan.model,
+            "choices": choices,
+            "usage": usage(*combined_usage(outcomes)),
+        }
+    )
+
+
+def _choice(state: ServerState, plan: ChatPlan, index: int, outcome: GenerationOutcome) -> dict:
     parser = plan.new_parser()
     events = _limit_calls(plan, [*parser.feed(outcome.text), *parser.finish()])
     message, has_calls = message_from_events(events)
     choice = {
-        "index": 0,
+        "index": index,
         "message": message,
         "logprobs": chat_logprobs(state.tokenizer, outcome.logprobs)
         if plan.sampling.logprobs is not None
@@ -213,76 +233,55 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     }
     if isinstance(outcome.stop_reason, str):
         choice["stop_reason"] = outcome.stop_reason
-    return jsonify(
-        {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": plan.model,
-            "choices": [choice],
-            "usage": usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
-        }
-    )
+    return choice
 
 
 async def _stream(
-    state: ServerState, plan: ChatPlan, generation: Generation, include_usage: bool
+    state: ServerState, plan: ChatPlan, request_id: str, generations: list[Generation], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    created = int(time.time())
     base = {
-        "id": generation.request_id,
+        "id": request_id,
         "object": "chat.completion.chunk",
-        "created": created,
+        "created": int(time.time()),
         "model": plan.model,
     }
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
-        payload = {
-            **base,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        }
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        payload = {**base, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
         return sse_data(payload)
 
-    parser = plan.new_parser()
-    yield chunk({"role": "assistant", "content": ""})
-    has_calls = False
-    async for event in generation.events():
-        deltas = _limit_calls(plan, parser.feed(event.text))
+    parsers = [plan.new_parser() for _ in generations]
+    has_calls = [False] * len(generations)
+    finals: list[TokenEvent] = []
+    for index in range(len(generations)):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for index, event in merge_events(generations):
+        deltas = _limit_calls(plan, parsers[index].feed(event.text))
         if event.finished:
-            deltas += _limit_calls(plan, parser.finish())
+            deltas += _limit_calls(plan, parsers[index].finish())
         logprobs = None
         if plan.sampling.logprobs is not None and event.logprobs:
             logprobs = chat_logprobs(state.tokenizer, event.logprobs)
         for delta in _delta_dicts(deltas):
-            has_calls = has_calls or "tool_calls" in delta
-            yield chunk(delta, logprobs=logprobs)
+            has_calls[index] = has_calls[index] or "tool_calls" in delta
+            yield chunk(index, delta, logprobs=logprobs)
             logprobs = None
         if logprobs is not None:
-            yield chunk({}, logprobs=logprobs)
+            yield chunk(index, {}, logprobs=logprobs)
         if event.finished:
             if event.finish_reason == FINISH_ERROR:
+                message = event.error or "generation failed"
                 yield sse_data(
-                    {
-                        "error": {
-                            "message": event.error or "generation failed",
-                            "type": "server_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
+                    {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
                 )
-                break
-            yield chunk({}, finish=finish_reason(event.finish_reason, has_calls))
-            if include_usage:
-                yield sse_data(
-                    {
-                        **base,
-                        "choices": [],
-                        "usage": usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
-                    }
-                )
+                return
+            finals.append(event)
+            yield chunk(index, {}, finish=finish_reason(event.finish_reason, has_calls[index]))
+    if include_usage:
+        yield sse_data({**base, "choices": [], "usage": usage(*combined_usage(finals))})
     yield SSE_DONE
 
 

@@ -12,14 +12,17 @@ from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import (
     Generation,
     clamp_max_tokens,
+    collect_all,
+    combined_usage,
     make_sampling,
+    merge_events,
     new_request_id,
-    start_generation,
+    start_generations,
 )
 from infernix_jax.api.openai_chat import usage
 from infernix_jax.api.sse import SSE_DONE, SSE_HEADERS, sse_data
 from infernix_jax.api.state import ServerState
-from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenLogprob
+from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenEvent, TokenLogprob
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -60,10 +63,9 @@ def finish_reason(engine_reason: str) -> str:
 
 async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     model = fields.check_model(state, body)
-    if (fields.get_int(body, "n", minimum=1) or 1) != 1 or (
-        fields.get_int(body, "best_of", minimum=1) or 1
-    ) != 1:
-        raise not_supported("n > 1 / best_of > 1", param="n")
+    n = fields.get_int(body, "n", minimum=1) or 1
+    if (fields.get_int(body, "best_of", minimum=1) or n) != n:
+        raise not_supported("best_of other than n", param="best_of")
     if body.get("suffix"):
         raise not_supported("suffix (fill-in-the-middle)", param="suffix")
     text, ids = prompt_ids(state, body.get("prompt"))
@@ -87,87 +89,81 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     )
     prefix = (text if text is not None else chat_support.decode(state.tokenizer, ids)) if echo else ""
     request_id = new_request_id("cmpl")
-    generation = await start_generation(state, request_id, ids, sampling, arrival)
+    generations = await start_generations(state, request_id, ids, sampling, arrival, n)
     if fields.get_bool(body, "stream"):
         stream_options = body.get("stream_options") or {}
         include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
         return Response(
-            _stream(state, model, generation, prefix, include_usage),
+            _stream(state, model, request_id, generations, prefix, include_usage),
             content_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    outcome = await generation.collect()
-    choice = {
-        "index": 0,
-        "text": prefix + outcome.text,
-        "logprobs": (
-            completion_logprobs(state.tokenizer, outcome.logprobs, len(prefix))
-            if want_logprobs is not None
-            else None
-        ),
-        "finish_reason": finish_reason(outcome.finish_reason),
-    }
+    outcomes = await collect_all(generations)
+    choices = [
+        {
+            "index": index,
+            "text": prefix + outcome.text,
+            "logprobs": (
+                completion_logprobs(state.tokenizer, outcome.logprobs, len(prefix))
+                if want_logprobs is not None
+                else None
+            ),
+            "finish_reason": finish_reason(outcome.finish_reason),
+        }
+        for index, outcome in enumerate(outcomes)
+    ]
     return jsonify(
         {
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": model,
-            "choices": [choice],
-            "usage": usage(outcome.prompt_tokens, outcome.completion_tokens, outcome.cached_tokens),
+            "choices": choices,
+            "usage": usage(*combined_usage(outcomes)),
         }
     )
 
 
 async def _stream(
-    state: ServerState, model: str, generation: Generation, prefix: str, include_usage: bool
+    state: ServerState,
+    model: str,
+    request_id: str,
+    generations: list[Generation],
+    prefix: str,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    base = {
-        "id": generation.request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-    }
-    offset = len(prefix)
+    base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    offsets = [len(prefix)] * len(generations)
+    finals: list[TokenEvent] = []
 
-    def chunk(text: str, finish: str | None = None, logprobs: dict | None = None) -> bytes:
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         payload = {
             **base,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         }
         if include_usage:
             payload["usage"] = None
         return sse_data(payload)
 
     if prefix:
-        yield chunk(prefix)
-    async for event in generation.events():
+        for index in range(len(generations)):
+            yield chunk(index, prefix)
+    async for index, event in merge_events(generations):
         if event.text or event.logprobs:
-            logprobs = (
-                completion_logprobs(state.tokenizer, event.logprobs, offset) if event.logprobs else None
-            )
-            offset += len(event.text)
-            yield chunk(event.text, logprobs=logprobs)
+            logprobs = None
+            if event.logprobs:
+                logprobs = completion_logprobs(state.tokenizer, event.logprobs, offsets[index])
+            offsets[index] += len(event.text)
+            yield chunk(index, event.text, logprobs=logprobs)
         if event.finished:
             if event.finish_reason == FINISH_ERROR:
+                message = event.error or "generation failed"
                 yield sse_data(
-                    {
-                        "error": {
-                            "message": event.error or "generation failed",
-                            "type": "server_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
+                    {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
                 )
-                break
-            yield chunk("", finish=finish_reason(event.finish_reason))
-            if include_usage:
-                yield sse_data(
-                    {
-                        **base,
-                        "choices": [],
-                        "usage": usage(event.prompt_tokens, event.completion_tokens, event.cached_tokens),
-                    }
-                )
+                return
+            finals.append(event)
+            yield chunk(index, "", finish=finish_reason(event.finish_reason))
+    if include_usage:
+        yield sse_data({**base, "choices": [], "usage": usage(*combined_usage(finals))})
     yield SSE_DONE

@@ -201,3 +201,27 @@ async def test_queue_full_is_503_with_retry_after(make_app):
     engine.stats = lambda: EngineStats(waiting=1)
     response = await app.test_client().post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 503 and response.headers["Retry-After"] == "2"
+
+
+async def test_n_choices_with_seeds_and_usage(make_app, tokenizer):
+    app, engine = make_app("Hello there!")
+    client = app.test_client()
+    data = await (await client.post("/v1/chat/completions", json=chat_body(n=3, seed=7))).get_json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert all(c["message"]["content"] == "Hello there!" for c in data["choices"])
+    assert sorted(r.sampling.seed for r in engine.submitted) == [7, 8, 9]
+    completion = len(tokenizer.encode("Hello there!")) + 1
+    assert data["usage"]["completion_tokens"] == 3 * completion
+    assert data["usage"]["prompt_tokens"] == len(engine.submitted[0].prompt_token_ids)
+    raw = await (
+        await client.post(
+            "/v1/chat/completions", json=chat_body(n=2, stream=True, stream_options={"include_usage": True})
+        )
+    ).get_data()
+    chunks = sse_payloads(raw)
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts == {0: "Hello there!", 1: "Hello there!"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 * completion

@@ -169,3 +169,14 @@ async def test_custom_tool_is_a_string_input_call_both_ways(make_app, tokenizer)
     prompt = tokenizer.decode(engine.submitted[-1].prompt_token_ids)
     assert '"name": "apply_patch", "arguments": {"input": "*** Begin Patch' in prompt
     assert "<tool_response>\nDone!\n</tool_response>" in prompt
+
+
+async def test_completion_n_choices_stream(make_app):
+    app, _ = make_app("abc")
+    raw = await (
+        await app.test_client().post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2, "stream": True}
+        )
+    ).get_data()
+    finishes = [c["choices"][0]["index"] for c in sse_payloads(raw) if c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1]

@@ -185,7 +185,8 @@ def test_eight_concurrent_streams(server):
     assert asyncio.run(run()) == ["Hello! Nice to meet you."] * 8
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server):
+@pytest.mark.parametrize("n", [1, 2])
+def test_client_disconnect_aborts_and_frees_blocks(server, n):
     url, engine = server
     engine.token_delay_s = 0.01
     try:
@@ -199,6 +200,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
                 {
                     "model": MODEL,
                     "stream": True,
+                    "n": n,
                     "messages": [{"role": "user", "content": "Tell me a long story"}],
                 }
             ),
@@ -206,13 +208,14 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         response = connection.getresponse()
         assert response.status == 200
         assert response.readline().startswith(b"data: ")  # the stream is flowing
-        request_id = engine.submitted[-1].request_id
+        request_ids = {r.request_id for r in engine.submitted[-n:]}
+        assert len(request_ids) == n
         connection.sock.close()  # the client goes away mid-stream
         connection.close()
         deadline = time.monotonic() + 10
-        while request_id not in engine.aborted and time.monotonic() < deadline:
+        while not request_ids <= set(engine.aborted) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert request_id in engine.aborted
-        assert request_id not in engine.active and engine.stats().kv_blocks_used == 0
+        assert request_ids <= set(engine.aborted)
+        assert not request_ids & set(engine.active) and engine.stats().kv_blocks_used == 0
     finally:
         engine.token_delay_s = 0.0
