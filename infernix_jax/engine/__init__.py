@@ -15,13 +15,13 @@ from infernix_jax.engine.protocol import (
 )
 
 __all__ = [
+    "LLM",
     "AsyncEngine",
     "Engine",
     "EngineConfig",
     "EngineCore",
     "EngineStats",
     "GenerationRequest",
-    "LLM",
     "SamplingParams",
     "TokenEvent",
     "TokenLogprob",

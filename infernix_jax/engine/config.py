@@ -24,7 +24,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of device memory the weights + pools may take ("auto")
     decode_steps_per_dispatch: int = 8  # decode steps run on the device per host round trip
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024, 4096)  # chunk lengths (capped at prefill_chunk)
-    prefill_batch_sizes: tuple[int, ...] = (1, 2, 4)  # rows of a prefill program (rows x chunk <= prefill_chunk)
+    prefill_batch_sizes: tuple[int, ...] = (
+        1,
+        2,
+        4,
+    )  # rows of a prefill program (rows x chunk <= prefill_chunk)
     decode_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # capped at max_concurrency
     prefill_shape_override: tuple[tuple[int, int], ...] | None = None  # explicit (rows, chunk) programs
     max_top_logprobs: int = 20  # alternatives the programs compute (a request may ask for fewer)
@@ -43,7 +47,9 @@ class EngineConfig:
         if self.kv_dtype not in ("bf16", "int8", "fp8"):
             errors.append(f"kv_dtype must be bf16, int8 or fp8, got {self.kv_dtype!r}")
         if self.prefill_chunk < min(self.prefill_buckets):
-            errors.append(f"prefill_chunk {self.prefill_chunk} is below the smallest bucket {min(self.prefill_buckets)}")
+            errors.append(
+                f"prefill_chunk {self.prefill_chunk} is below the smallest bucket {min(self.prefill_buckets)}"
+            )
         if self.decode_steps_per_dispatch < 1:
             errors.append(f"decode_steps_per_dispatch must be >= 1, got {self.decode_steps_per_dispatch}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -72,11 +78,13 @@ class EngineConfig:
         if self.prefill_shape_override:
             return tuple(sorted(self.prefill_shape_override, key=lambda s: (s[1], s[0])))
         rows = sorted(b for b in self.prefill_batch_sizes if b <= self.max_concurrency) or [1]
-        return tuple((r, t) for t in self.chunk_buckets for r in rows if r == 1 or r * t <= self.prefill_chunk)
+        return tuple(
+            (r, t) for t in self.chunk_buckets for r in rows if r == 1 or r * t <= self.prefill_chunk
+        )
 
     @property
     def max_blocks_per_sequence(self) -> int:
         return -(-self.max_context // BLOCK_SIZE)
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

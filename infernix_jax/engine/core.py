@@ -12,13 +12,19 @@ versus everything the host does around them (scheduling, packing arrays, dispatc
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import jax
 import numpy as np
 
-from infernix_jax.cache import BLOCK_SIZE, BlockAllocator, SlotAllocator, kv_bytes_per_block, state_bytes_per_slot
+from infernix_jax.cache import (
+    BLOCK_SIZE,
+    BlockAllocator,
+    SlotAllocator,
+    kv_bytes_per_block,
+    state_bytes_per_slot,
+)
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.protocol import (
@@ -73,16 +79,24 @@ def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -
     budget -= (config.max_concurrency + 1) * state_bytes_per_slot(cfg, dtype)
     affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype))
     if affordable < per_sequence + 1:
-        raise ValueError(f"memory for {affordable} KV blocks, fewer than one sequence of {config.max_context} "
-                         f"tokens needs ({per_sequence}); lower max_context or free memory")
+        raise ValueError(
+            f"memory for {affordable} KV blocks, fewer than one sequence of {config.max_context} "
+            f"tokens needs ({per_sequence}); lower max_context or free memory"
+        )
     return min(wanted, affordable)
 
 
 class EngineCore:
     """Scheduler + runner + the host side of every request."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, tokenizer=None,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        config: EngineConfig,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] = (),
+    ):
         enable_compilation_cache(config.compilation_cache_dir)
         self.cfg = cfg
         self.config = config
@@ -112,8 +126,16 @@ class EngineCore:
         elif any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             error = f"prompt token ids must be in [0, {self.cfg.vocab_size})"
         if error:
-            return [TokenEvent(request.request_id, [], "", finish_reason=FINISH_ERROR, error=error,
-                               prompt_tokens=len(prompt))]
+            return [
+                TokenEvent(
+                    request.request_id,
+                    [],
+                    "",
+                    finish_reason=FINISH_ERROR,
+                    error=error,
+                    prompt_tokens=len(prompt),
+                )
+            ]
         params = request.sampling
         max_total = min(self.config.max_context, len(prompt) + params.max_tokens)
         state = RequestState(request, resolve_seed(params), self._arrivals, max_total)
@@ -142,9 +164,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
-        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                           kv_blocks_total=blocks.num_total, kv_blocks_used=blocks.num_total - blocks.num_free,
-                           max_context=self.config.max_context)
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_total=blocks.num_total,
+            kv_blocks_used=blocks.num_total - blocks.num_free,
+            max_context=self.config.max_context,
+        )
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -154,8 +180,13 @@ class EngineCore:
         events: list[TokenEvent] = []
         for state in plan.rejected:
             state.finish_reason = FINISH_ERROR
-            events.append(self._fail(state, f"the request needs more KV memory than the pool holds "
-                                            f"({self.scheduler.blocks.num_total} blocks of {BLOCK_SIZE} tokens)"))
+            events.append(
+                self._fail(
+                    state,
+                    f"the request needs more KV memory than the pool holds "
+                    f"({self.scheduler.blocks.num_total} blocks of {BLOCK_SIZE} tokens)",
+                )
+            )
         self.metrics.preemptions += len(plan.preempted)
         if plan.empty:
             return events
@@ -175,7 +206,9 @@ class EngineCore:
 
     def _newly_scheduled(self, plan: SchedulerOutput) -> list[RequestState]:
         """Requests whose slot has no sampling state yet: admitted (or resumed) and at position 0."""
-        return [c.request for c in plan.prefill if c.start == 0] + [r.request for r in plan.decode if r.position == 0]
+        return [c.request for c in plan.prefill if c.start == 0] + [
+            r.request for r in plan.decode if r.position == 0
+        ]
 
     def _run_prefill(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
         rows, length = plan.prefill_shape
@@ -226,7 +259,9 @@ class EngineCore:
         return wait
 
     # ---- host-side output ----------------------------------------------------------------------
-    def _accept(self, state: RequestState, sampled: Sampled, row: int, count: int, events: list[TokenEvent]) -> None:
+    def _accept(
+        self, state: RequestState, sampled: Sampled, row: int, count: int, events: list[TokenEvent]
+    ) -> None:
         """Feed a row's sampled tokens through the stop rules; emit one event; finish if stopped."""
         if state.status != Status.RUNNING:
             return
@@ -236,8 +271,10 @@ class EngineCore:
         for n in range(count):
             logprob = None
             if want is not None:
-                top = tuple((int(t), float(lp)) for t, lp in zip(sampled.top_ids[n, row, :want],
-                                                                 sampled.top_logprobs[n, row, :want]))
+                top = tuple(
+                    (int(t), float(lp))
+                    for t, lp in zip(sampled.top_ids[n, row, :want], sampled.top_logprobs[n, row, :want])
+                )
                 logprob = TokenLogprob(int(sampled.tokens[n, row]), float(sampled.logprobs[n, row]), top)
             alive = tracker.add(int(sampled.tokens[n, row]), logprob)
             if not alive:
@@ -254,13 +291,21 @@ class EngineCore:
 
     def _event(self, state: RequestState, tokens, text, logprobs, **final) -> TokenEvent:
         want = state.request.sampling.logprobs is not None
-        return TokenEvent(state.request_id, tokens, text, logprobs=list(logprobs) if want else None,
-                          prompt_tokens=len(state.prompt), completion_tokens=state.tracker.generated, **final)
+        return TokenEvent(
+            state.request_id,
+            tokens,
+            text,
+            logprobs=list(logprobs) if want else None,
+            prompt_tokens=len(state.prompt),
+            completion_tokens=state.tracker.generated,
+            **final,
+        )
 
     def _final_event(self, state: RequestState) -> TokenEvent:
         tokens, text, logprobs = state.tracker.take(final=True) if state.tracker else ([], "", [])
-        return self._event(state, tokens, text, logprobs, finish_reason=state.finish_reason,
-                           stop_reason=state.stop_reason)
+        return self._event(
+            state, tokens, text, logprobs, finish_reason=state.finish_reason, stop_reason=state.stop_reason
+        )
 
     def _fail(self, state: RequestState, message: str) -> TokenEvent:
         self.requests.pop(state.request_id, None)
@@ -278,8 +323,11 @@ class EngineCore:
         for state in states:
             if state.status != Status.FINISHED:
                 events.append(self._fail(state, message))
-        if any(x.is_deleted() for x in jax.tree.leaves((self.runner.kv_pool, self.runner.state_pool))
-               if hasattr(x, "is_deleted")):
+        if any(
+            x.is_deleted()
+            for x in jax.tree.leaves((self.runner.kv_pool, self.runner.state_pool))
+            if hasattr(x, "is_deleted")
+        ):
             self.runner.reset_pools()
             for state in list(self.scheduler.running):
                 self.scheduler.preempt(state)

@@ -14,7 +14,7 @@ import logging
 import os
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore, EngineMetrics
@@ -53,8 +53,15 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:
-                events.put_nowait(TokenEvent(request.request_id, [], "", finish_reason=FINISH_ERROR,
-                                             error=f"request id {request.request_id!r} is already running"))
+                events.put_nowait(
+                    TokenEvent(
+                        request.request_id,
+                        [],
+                        "",
+                        finish_reason=FINISH_ERROR,
+                        error=f"request id {request.request_id!r} is already running",
+                    )
+                )
                 return self._drain(request.request_id, events, owned=False)
             self._streams[request.request_id] = (loop, events)
         self._inbox.put(("add", request))
@@ -101,7 +108,7 @@ class AsyncEngine:
             if core.has_work():
                 try:
                     events += core.step()
-                except Exception as exc:  # noqa: BLE001 - a host-side failure ends the step's requests
+                except Exception as exc:
                     log.exception("engine step failed")
                     for request_id in list(core.requests):
                         for event in core.abort(request_id):

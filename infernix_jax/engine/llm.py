@@ -7,7 +7,7 @@ queued at once and the engine batches them (up to max_concurrency at a time, the
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore, EngineMetrics
@@ -20,8 +20,14 @@ Prompt = str | Sequence[int]
 class LLM:
     """A loaded model and an engine over it, for scripts and offline batches."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, model: Model | None = None, dtype=None,
-                 **engine_options):
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        model: Model | None = None,
+        dtype=None,
+        **engine_options,
+    ):
         """`path`: a checkpoint directory (or pass an already loaded `model`). `engine_options`:
         EngineConfig fields (max_concurrency, max_context, kv_dtype, kv_capacity, prefill_chunk, ...);
         max_context defaults to the smaller of the model's context and 8192."""
@@ -31,15 +37,20 @@ class LLM:
         self.model = model
         self.tokenizer = model.tokenizer
         self.config = EngineConfig(**engine_options)
-        self.core = EngineCore(model.config, model.params, self.config, model.tokenizer, model.eos_token_ids())
+        self.core = EngineCore(
+            model.config, model.params, self.config, model.tokenizer, model.eos_token_ids()
+        )
         self._next_id = 0
 
     @property
     def metrics(self) -> EngineMetrics:
         return self.core.metrics
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids); one result per prompt, in order.
 
         `sampling` is one SamplingParams for all prompts or one per prompt. A prompt that cannot be

@@ -37,7 +37,7 @@ class RequestState:
     preemptions: int = 0  # times this request was preempted (and recomputed)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    tracker: "OutputTracker | None" = None
+    tracker: OutputTracker | None = None
 
     @property
     def request_id(self) -> str:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,14 +67,16 @@ class SlotSampling:
     penalties: PenaltyState  # [s, v]
 
     def rows(self, slots: jax.Array) -> tuple[SamplingArrays, PenaltyState]:
-        take = lambda x: x[slots]  # noqa: E731
+        take = lambda x: x[slots]
         return jax.tree.map(take, self.arrays), jax.tree.map(take, self.penalties)
 
-    def with_penalties(self, slots: jax.Array, penalties: PenaltyState) -> "SlotSampling":
+    def with_penalties(self, slots: jax.Array, penalties: PenaltyState) -> SlotSampling:
         """Scatter the rows' penalty state back; rows aimed at the scratch slot are dropped."""
         num_slots = self.penalties.num_generated.shape[0]
         target = jnp.where(slots == SCRATCH_SLOT, num_slots, slots)
-        merged = jax.tree.map(lambda full, rows: full.at[target].set(rows, mode="drop"), self.penalties, penalties)
+        merged = jax.tree.map(
+            lambda full, rows: full.at[target].set(rows, mode="drop"), self.penalties, penalties
+        )
         return SlotSampling(self.arrays, merged)
 
 
@@ -96,7 +98,9 @@ class Sampled:
 # Programs
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
+@partial(
+    jax.jit, static_argnames=("cfg", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling")
+)
 def prefill_program(
     params: Params,
     kv_pool: KVPool,
@@ -116,15 +120,23 @@ def prefill_program(
     logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last[:, None])
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     arrays, penalties = slot_sampling.rows(slots)
-    out = sample(logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top)
+    out = sample(
+        logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top
+    )
     penalties = update_penalty_state(penalties, out.tokens, sample_rows)
     slot_sampling = slot_sampling.with_penalties(jnp.where(sample_rows, slots, SCRATCH_SLOT), penalties)
-    return kv_pool, state_pool, slot_sampling, (out.tokens[None], out.logprobs[None], out.top_ids[None],
-                                                out.top_logprobs[None])
+    return (
+        kv_pool,
+        state_pool,
+        slot_sampling,
+        (out.tokens[None], out.logprobs[None], out.top_ids[None], out.top_logprobs[None]),
+    )
 
 
 @partial(
-    jax.jit, static_argnames=("cfg", "steps", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling")
+    jax.jit,
+    static_argnames=("cfg", "steps", "num_top"),
+    donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
 )
 def decode_program(
     params: Params,
@@ -151,13 +163,20 @@ def decode_program(
         cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
         logits, _, cache = forward(params, current[:, None], pos[:, None], cache, cfg)
         kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
-        sampled = sample(logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated),
-                         num_top_logprobs=num_top)
+        sampled = sample(
+            logits[:, 0],
+            arrays,
+            penalties,
+            row_keys(arrays, penalties.num_generated),
+            num_top_logprobs=num_top,
+        )
         penalties = update_penalty_state(penalties, sampled.tokens, active)
         done = done | (active & stop_token_hit(arrays, sampled.tokens))
         current = jnp.where(active, sampled.tokens, current)
-        out = tuple(o.at[i].set(x) for o, x in zip(out, (sampled.tokens, sampled.logprobs, sampled.top_ids,
-                                                         sampled.top_logprobs)))
+        out = tuple(
+            o.at[i].set(x)
+            for o, x in zip(out, (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
+        )
         return kv_pool, state_pool, penalties, current, done, count + active.astype(jnp.int32), out
 
     out = (
@@ -181,10 +200,11 @@ def set_slot_program(
     output_counts: jax.Array,  # i32 [1, v]
     num_generated: jax.Array,  # i32 [1]
 ) -> SlotSampling:
-    put = lambda full, row: full.at[slot].set(row[0])  # noqa: E731
+    put = lambda full, row: full.at[slot].set(row[0])
     penalties = PenaltyState(seen=seen, output_counts=output_counts, num_generated=num_generated)
-    return SlotSampling(jax.tree.map(put, slot_sampling.arrays, arrays), jax.tree.map(put, slot_sampling.penalties,
-                                                                                       penalties))
+    return SlotSampling(
+        jax.tree.map(put, slot_sampling.arrays, arrays), jax.tree.map(put, slot_sampling.penalties, penalties)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +248,15 @@ class DecodeBatch:
 class Runner:
     """Owns the parameters, the pools and the per-slot sampling state; runs bucketed programs."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig, num_blocks: int, num_slots: int,
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        config: EngineConfig,
+        num_blocks: int,
+        num_slots: int,
+        eos_token_ids: Sequence[int] = (),
+    ):
         self.cfg = cfg
         self.params = params
         self.config = config
@@ -250,12 +277,19 @@ class Runner:
         )
 
     def _sampling_arrays(self, params, seeds, batch: int) -> SamplingArrays:
-        return SamplingArrays.build(params, seeds, batch, eos_token_ids=self.eos_token_ids,
-                                    max_logit_bias=self.config.max_logit_bias, max_stop_ids=self.config.max_stop_ids)
+        return SamplingArrays.build(
+            params,
+            seeds,
+            batch,
+            eos_token_ids=self.eos_token_ids,
+            max_logit_bias=self.config.max_logit_bias,
+            max_stop_ids=self.config.max_stop_ids,
+        )
 
     # ---- slots ---------------------------------------------------------------------------------
-    def set_slot(self, slot: int, params: SamplingParams, seed: int, prompt: Sequence[int],
-                 output: Sequence[int]) -> None:
+    def set_slot(
+        self, slot: int, params: SamplingParams, seed: int, prompt: Sequence[int], output: Sequence[int]
+    ) -> None:
         """Install a request's sampling settings and its penalty state (prompt + output so far)."""
         vocab = self.cfg.vocab_size
         seen = np.zeros((1, vocab), bool)
@@ -265,21 +299,47 @@ class Runner:
             np.add.at(counts[0], np.asarray(output, np.int64), 1)
             seen |= counts > 0
         self.slot_sampling = set_slot_program(
-            self.slot_sampling, jnp.int32(slot), self._sampling_arrays([params], [seed], 1), jnp.asarray(seen),
-            jnp.asarray(counts), jnp.asarray([len(output)], jnp.int32))
+            self.slot_sampling,
+            jnp.int32(slot),
+            self._sampling_arrays([params], [seed], 1),
+            jnp.asarray(seen),
+            jnp.asarray(counts),
+            jnp.asarray([len(output)], jnp.int32),
+        )
 
     # ---- dispatches ----------------------------------------------------------------------------
     def prefill(self, batch: PrefillBatch):
         """Dispatch a prefill program; returns device outputs (read them with `read`)."""
         self.kv_pool, self.state_pool, self.slot_sampling, out = prefill_program(
-            self.params, self.kv_pool, self.state_pool, self.slot_sampling, batch.tokens, batch.positions,
-            batch.block_table, batch.slots, batch.sample_rows, cfg=self.cfg, num_top=self.num_top)
+            self.params,
+            self.kv_pool,
+            self.state_pool,
+            self.slot_sampling,
+            batch.tokens,
+            batch.positions,
+            batch.block_table,
+            batch.slots,
+            batch.sample_rows,
+            cfg=self.cfg,
+            num_top=self.num_top,
+        )
         return out
 
     def decode(self, batch: DecodeBatch):
         self.kv_pool, self.state_pool, self.slot_sampling, out = decode_program(
-            self.params, self.kv_pool, self.state_pool, self.slot_sampling, batch.tokens, batch.positions,
-            batch.block_table, batch.slots, batch.max_steps, cfg=self.cfg, steps=batch.steps, num_top=self.num_top)
+            self.params,
+            self.kv_pool,
+            self.state_pool,
+            self.slot_sampling,
+            batch.tokens,
+            batch.positions,
+            batch.block_table,
+            batch.slots,
+            batch.max_steps,
+            cfg=self.cfg,
+            steps=batch.steps,
+            num_top=self.num_top,
+        )
         return out
 
     @staticmethod

@@ -18,16 +18,31 @@ from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.engine import AsyncEngine
 from infernix_jax.engine.llm import LLM
-from infernix_jax.engine.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, GenerationRequest, SamplingParams
+from infernix_jax.engine.protocol import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    GenerationRequest,
+    SamplingParams,
+)
 from tests.conftest import HF_FIXTURES
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 MAX_CONTEXT = 256
 
 # 14 blocks of 64 tokens: the 8 prompts below fit at once; long generations force preemption.
-SMALL = EngineConfig(max_concurrency=8, max_context=MAX_CONTEXT, kv_capacity=14, prefill_chunk=64,
-                     prefill_shape_override=((4, 16), (1, 64)), decode_batch_sizes=(4, 8),
-                     decode_steps_per_dispatch=4, max_top_logprobs=5, compilation_cache_dir=None, progress=False)
+SMALL = EngineConfig(
+    max_concurrency=8,
+    max_context=MAX_CONTEXT,
+    kv_capacity=14,
+    prefill_chunk=64,
+    prefill_shape_override=((4, 16), (1, 64)),
+    decode_batch_sizes=(4, 8),
+    decode_steps_per_dispatch=4,
+    max_top_logprobs=5,
+    compilation_cache_dir=None,
+    progress=False,
+)
 PROMPT_LENGTHS = (3, 10, 17, 40, 70, 100, 130, 5)
 
 
@@ -65,7 +80,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def core(reference):
-    return EngineCore(reference.config, reference.params, SMALL, reference.tokenizer, reference.eos_token_ids())
+    return EngineCore(
+        reference.config, reference.params, SMALL, reference.tokenizer, reference.eos_token_ids()
+    )
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -96,7 +113,9 @@ def test_preemption_by_a_small_pool_gives_identical_output(core, reference):
     results = run(core, [GenerationRequest(f"p{i}", p, greedy(90)) for i, p in enumerate(ids)])
     assert core.metrics.preemptions > before, "the pool was meant to run out"
     for i, p in enumerate(ids):
-        assert results[f"p{i}"]["tokens"] == reference.generate(p, max_new_tokens=90, ignore_eos=True).token_ids
+        assert (
+            results[f"p{i}"]["tokens"] == reference.generate(p, max_new_tokens=90, ignore_eos=True).token_ids
+        )
     assert_pool_empty(core)
 
 
@@ -117,14 +136,23 @@ def test_aborting_half_the_requests_frees_every_block_and_slot(core):
 
 
 def test_seeded_sampling_is_independent_of_the_batch(core):
-    target = GenerationRequest("s", prompts((12,), seed=3)[0],
-                               SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=1234, ignore_eos=True))
+    target = GenerationRequest(
+        "s",
+        prompts((12,), seed=3)[0],
+        SamplingParams(max_tokens=10, temperature=1.0, top_k=40, seed=1234, ignore_eos=True),
+    )
     alone = run(core, [target])["s"]["tokens"]
-    others = [GenerationRequest(f"o{i}", p, SamplingParams(max_tokens=6 + i, temperature=0.7, seed=i))
-              for i, p in enumerate(prompts((30, 5, 66), seed=4))]
-    together = run(core, others + [GenerationRequest("s", target.prompt_token_ids, target.sampling)])["s"]["tokens"]
+    others = [
+        GenerationRequest(f"o{i}", p, SamplingParams(max_tokens=6 + i, temperature=0.7, seed=i))
+        for i, p in enumerate(prompts((30, 5, 66), seed=4))
+    ]
+    together = run(core, others + [GenerationRequest("s", target.prompt_token_ids, target.sampling)])["s"][
+        "tokens"
+    ]
     assert together == alone
-    other_seed = run(core, [GenerationRequest("s", target.prompt_token_ids, target.sampling.replace(seed=99))])
+    other_seed = run(
+        core, [GenerationRequest("s", target.prompt_token_ids, target.sampling.replace(seed=99))]
+    )
     assert other_seed["s"]["tokens"] != alone
 
 
@@ -138,7 +166,9 @@ def test_no_compilation_after_warmup_across_lengths_and_batch_sizes(core):
     try:
         for lengths in ((7,), (100, 3, 19), (1, 2, 3, 4, 5, 6, 70, 130)):
             sampling = [greedy(9), SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, logprobs=3)]
-            run(core, [GenerationRequest(f"c{i}", p, sampling[i % 2]) for i, p in enumerate(prompts(lengths))])
+            run(
+                core, [GenerationRequest(f"c{i}", p, sampling[i % 2]) for i, p in enumerate(prompts(lengths))]
+            )
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert counter["n"] == 0, f"{counter['n']} compilations after warm-up"
@@ -156,8 +186,9 @@ def test_stop_token_and_logprobs_reach_the_events(core, reference):
     free = reference.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids
     stop_at = free[4]
     events = []
-    core.add_request(GenerationRequest("t", prompt, SamplingParams(max_tokens=8, stop_token_ids=(stop_at,),
-                                                                   logprobs=2)))
+    core.add_request(
+        GenerationRequest("t", prompt, SamplingParams(max_tokens=8, stop_token_ids=(stop_at,), logprobs=2))
+    )
     while core.has_work():
         events += core.step()
     tokens = [t for e in events for t in e.token_ids]
@@ -197,7 +228,7 @@ def test_async_engine_streams_and_aborts(core):
 class ByteTokenizer:
     """UTF-8 bytes as token ids (the fixtures have no tokenizer files)."""
 
-    eos_token_ids: list[int] = []
+    eos_token_ids: tuple[int, ...] = ()
     chat_template = None
 
     def encode(self, text: str) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import infernix_jax
@@ -19,13 +18,25 @@ KV_LOGPROB_TOLERANCE = {"int8": 0.05, "fp8": 0.15}
 
 def test_dense_model_batched_greedy_equals_each_prompt_alone():
     reference = infernix_jax.load(HF_FIXTURES / "qwen3_dense", max_context=MAX_CONTEXT)
-    core = EngineCore(reference.config, reference.params, SMALL.replace(warmup=False), reference.tokenizer,
-                      reference.eos_token_ids())
+    core = EngineCore(
+        reference.config,
+        reference.params,
+        SMALL.replace(warmup=False),
+        reference.tokenizer,
+        reference.eos_token_ids(),
+    )
     ids = prompts((2, 5, 7, 9, 11, 13, 15, 16), seed=7)
-    results = run(core, [GenerationRequest(f"d{i}", p, SamplingParams(max_tokens=10, ignore_eos=True))
-                         for i, p in enumerate(ids)])
+    results = run(
+        core,
+        [
+            GenerationRequest(f"d{i}", p, SamplingParams(max_tokens=10, ignore_eos=True))
+            for i, p in enumerate(ids)
+        ],
+    )
     for i, p in enumerate(ids):
-        assert results[f"d{i}"]["tokens"] == reference.generate(p, max_new_tokens=10, ignore_eos=True).token_ids
+        assert (
+            results[f"d{i}"]["tokens"] == reference.generate(p, max_new_tokens=10, ignore_eos=True).token_ids
+        )
     assert_pool_empty(core)
 
 
@@ -37,7 +48,9 @@ def hybrid():
 def logprob_rows(model, kv_dtype: str, prompt: list[int]):
     core = EngineCore(model.config, model.params, SMALL.replace(kv_dtype=kv_dtype, warmup=False))
     events = []
-    core.add_request(GenerationRequest("q", prompt, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=5)))
+    core.add_request(
+        GenerationRequest("q", prompt, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=5))
+    )
     while core.has_work():
         events += core.step()
     return [lp for e in events for lp in e.logprobs]

@@ -15,7 +15,9 @@ class CharTokenizer:
 
 def tracker_for(**sampling) -> tuple[RequestState, OutputTracker]:
     params = SamplingParams(**sampling)
-    state = RequestState(GenerationRequest("r", [1, 2], params), seed=0, arrival=0, max_total=2 + params.max_tokens)
+    state = RequestState(
+        GenerationRequest("r", [1, 2], params), seed=0, arrival=0, max_total=2 + params.max_tokens
+    )
     return state, OutputTracker(state, CharTokenizer(), {0})
 
 
@@ -32,7 +34,9 @@ def feed(tracker: OutputTracker, text: str) -> tuple[str, bool]:
 def test_stop_string_spanning_tokens_ends_text_before_it():
     state, tracker = tracker_for(stop=("END",))
     text, alive = feed(tracker, "hello ENDworld")
-    assert not alive and text == "hello " and state.finish_reason == FINISH_STOP and state.stop_reason == "END"
+    assert (
+        not alive and text == "hello " and state.finish_reason == FINISH_STOP and state.stop_reason == "END"
+    )
 
 
 def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():

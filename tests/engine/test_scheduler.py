@@ -8,17 +8,25 @@ from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
 from infernix_jax.engine.request_state import RequestState, Status
 from infernix_jax.engine.scheduler import Scheduler
 
-CONFIG = EngineConfig(max_concurrency=4, max_context=1024, prefill_chunk=64, prefill_buckets=(16, 64),
-                      prefill_batch_sizes=(1, 4), decode_batch_sizes=(1, 2, 4), decode_steps_per_dispatch=4,
-                      compilation_cache_dir=None)
+CONFIG = EngineConfig(
+    max_concurrency=4,
+    max_context=1024,
+    prefill_chunk=64,
+    prefill_buckets=(16, 64),
+    prefill_batch_sizes=(1, 4),
+    decode_batch_sizes=(1, 2, 4),
+    decode_steps_per_dispatch=4,
+    compilation_cache_dir=None,
+)
 
 _arrivals = iter(range(10**6))
 
 
 def make_request(prompt_len: int, max_tokens: int = 32, name: str | None = None) -> RequestState:
     arrival = next(_arrivals)
-    request = GenerationRequest(name or f"r{arrival}", list(range(1, prompt_len + 1)),
-                                SamplingParams(max_tokens=max_tokens))
+    request = GenerationRequest(
+        name or f"r{arrival}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens)
+    )
     return RequestState(request, seed=0, arrival=arrival, max_total=prompt_len + max_tokens)
 
 
@@ -150,8 +158,13 @@ def test_request_larger_than_the_pool_is_rejected_not_stuck():
 
 
 def test_buckets_follow_the_config():
-    config = EngineConfig(max_concurrency=20, prefill_chunk=1024, prefill_buckets=(16, 64, 256, 1024, 4096),
-                          prefill_batch_sizes=(1, 2, 4), compilation_cache_dir=None)
+    config = EngineConfig(
+        max_concurrency=20,
+        prefill_chunk=1024,
+        prefill_buckets=(16, 64, 256, 1024, 4096),
+        prefill_batch_sizes=(1, 2, 4),
+        compilation_cache_dir=None,
+    )
     assert config.chunk_buckets == (16, 64, 256, 1024)
     assert config.decode_buckets == (1, 2, 4, 8, 16, 32)
     assert (4, 256) in config.prefill_shapes and (2, 1024) not in config.prefill_shapes
