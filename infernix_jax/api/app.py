@@ -15,6 +15,7 @@ from werkzeug.exceptions import HTTPException
 from infernix_jax.api import (
     anthropic_messages,
     chat_support,
+    decide,
     fields,
     openai_chat,
     openai_completions,
@@ -37,6 +38,7 @@ _GENERATION_ROUTES = {
     "/v1/completions": openai_completions.handle,
     "/v1/responses": openai_responses.handle,
     "/v1/messages": anthropic_messages.handle,
+    "/v1/decide": decide.handle,
 }
 
 

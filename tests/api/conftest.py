@@ -61,6 +61,7 @@ class FakeEngine:
         kv_blocks_total: int = 256,
         block_size: int = 16,
         emit_eos: bool = True,
+        forced_logprob: Callable[[str, int], float] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.script = script if callable(script) else (lambda _prompt, text=script: text)
@@ -70,6 +71,8 @@ class FakeEngine:
         self.kv_blocks_total = kv_blocks_total
         self.block_size = block_size
         self.emit_eos = emit_eos
+        # logprob of a token forced by a large logit bias, given the decoded prompt (for /v1/decide)
+        self.forced_logprob = forced_logprob or (lambda _prompt, _token: -1.0)
         self.submitted: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self.active: dict[str, int] = {}  # request id -> KV blocks held
@@ -118,8 +121,15 @@ class FakeEngine:
             )
             return
         self.active[rid] = self._blocks(len(prompt))
-        reply = self.script(self.tokenizer.decode(prompt))
-        planned = self.tokenizer.encode(reply) + ([self.tokenizer.eos_token_ids[0]] if self.emit_eos else [])
+        prompt_text = self.tokenizer.decode(prompt)
+        forced = [token for token, bias in sampling.logit_bias if bias >= 50]
+        if forced:  # a large bias forces its token; the logprob reported is the unbiased one
+            planned = forced[:1]
+        else:
+            reply = self.script(prompt_text)
+            planned = self.tokenizer.encode(reply) + (
+                [self.tokenizer.eos_token_ids[0]] if self.emit_eos else []
+            )
         stop_ids = set(sampling.stop_token_ids) | (
             set() if sampling.ignore_eos else set(self.tokenizer.eos_token_ids)
         )
@@ -145,7 +155,8 @@ class FakeEngine:
                 logprobs = None
                 if sampling.logprobs is not None:
                     top = tuple((token + k, -0.5 - k) for k in range(sampling.logprobs))
-                    logprobs = [TokenLogprob(token_id=token, logprob=-0.5, top=top)]
+                    value = self.forced_logprob(prompt_text, token) if forced else -0.5
+                    logprobs = [TokenLogprob(token_id=token, logprob=value, top=top)]
                 if token in stop_ids:
                     yield TokenEvent(
                         token_ids=[token],

@@ -169,3 +169,23 @@ def test_real_engine_rejects_bad_requests_and_stays_healthy(real_server):
     assert (
         client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=3).usage.completion_tokens == 3
     )
+
+
+def test_real_engine_decide_reads_option_probabilities(real_server):
+    import urllib.request
+
+    body = {
+        "model": MODEL,
+        "type": "choice",
+        "options": ["red", "green", "Ulaanbaatar"],
+        "messages": [{"role": "user", "content": "Pick a colour."}],
+    }
+    request = urllib.request.Request(
+        real_server[0] + "/v1/decide",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    data = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    assert sum(data["probabilities"].values()) == pytest.approx(1.0)
+    assert all(lp < 0 for lp in data["logprobs"].values())
+    assert data["decision"] == max(data["probabilities"], key=data["probabilities"].get)
