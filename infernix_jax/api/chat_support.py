@@ -68,7 +68,9 @@ def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
 
 
 def template_source(tokenizer: Any) -> str:
-    template = getattr(tokenizer, "chat_template", None)
+    """The source of the template used for requests with tools (a model may ship a tool_use one)."""
+    get = getattr(tokenizer, "get_chat_template", None)
+    template = get(has_tools=True) if get else getattr(tokenizer, "chat_template", None)
     return getattr(template, "source", "") or ""
 
 

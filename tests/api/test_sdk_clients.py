@@ -219,3 +219,35 @@ def test_client_disconnect_aborts_and_frees_blocks(server, n):
         assert not request_ids & set(engine.active) and engine.stats().kv_blocks_used == 0
     finally:
         engine.token_delay_s = 0.0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_client_gone_before_a_non_streaming_answer_aborts(server, path):
+    url, engine = server
+    engine.token_delay_s = 0.01
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        body = {
+            "model": MODEL,
+            "max_tokens": 1000,
+            "messages": [{"role": "user", "content": "Tell me a long story"}],
+        }
+        before = len(engine.submitted)
+        connection.request(
+            "POST",
+            path,
+            body=json.dumps(body),
+            headers={"x-api-key": API_KEY, "Content-Type": "application/json"},
+        )
+        deadline = time.monotonic() + 10
+        while len(engine.submitted) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        request_id = engine.submitted[-1].request_id
+        connection.sock.close()  # gone while the answer is being generated
+        connection.close()
+        while request_id not in engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert request_id in engine.aborted and request_id not in engine.active
+    finally:
+        engine.token_delay_s = 0.0
