@@ -136,3 +136,39 @@ async def test_tolerant_mode_recovers_a_call_without_closing_tag(make_app):
     data = await (await app.test_client().post("/v1/chat/completions", json=body)).get_json()
     [call] = data["choices"][0]["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+@pytest.fixture
+def xml_tokenizer(tokenizer):
+    """The Qwen3 tokenizer with an XML tool-call (Qwen3-Coder style) chat template."""
+    from pathlib import Path
+
+    from infernix_jax.chat.tokenizer import Tokenizer
+
+    fixture = Path(__file__).parents[1] / "fixtures" / "chat" / "custom_templates.json"
+    template = json.loads(fixture.read_text())["templates"]["xml"]
+    assert "<function=" in template
+    return Tokenizer(tokenizer.backend, tokenizer.config, {"default": template})
+
+
+async def test_xml_template_selects_the_qwen3_coder_parser(xml_tokenizer):
+    from infernix_jax.api import create_app
+    from tests.api.conftest import FakeEngine
+
+    engine = FakeEngine(xml_tokenizer, XML_CALL)
+    app = create_app(engine, xml_tokenizer, ServerConfig(served_model_name=MODEL))
+    client = app.test_client()
+    body = {"model": MODEL, "messages": [USER], "tools": [WEATHER_TOOL]}
+    data = await (await client.post("/v1/chat/completions", json=body)).get_json()
+    [call] = data["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}  # typed by the schema
+    forced = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    await client.post("/v1/chat/completions", json=forced)
+    prompt = xml_tokenizer.decode(engine.submitted[-1].prompt_token_ids)
+    assert prompt.endswith("<tool_call>\n<function=get_weather>\n")
