@@ -9,11 +9,10 @@ from quart import Response, jsonify
 
 from infernix_jax.api import fields
 from infernix_jax.api.blocks import REASONING, TEXT, TOOL, Block, BlockTracker, Step
-from infernix_jax.api.chat_plan import plan_chat
+from infernix_jax.api.chat_plan import ChatPlan, plan_chat
 from infernix_jax.api.chat_support import limit_tool_calls
 from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import Generation, new_request_id, start_generation
-from infernix_jax.api.requests import ChatPlan
 from infernix_jax.api.sse import SSE_HEADERS, sse_event
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH

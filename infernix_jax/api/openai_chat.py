@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from quart import Response, jsonify
 
 from infernix_jax.api import chat_support, fields
-from infernix_jax.api.chat_plan import check_tools, effort_budget, normalize_tool_choice, plan_chat
+from infernix_jax.api.chat_plan import ChatPlan, check_tools, effort_budget, normalize_tool_choice, plan_chat
 from infernix_jax.api.chat_support import ContentDelta, ReasoningDelta, ToolCallDelta, collect_events
 from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import (
@@ -20,7 +20,6 @@ from infernix_jax.api.generation import (
     new_request_id,
     start_generations,
 )
-from infernix_jax.api.requests import ChatPlan
 from infernix_jax.api.sse import SSE_DONE, SSE_HEADERS, sse_data
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenEvent, TokenLogprob
@@ -28,7 +27,7 @@ from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenEvent
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
 
-def _text_content(content, where: str) -> str:
+def text_content(content, where: str) -> str:
     """Message content as text: a string, or a list of text parts; other part types are a clear 400."""
     if content is None:
         return ""
@@ -61,7 +60,7 @@ def chat_messages(raw) -> list[dict]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role {role!r} is not a chat role", param="messages")
-        out = {"role": role, "content": _text_content(message.get("content"), f"messages[{i}]")}
+        out = {"role": role, "content": text_content(message.get("content"), f"messages[{i}]")}
         if role == "assistant":
             if message.get("tool_calls"):
                 out["tool_calls"] = message["tool_calls"]

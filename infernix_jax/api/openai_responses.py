@@ -11,12 +11,11 @@ from quart import Response, jsonify
 
 from infernix_jax.api import fields
 from infernix_jax.api.blocks import REASONING, TEXT, TOOL, Block, BlockTracker, Step
-from infernix_jax.api.chat_plan import check_tools, effort_budget, normalize_tool_choice, plan_chat
+from infernix_jax.api.chat_plan import ChatPlan, check_tools, effort_budget, normalize_tool_choice, plan_chat
 from infernix_jax.api.chat_support import limit_tool_calls
 from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import Generation, new_request_id, start_generation
-from infernix_jax.api.openai_chat import _text_content
-from infernix_jax.api.requests import ChatPlan
+from infernix_jax.api.openai_chat import text_content
 from infernix_jax.api.sse import SSE_HEADERS, sse_event
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH
@@ -48,7 +47,7 @@ def chat_messages(body: dict) -> list[dict]:
                 raise bad_request(
                     f"input[{i}].role {item.get('role')!r} is not a message role", param="input"
                 )
-            message = {"role": role, "content": _text_content(item.get("content"), f"input[{i}]")}
+            message = {"role": role, "content": text_content(item.get("content"), f"input[{i}]")}
             if role == "assistant" and pending_reasoning is not None:
                 message["reasoning_content"], pending_reasoning = pending_reasoning, None
             messages.append(message)
@@ -62,7 +61,7 @@ def chat_messages(body: dict) -> list[dict]:
                 "function": {"name": item.get("name"), "arguments": arguments},
             }
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or messages_has_tool_reply(messages):
+            if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
                 if pending_reasoning is not None:
                     last["reasoning_content"], pending_reasoning = pending_reasoning, None
@@ -70,7 +69,7 @@ def chat_messages(body: dict) -> list[dict]:
             last.setdefault("tool_calls", []).append(call)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
-            text = output if isinstance(output, str) else _text_content(output, f"input[{i}].output")
+            text = output if isinstance(output, str) else text_content(output, f"input[{i}].output")
             messages.append({"role": "tool", "content": text, "tool_call_id": item.get("call_id")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
@@ -78,10 +77,6 @@ def chat_messages(body: dict) -> list[dict]:
         else:
             raise not_supported(f"input item type {kind!r}", param="input")
     return messages
-
-
-def messages_has_tool_reply(messages: list[dict]) -> bool:
-    return bool(messages) and messages[-1]["role"] == "tool"
 
 
 def custom_tool_names(tools) -> frozenset[str]:
