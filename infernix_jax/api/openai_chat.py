@@ -20,7 +20,7 @@ from infernix_jax.api.generation import (
     new_request_id,
     start_generations,
 )
-from infernix_jax.api.sse import SSE_DONE, SSE_HEADERS, sse_data
+from infernix_jax.api.sse import SSE_DONE, SSE_HEADERS, openai_stream_error, sse_data
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH, TokenEvent, TokenLogprob
 
@@ -272,10 +272,8 @@ async def _stream(
             yield chunk(index, {}, logprobs=logprobs)
         if event.finished:
             if event.finish_reason == FINISH_ERROR:
-                message = event.error or "generation failed"
-                yield sse_data(
-                    {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-                )
+                yield openai_stream_error(event.error or "generation failed")
+                yield SSE_DONE  # the others (n > 1) are aborted as the stream ends
                 return
             finals.append(event)
             yield chunk(index, {}, finish=finish_reason(event.finish_reason, has_calls[index]))

@@ -19,3 +19,8 @@ def sse_event(event: str, payload: dict) -> bytes:
 
 
 SSE_DONE = sse_data("[DONE]")
+
+
+def openai_stream_error(message: str) -> bytes:
+    """An error inside an OpenAI stream (after the 200 was sent): the SDKs raise it as an APIError."""
+    return sse_data({"error": {"message": message, "type": "server_error", "param": None, "code": None}})

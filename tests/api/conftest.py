@@ -62,6 +62,7 @@ class FakeEngine:
         block_size: int = 16,
         emit_eos: bool = True,
         forced_logprob: Callable[[str, int], float] | None = None,
+        fail_after: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.script = script if callable(script) else (lambda _prompt, text=script: text)
@@ -71,6 +72,7 @@ class FakeEngine:
         self.kv_blocks_total = kv_blocks_total
         self.block_size = block_size
         self.emit_eos = emit_eos
+        self.fail_after = fail_after  # end with FINISH_ERROR after this many tokens (0: reject at once)
         # logprob of a token forced by a large logit bias, given the decoded prompt (for /v1/decide)
         self.forced_logprob = forced_logprob or (lambda _prompt, _token: -1.0)
         self.submitted: list[GenerationRequest] = []
@@ -150,6 +152,16 @@ class FakeEngine:
                     return
                 if len(generated) >= limit:
                     break
+                if self.fail_after is not None and len(generated) >= self.fail_after:
+                    yield TokenEvent(
+                        token_ids=[],
+                        text="",
+                        finish_reason=FINISH_ERROR,
+                        error="device fault",
+                        completion_tokens=len(generated),
+                        **base,
+                    )
+                    return
                 generated.append(token)
                 self.active[rid] = self._blocks(len(prompt) + len(generated))
                 logprobs = None

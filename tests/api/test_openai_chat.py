@@ -225,3 +225,19 @@ async def test_n_choices_with_seeds_and_usage(make_app, tokenizer):
             texts[choice["index"]] += choice["delta"].get("content") or ""
     assert texts == {0: "Hello there!", 1: "Hello there!"}
     assert chunks[-1]["usage"]["completion_tokens"] == 2 * completion
+
+
+async def test_engine_rejection_is_400_and_later_failure_is_reported(make_app):
+    app, engine = make_app("Hello there, friend!", fail_after=0)
+    client = app.test_client()
+    rejected = await client.post("/v1/chat/completions", json=chat_body())
+    assert rejected.status_code == 400 and "device fault" in (await rejected.get_json())["error"]["message"]
+    engine.fail_after = 2
+    failed = await client.post("/v1/chat/completions", json=chat_body())
+    assert failed.status_code == 500 and (await failed.get_json())["error"]["type"] == "server_error"
+    chunks = sse_payloads(
+        await (await client.post("/v1/chat/completions", json=chat_body(stream=True))).get_data()
+    )
+    assert chunks[-1]["error"]["message"] == "device fault"
+    engine.fail_after = None
+    assert (await client.post("/v1/chat/completions", json=chat_body())).status_code == 200
