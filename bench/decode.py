@@ -1,0 +1,100 @@
+"""Engine decode throughput against the HBM roofline.
+
+    python -m bench.decode                                   # GPU: 27b and moe, ctx 8K/32K, batch 1/8
+    python -m bench.decode --shapes 27b --contexts 1024,131072 --batches 1,8,64
+    python -m bench.decode --quick                           # tiny model, any machine
+
+For each (shape, context, batch) the engine runs decode dispatches of `--steps` steps over
+`batch` requests whose prompts of `context` tokens are already in the cache (zeros: decode cost
+does not depend on KV values). Figure: generated tokens per second over all rows, measured by the
+engine's own step loop (host work included). Ceiling: HBM read bandwidth measured in the same run
+divided by the bytes one step must read (weights with top-k experts, every row's KV, the state
+slots) times the batch. The record's details carry the host's share of decode time.
+Records go to bench/results/decode-<machine>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.ceilings import QUICK, Sizes, measure_hbm_read
+from bench.engine_setup import build_model, decode_bytes_per_step, make_core, place_prompts_without_compute
+from bench.record import git_commit, machine_name, make_record, write_records
+
+
+def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit):
+    dtype = params.final_norm.dtype
+    core = make_core(
+        cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256
+    )
+    place_prompts_without_compute(core, batch, context)
+    core.step()  # compile / warm the decode program
+    start_metrics = (
+        core.metrics.decode_wall_s,
+        core.metrics.decode_device_wait_s,
+        core.metrics.generated_tokens,
+    )
+    start = time.perf_counter()
+    for _ in range(dispatches):
+        core.step()
+    wall = time.perf_counter() - start
+    tokens = core.metrics.generated_tokens - start_metrics[2]
+    decode_wall = core.metrics.decode_wall_s - start_metrics[0]
+    device_wait = core.metrics.decode_device_wait_s - start_metrics[1]
+    step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
+    ceiling = batch * bandwidth / step_bytes
+    figure = tokens / wall
+    name = (
+        f"decode {shape} {kv_dtype} batch{batch} ctx{context // 1024}k"
+        if context >= 1024
+        else f"decode {shape} {kv_dtype} batch{batch} ctx{context}"
+    )
+    return make_record(name, figure, "tok/s", ceiling, "tok/s", machine=machine, commit=commit, details={
+        "batch": batch, "context": context, "steps_per_dispatch": steps, "dispatches": dispatches,
+        "bytes_per_step": step_bytes, "hbm_read_GBps": bandwidth / 1e9,
+        "host_fraction": 1 - device_wait / decode_wall if decode_wall > 0 else None,
+        "ms_per_step": 1e3 * wall / (dispatches * steps),
+    })  # fmt: skip
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="27b,moe")
+    parser.add_argument("--contexts", default="8192,32768")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
+    parser.add_argument("--dispatches", type=int, default=8)
+    parser.add_argument("--kv-dtype", default="bf16")
+    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (any machine)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.contexts, args.batches, args.dispatches = "tiny", "256", "1,4", 2
+    machine, commit = machine_name(), git_commit()
+    bandwidth = measure_hbm_read(QUICK if args.quick else Sizes()).rate
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    records = []
+    for shape in args.shapes.split(","):
+        cfg, params = build_model(shape, dtype)
+        for context in (int(c) for c in args.contexts.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches, args.kv_dtype,
+                                 bandwidth, machine, commit)  # fmt: skip
+                print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
+                      f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
+                records.append(record)
+        del params
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    print("wrote", write_records(records, args.out or f"decode-{slug}{'-quick' if args.quick else ''}.json"))
+    return records
+
+
+if __name__ == "__main__":
+    main()

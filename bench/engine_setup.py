@@ -1,0 +1,112 @@
+"""Shared by bench.decode and bench.prefill: model shapes, random weights on the device, an engine.
+
+Shapes (random bf16 weights built directly on the accelerator, no files):
+
+- ``27b``: Qwen3.5-27B (dense, hybrid GDN + gated attention).
+- ``moe``: Qwen3-Next-80B-A3B's layer shapes with 24 of its 48 layers (~40B parameters, 3B active
+  per token at the full depth), so that bf16 weights fit on one H200.
+- ``tiny``: a small hybrid MoE for ``--quick`` runs on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infernix_jax.cache import BLOCK_SIZE, kv_bytes_per_block, state_bytes_per_slot
+from infernix_jax.config import ModelConfig
+from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.core import EngineCore
+from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
+from infernix_jax.engine.request_state import Status
+from infernix_jax.model.params import init_params
+
+QWEN3_5_27B = dict(  # noqa: C408 - the shape of a config.json
+    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120,
+    intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=262144, full_attention_interval=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+)  # fmt: skip
+QWEN3_NEXT_24_LAYERS = dict(  # noqa: C408
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+    intermediate_size=5120, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    rope_theta=10000000, partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    norm_topk_prob=True, tie_word_embeddings=False, full_attention_interval=4, max_position_embeddings=262144,
+    mlp_only_layers=[],
+)  # fmt: skip
+TINY = dict(QWEN3_NEXT_24_LAYERS,
+            vocab_size=1024, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+            head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, max_position_embeddings=65536)  # fmt: skip
+SHAPES = {"27b": QWEN3_5_27B, "moe": QWEN3_NEXT_24_LAYERS, "tiny": TINY}
+
+
+def build_model(shape: str, dtype=jnp.bfloat16, seed: int = 0):
+    """(cfg, params) with random weights created on the default device."""
+    cfg = ModelConfig.from_hf_config(SHAPES[shape])
+    params = init_params(cfg, jax.random.key(seed), dtype, with_mtp=False)
+    return cfg, params
+
+
+def weight_bytes_per_token(cfg: ModelConfig, params) -> int:
+    """Bytes of weights one decode step must read: everything except the experts not routed to
+    (at batch b up to b * top_k experts are read; this counts top_k, the batch-1 figure) and the
+    embedding table (one row is read)."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        name = jax.tree_util.keystr(path)
+        size = math.prod(leaf.shape) * leaf.dtype.itemsize
+        if name.startswith(".embed"):
+            size = leaf.shape[-1] * leaf.dtype.itemsize
+        elif cfg.num_experts and leaf.ndim >= 3 and leaf.shape[0] == cfg.num_experts:
+            size = size * cfg.num_experts_per_tok // cfg.num_experts
+        total += size
+    return total
+
+
+def decode_bytes_per_step(cfg: ModelConfig, params, batch: int, context: int, kv_dtype: str, dtype) -> int:
+    """Bytes one decode step must read: weights + every row's KV up to `context` + the state slots."""
+    kv = batch * math.ceil(context / BLOCK_SIZE) * kv_bytes_per_block(cfg, kv_dtype, dtype)
+    return weight_bytes_per_token(cfg, params) + kv + batch * state_bytes_per_slot(cfg, dtype)
+
+
+def make_core(
+    cfg, params, *, batch: int, context: int, steps: int, kv_dtype: str, prefill_chunk: int
+) -> EngineCore:
+    config = EngineConfig(
+        max_concurrency=batch, max_context=context + 2 * steps + 1, kv_dtype=kv_dtype,
+        kv_capacity=batch * math.ceil((context + 2 * steps + 1) / BLOCK_SIZE), prefill_chunk=prefill_chunk,
+        prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(batch,),
+        decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False,
+    )  # fmt: skip
+    return EngineCore(cfg, params, config)
+
+
+def place_prompts_without_compute(core: EngineCore, batch: int, context: int, seed: int = 0) -> None:
+    """Admit `batch` requests of `context` prompt tokens and mark all but the last as cached.
+
+    Decode cost does not depend on the KV values, so the decode benchmark skips the prefill: the
+    blocks hold zeros. Uses the scheduler's allocators directly (benchmark only).
+    """
+    rng = np.random.default_rng(seed)
+    scheduler = core.scheduler
+    for i in range(batch):
+        prompt = rng.integers(0, core.cfg.vocab_size, size=context).tolist()
+        core.add_request(
+            GenerationRequest(f"bench{i}", prompt, SamplingParams(max_tokens=1 << 30, ignore_eos=True))
+        )
+    while scheduler.waiting:
+        state = scheduler.waiting.popleft()
+        state.slot = scheduler.slots.allocate()
+        state.blocks = scheduler.blocks.allocate(math.ceil(context / BLOCK_SIZE))
+        state.num_computed = context - 1
+        state.status = Status.RUNNING
+        scheduler.running.append(state)
+        core.runner.set_slot(state.slot, state.request.sampling, state.seed, state.prompt, state.output)
