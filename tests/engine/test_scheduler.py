@@ -169,3 +169,18 @@ def test_buckets_follow_the_config():
     assert config.decode_buckets == (1, 2, 4, 8, 16, 32)
     assert (4, 256) in config.prefill_shapes and (2, 1024) not in config.prefill_shapes
     assert all(r == 1 or r * t <= 1024 for r, t in config.prefill_shapes)
+
+
+def test_sixty_four_requests_run_together_in_the_largest_decode_bucket():
+    config = CONFIG.replace(max_concurrency=64, decode_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+    scheduler = make_scheduler(blocks=64 * 4, config=config)
+    states = [make_request(10 + i % 7, max_tokens=150) for i in range(70)]
+    for s in states:
+        scheduler.add(s)
+    plans = [advance(scheduler) for _ in range(40)]
+    assert max(p.decode_batch for p in plans) == 64
+    assert max(len(p.decode) for p in plans) == 64
+    while scheduler.has_work():
+        advance(scheduler)
+    assert all(len(s.output) == 150 for s in states)
+    assert scheduler.blocks.num_free == scheduler.blocks.num_total
