@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from quart import Response, jsonify
 
 from infernix_jax.api import fields
-from infernix_jax.api.blocks import REASONING, TEXT, TOOL, Block, BlockTracker, Step
+from infernix_jax.api.blocks import REASONING, TOOL, Block, BlockTracker, Step
 from infernix_jax.api.chat_plan import ChatPlan, plan_chat
 from infernix_jax.api.chat_support import limit_tool_calls
 from infernix_jax.api.errors import bad_request, not_supported
@@ -283,9 +283,8 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     outcome = await generation.collect()
     parser, tracker = plan.new_parser(), BlockTracker()
     tracker.feed(_allowed(plan, [*parser.feed(outcome.text), *parser.finish()]))
-    blocks = [
-        b for b in tracker.blocks if not (b.kind == TEXT and not b.text.strip() and len(tracker.blocks) > 1)
-    ]
+    tracker.close()
+    blocks = tracker.blocks
     has_tool_use = any(b.kind == TOOL for b in blocks)
     reason, sequence = stop_reason(outcome.finish_reason, outcome.stop_reason, plan, has_tool_use)
     return jsonify(

@@ -39,8 +39,13 @@ class Step:
 
 @dataclass
 class BlockTracker:
+    """Groups events into blocks. Whitespace-only text never opens a text block on its own: it is
+    held until real text follows (and then sent with it) and dropped when another kind of block
+    comes first, so no empty-looking blocks appear."""
+
     blocks: list[Block] = field(default_factory=list)
     _open: Block | None = None
+    _held_space: str = ""
 
     def feed(self, events: list[Event]) -> list[Step]:
         steps: list[Step] = []
@@ -55,7 +60,15 @@ class BlockTracker:
                 continue
             text = event.arguments if kind == TOOL else event.text
             current = self._open
-            if current is None or current.kind != kind or current.call_index != key:
+            opens = current is None or current.kind != kind or current.call_index != key
+            if kind == TEXT and opens:
+                if not text.strip():
+                    self._held_space += text
+                    continue
+                text, self._held_space = self._held_space + text, ""
+            elif opens:
+                self._held_space = ""  # whitespace between two non-text blocks is dropped
+            if opens:
                 if current is not None:
                     steps.append(Step("close", current))
                 current = Block(index=len(self.blocks), kind=kind, call_index=key)

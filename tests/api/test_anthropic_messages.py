@@ -138,9 +138,8 @@ async def test_stream_events_in_order_and_equal_to_non_stream(make_app):
     ]
     assert streamed_calls == [(b["name"], b["input"]) for b in whole["content"] if b["type"] == "tool_use"]
     streamed_text = "".join(b.get("text", "") for b in blocks.values() if b["type"] == "text")
-    assert (
-        streamed_text.strip() == "".join(b["text"] for b in whole["content"] if b["type"] == "text").strip()
-    )
+    assert streamed_text == "".join(b["text"] for b in whole["content"] if b["type"] == "text")
+    assert [b["type"] for b in blocks.values()] == [b["type"] for b in whole["content"]]
     delta = events[-2][1]
     assert (
         delta["delta"]["stop_reason"] == "tool_use"
