@@ -152,11 +152,28 @@ async def serve_app(app, host: str, port: int, shutdown: asyncio.Event) -> None:
     await serve(app, config, shutdown_trigger=shutdown.wait)
 
 
+def log_engine_memory(engine) -> None:
+    """Log where memory went: the engine's own description when it has one, else its KV pool size."""
+    describe = getattr(engine, "describe", None)
+    if callable(describe):
+        for line in str(describe()).splitlines():
+            log.info("%s", line)
+        return
+    stats = engine.stats()
+    log.info(
+        "engine: context %d tokens, KV pool %d blocks (%d in use)",
+        engine.max_context,
+        stats.kv_blocks_total,
+        stats.kv_blocks_used,
+    )
+
+
 async def _main_async(args: argparse.Namespace) -> None:
     from infernix_jax.api.app import create_app
 
     tokenizer = load_tokenizer(args)
     engine = build_engine(args)
+    log_engine_memory(engine)
     app = create_app(engine, tokenizer, server_config(args))
     shutdown = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -71,3 +71,20 @@ def test_build_engine_passes_engine_flags_to_create_engine(tmp_path, monkeypatch
             {"max_concurrency": 4, "max_context": 1024, "kv_dtype": "fp8", "prefill_chunk": None},
         )
     ]
+
+
+def test_memory_is_logged_from_the_engine(caplog, tokenizer):
+    import logging
+
+    from tests.api.conftest import FakeEngine
+
+    class DescribedEngine(FakeEngine):
+        def describe(self) -> str:
+            return "weights 1.0 GiB on gpu:0\nKV pool 2.0 GiB (256 blocks)"
+
+    with caplog.at_level(logging.INFO, logger="infernix_jax.serve"):
+        serve.log_engine_memory(FakeEngine(tokenizer, max_context=1024))
+        serve.log_engine_memory(DescribedEngine(tokenizer))
+    messages = [r.getMessage() for r in caplog.records]
+    assert "engine: context 1024 tokens, KV pool 256 blocks (0 in use)" in messages
+    assert "KV pool 2.0 GiB (256 blocks)" in messages
