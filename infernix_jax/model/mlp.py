@@ -9,9 +9,10 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.weights.quant import matmul
 
-# Below this many (token, expert) pairs, gather each pair's expert weights (reads only the chosen
-# experts: the decode case); above it, sort pairs by expert and use a grouped matmul.
-GATHER_MAX_PAIRS = 64
+# With few (token, expert) pairs, gather each pair's expert weights: it reads only the chosen experts
+# (the decode case). Once the pairs would read more than half of all experts, sort the pairs by
+# expert and run a grouped matmul, which reads every expert once.
+GATHER_MIN_PAIRS = 64
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
@@ -59,7 +60,7 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    if ids.size <= GATHER_MAX_PAIRS:
+    if ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
         per_pair = _experts_gathered(p, xf, ids)
     else:
         per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
