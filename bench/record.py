@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -77,7 +78,12 @@ def machine_name() -> str:
 
 
 def git_commit(repo: Path | None = None) -> str:
-    """HEAD of the repository holding bench/ ("-dirty" if tracked files changed; "unknown" outside git)."""
+    """HEAD of the repository holding bench/ ("-dirty" if tracked files changed; "unknown" outside git).
+
+    INFERNIX_COMMIT overrides it, for machines that receive a copy of the tree without .git.
+    """
+    if os.environ.get("INFERNIX_COMMIT"):
+        return os.environ["INFERNIX_COMMIT"]
     cwd = repo or Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
