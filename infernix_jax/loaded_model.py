@@ -8,9 +8,9 @@ compilation. The serving engine (engine/) batches many requests; this is the sim
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -54,12 +54,34 @@ def chunk_plan(length: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> list[tu
     return plan
 
 
-@partial(jax.jit, static_argnums=(4,), donate_argnums=(3,))
-def _step(params: Params, tokens: jax.Array, positions: jax.Array, cache: SequenceCache, cfg: ModelConfig,
-          last_index: jax.Array):
-    """One chunk of one sequence: returns the float32 logits of its last valid token and the cache."""
+def _last_logits(params: Params, tokens: jax.Array, positions: jax.Array, cache: SequenceCache, cfg: ModelConfig,
+                 last_index: jax.Array):
+    """One chunk of one sequence: the float32 logits of its last valid token, and the cache."""
     logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last_index)
     return logits[:, 0], cache
+
+
+def _chunk_logits(params, tokens, positions, cache, cfg, index):
+    """One chunk of one sequence: the float32 logits at `index`, and the cache."""
+    logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=index)
+    return logits, cache
+
+
+@functools.cache
+def _programs(backend: str):
+    """The jitted chunk programs. The cache is donated on accelerators; not on the CPU, where
+    jaxlib 0.10.2 can hang executing a donated-cache program (docs/model_config.md)."""
+    donate = () if backend == "cpu" else (3,)
+    return (jax.jit(_last_logits, static_argnums=(4,), donate_argnums=donate),
+            jax.jit(_chunk_logits, static_argnums=(4,), donate_argnums=donate))
+
+
+def _step(*args):
+    return _programs(jax.default_backend())[0](*args)
+
+
+def _all_logits(*args):
+    return _programs(jax.default_backend())[1](*args)
 
 
 class Model:
@@ -192,12 +214,6 @@ class Model:
             raise ValueError("this model has no chat template")
         return self.tokenizer.chat_template.render(messages, tools=tools,
                                                    add_generation_prompt=add_generation_prompt, **template_kwargs)
-
-
-@partial(jax.jit, static_argnums=(4,), donate_argnums=(3,))
-def _all_logits(params, tokens, positions, cache, cfg, index):
-    logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=index)
-    return logits, cache
 
 
 def sample_token(logits: np.ndarray, temperature: float, top_p: float, top_k: int,

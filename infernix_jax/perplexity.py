@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from infernix_jax.demo import HELDOUT_TEXT_PATH, UNIGRAM_COUNTS_PATH
+from infernix_jax.demo.data import unigram_perplexity_from_counts
 from infernix_jax.loaded_model import Model, load
 
 
@@ -82,11 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    demo = args.model is None
     if args.text is None:
-        if args.model is not None:
+        if not demo:
             print("--text is required with --model", file=sys.stderr)
             return 2
-        args.text = str(Path(__file__).parent / "demo" / "heldout.txt")
+        args.text = str(HELDOUT_TEXT_PATH)
     text = Path(args.text).read_text(encoding="utf-8")
     model = load(args.model, max_context=args.context)
     if model.tokenizer is None:
@@ -102,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     result = perplexity(model, ids, args.context, stride)
     print(f"tokens evaluated: {result.tokens_evaluated}")
     print(f"mean NLL: {result.mean_nll:.6f}")
+    record = asdict(result)
+    if demo and UNIGRAM_COUNTS_PATH.exists():
+        # the baseline: an add-one unigram model of the demo's training split, on the same tokens
+        baseline = unigram_perplexity_from_counts(np.load(UNIGRAM_COUNTS_PATH), np.asarray(ids[1:]))
+        record["unigram_perplexity"] = baseline
+        print(f"unigram perplexity (training-split counts, same tokens): {baseline:.4f}")
     if args.json:
-        print(json.dumps(asdict(result)))
+        print(json.dumps(record))
     print(f"perplexity: {result.perplexity:.4f}")
     return 0
 

@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a Qwen hybrid model over the OpenAI and Anthropic HTTP APIs.",
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--model", required=True, help="model folder (HF checkpoint or converted artifact)")
+    model.add_argument(
+        "--model", default=None, help="model folder (HF checkpoint); default: the bundled demo model"
+    )
     model.add_argument("--tokenizer", default=None, help="tokenizer folder, when not the model folder")
     model.add_argument(
         "--served-model-name",
@@ -199,6 +201,10 @@ async def _main_async(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.model is None:
+        from infernix_jax.loaded_model import demo_model_dir
+
+        args.model = str(demo_model_dir())
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -13,7 +13,10 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent
 MODEL_DIR = DEMO_DIR / "model"  # Hugging Face layout: config.json, model.safetensors, tokenizer files
 HELDOUT_TEXT_PATH = DEMO_DIR / "heldout.txt"  # held-out documents joined by <|endoftext|>
-MANIFEST_PATH = DEMO_DIR / "corpus_manifest.json"  # the corpus build's file list, hashes and split
+MANIFEST_PATH = DEMO_DIR / "corpus_manifest.json"
+# Token counts of the training split (uint32 [vocab]), written by `python -m infernix_jax.demo.data`:
+# the add-one unigram baseline that held-out perplexity is compared with.
+UNIGRAM_COUNTS_PATH = DEMO_DIR / "unigram_counts.npy"  # the corpus build's file list, hashes and split
 
 
 def load_heldout_text() -> str:

@@ -27,7 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from infernix_jax.chat.template import ChatTemplate
-from infernix_jax.demo import MODEL_DIR, load_heldout_text
+from infernix_jax.demo import MODEL_DIR, UNIGRAM_COUNTS_PATH, load_heldout_text
 from infernix_jax.demo.corpus import iter_documents, sha256_hex
 from infernix_jax.demo.special_tokens import ENDOFTEXT, VOCAB_SIZE
 from infernix_jax.demo.tokenizer import TOKENIZER_FILE, load_chat_template, load_tokenizer
@@ -221,22 +221,31 @@ def eval_windows(ids: np.ndarray, seq_len: int) -> np.ndarray:
     return np.asarray(ids[: count * window], dtype=np.int32).reshape(count, window)
 
 
-def unigram_perplexity(train_ids: np.ndarray, heldout_ids: np.ndarray, vocab: int = VOCAB_SIZE) -> float:
-    """Perplexity on ``heldout_ids`` of an add-one smoothed unigram model counted on ``train_ids``.
-
-    p(t) = (count(t) + 1) / (N + vocab); perplexity = exp(-mean log p(heldout)). The baseline the
-    demo model's held-out perplexity is judged against.
-    """
+def unigram_counts(train_ids: np.ndarray, vocab: int = VOCAB_SIZE) -> np.ndarray:
+    """How often each token occurs in ``train_ids`` (uint32 [vocab])."""
     train = np.asarray(train_ids)
+    if train.size and (int(train.min()) < 0 or int(train.max()) >= vocab):
+        raise ValueError(f"train ids must lie in [0, {vocab}), got [{int(train.min())}, {int(train.max())}]")
+    return np.bincount(train.astype(np.int64), minlength=vocab).astype(np.uint32)
+
+
+def unigram_perplexity_from_counts(counts: np.ndarray, heldout_ids: np.ndarray) -> float:
+    """Perplexity on ``heldout_ids`` of the add-one smoothed unigram model with these counts:
+    p(t) = (count(t) + 1) / (N + vocab); perplexity = exp(-mean log p(heldout))."""
     heldout = np.asarray(heldout_ids)
     if heldout.size == 0:
         raise ValueError("no held-out tokens")
-    for name, ids in (("train", train), ("held-out", heldout)):
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"{name} ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-    counts = np.bincount(train.astype(np.int64), minlength=vocab).astype(np.float64)
-    log_probs = np.log(counts + 1.0) - math.log(train.size + vocab)
+    vocab = counts.shape[0]
+    if int(heldout.min()) < 0 or int(heldout.max()) >= vocab:
+        raise ValueError(f"held-out ids must lie in [0, {vocab}), got [{int(heldout.min())}, {int(heldout.max())}]")
+    log_probs = np.log(counts.astype(np.float64) + 1.0) - math.log(float(counts.sum()) + vocab)
     return float(np.exp(-log_probs[heldout.astype(np.int64)].mean()))
+
+
+def unigram_perplexity(train_ids: np.ndarray, heldout_ids: np.ndarray, vocab: int = VOCAB_SIZE) -> float:
+    """The add-one unigram baseline counted on ``train_ids`` that the demo model's held-out
+    perplexity is judged against."""
+    return unigram_perplexity_from_counts(unigram_counts(train_ids, vocab), heldout_ids)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="where tokenizer.json lives")
     parser.add_argument("--chat-fraction", type=float, default=ChatWrapping.fraction)
     parser.add_argument("--seed", type=int, default=ChatWrapping.seed)
+    parser.add_argument("--update-package", action="store_true",
+                        help="also write the training split's unigram counts into the package")
     args = parser.parse_args(argv)
     wrapping = ChatWrapping(fraction=args.chat_fraction, seed=args.seed)
     info = build_token_file(args.corpus, args.out, model_dir=args.model_dir, wrapping=wrapping)
@@ -256,8 +267,12 @@ def main(argv: list[str] | None = None) -> None:
         f"-> {args.out / TOKEN_FILE}"
     )
     heldout = heldout_token_ids(load_tokenizer(args.model_dir))
-    baseline = unigram_perplexity(load_token_file(args.out), heldout, info.vocab_size)
+    counts = unigram_counts(load_token_file(args.out), info.vocab_size)
+    baseline = unigram_perplexity_from_counts(counts, heldout)
     print(f"held-out sample: {heldout.size:,d} tokens; add-one unigram perplexity {baseline:.2f}")
+    if args.update_package:
+        np.save(UNIGRAM_COUNTS_PATH, counts)
+        print(f"wrote {UNIGRAM_COUNTS_PATH}")
 
 
 if __name__ == "__main__":
