@@ -8,7 +8,6 @@ compilation. The serving engine (engine/) batches many requests; this is the sim
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from infernix_jax.cache.sequence import SequenceCache, init_cache
 from infernix_jax.chat.detokenizer import IncrementalDetokenizer
 from infernix_jax.chat.tokenizer import Tokenizer
 from infernix_jax.config import ModelConfig
+from infernix_jax.jit import jit
 from infernix_jax.model.forward import forward
 from infernix_jax.model.params import Params
 from infernix_jax.weights.hf import load_params
@@ -67,21 +67,8 @@ def _chunk_logits(params, tokens, positions, cache, cfg, index):
     return logits, cache
 
 
-@functools.cache
-def _programs(backend: str):
-    """The jitted chunk programs. The cache is donated on accelerators; not on the CPU, where
-    jaxlib 0.10.2 can hang executing a donated-cache program (docs/model_config.md)."""
-    donate = () if backend == "cpu" else (3,)
-    return (jax.jit(_last_logits, static_argnums=(4,), donate_argnums=donate),
-            jax.jit(_chunk_logits, static_argnums=(4,), donate_argnums=donate))
-
-
-def _step(*args):
-    return _programs(jax.default_backend())[0](*args)
-
-
-def _all_logits(*args):
-    return _programs(jax.default_backend())[1](*args)
+_step = jit(_last_logits, static_argnums=(4,), donate_argnums=(3,))
+_all_logits = jit(_chunk_logits, static_argnums=(4,), donate_argnums=(3,))
 
 
 class Model:

@@ -16,6 +16,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
+import jax
+
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore, EngineMetrics
 from infernix_jax.engine.protocol import FINISH_ERROR, EngineStats, GenerationRequest, TokenEvent
@@ -132,6 +134,9 @@ class AsyncEngine:
                 pass
 
 
+CPU_PREFILL_CHUNK = 256  # default prefill chunk on the CPU backend
+
+
 def create_engine(model_dir: str | os.PathLike | None = None, *, dtype=None, **options) -> AsyncEngine:
     """Load a checkpoint and start an engine. `options` are EngineConfig fields; kv_dtype "auto"
     means the model dtype ("bf16") and max_context None the smaller of the model's and 8192."""
@@ -143,6 +148,10 @@ def create_engine(model_dir: str | os.PathLike | None = None, *, dtype=None, **o
     model = load(model_dir, dtype=dtype)
     if options.get("max_context") is None:
         options["max_context"] = model.max_context
+    if options.get("prefill_chunk") is None and jax.default_backend() == "cpu":
+        # jaxlib 0.10.2 on the CPU can deadlock running the engine's 1024+-token prefill programs
+        # (docs/model_config.md); smaller chunks run reliably there.
+        options["prefill_chunk"] = CPU_PREFILL_CHUNK
     options = {k: v for k, v in options.items() if v is not None}
     config = EngineConfig(**options)
     core = EngineCore(model.config, model.params, config, model.tokenizer, model.eos_token_ids())

@@ -9,7 +9,7 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
   padding (position -1) for the remaining steps, so nothing more is written for it.
 - `set_slot_program`: install one request's sampling settings and penalty state in its slot.
 
-The pools (KV pages, GDN state slots) and the per-slot sampling state are donated to every
+The pools (KV pages, GDN state slots) and the per-slot sampling state are donated (on accelerators, see infernix_jax/jit.py) to every
 program and updated in place. Per-slot sampling state lives on the device so that a dispatch
 gathers its rows by slot instead of re-uploading settings every step.
 
@@ -51,6 +51,7 @@ from infernix_jax.engine.sampling import (
     stop_token_hit,
     update_penalty_state,
 )
+from infernix_jax.jit import jit
 from infernix_jax.model.forward import forward
 from infernix_jax.model.params import Params
 
@@ -98,9 +99,7 @@ class Sampled:
 # Programs
 
 
-@partial(
-    jax.jit, static_argnames=("cfg", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling")
-)
+@partial(jit, static_argnames=("cfg", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
 def prefill_program(
     params: Params,
     kv_pool: KVPool,
@@ -133,11 +132,7 @@ def prefill_program(
     )
 
 
-@partial(
-    jax.jit,
-    static_argnames=("cfg", "steps", "num_top"),
-    donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
-)
+@partial(jit, static_argnames=("cfg", "steps", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
 def decode_program(
     params: Params,
     kv_pool: KVPool,
@@ -191,7 +186,7 @@ def decode_program(
     return kv_pool, state_pool, slot_sampling, (count, *out)
 
 
-@partial(jax.jit, donate_argnames=("slot_sampling",))
+@partial(jit, donate_argnames=("slot_sampling",))
 def set_slot_program(
     slot_sampling: SlotSampling,
     slot: jax.Array,  # i32 []
