@@ -15,8 +15,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -136,12 +137,12 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         return bool(self.linear_attention_layers)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # ---- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, source: str | os.PathLike | Mapping[str, Any]) -> ModelConfig:
         """Build from a model directory, a config.json path, or a parsed config dict."""
         raw = _read_config(source)
         architecture = _architecture(raw)

@@ -11,7 +11,8 @@ the CPU backend. Facts: docs/model_config.md.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

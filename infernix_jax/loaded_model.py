@@ -9,9 +9,9 @@ compilation. The serving engine (engine/) batches many requests; this is the sim
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp

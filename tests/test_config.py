@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infernix_jax.config import FULL_ATTENTION, LINEAR_ATTENTION, MLP_DENSE, MLP_MOE, ModelConfig, UnsupportedModelError
+from infernix_jax.config import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    MLP_DENSE,
+    MLP_MOE,
+    ModelConfig,
+    UnsupportedModelError,
+)
 from infernix_jax.model.params import abstract_params, count_params
 
 QWEN3_NEXT_80B = dict(

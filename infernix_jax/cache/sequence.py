@@ -32,7 +32,7 @@ class ContiguousKV:
     def capacity(self) -> int:
         return self.k.shape[1]
 
-    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> "ContiguousKV":
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> ContiguousKV:
         """Store k, v [B, T, K, Dh] at their positions [B, T]; positions < 0 (padding) are dropped."""
         b, t = positions.shape
         slots = jnp.where(positions >= 0, positions, self.capacity)  # out of range -> dropped

@@ -33,7 +33,12 @@ from tqdm.auto import tqdm
 from infernix_jax.cache.sequence import init_cache
 from infernix_jax.config import ModelConfig
 from infernix_jax.demo import MODEL_DIR
-from infernix_jax.demo.data import WindowSampler, eval_windows, heldout_token_ids, load_token_file, split_window
+from infernix_jax.demo.data import (
+    WindowSampler,
+    eval_windows,
+    heldout_token_ids,
+    load_token_file,
+)
 from infernix_jax.demo.special_tokens import VOCAB_SIZE
 from infernix_jax.model.forward import forward, mtp_forward
 from infernix_jax.model.params import Params, count_params, init_params

@@ -8,8 +8,9 @@ same types, so a fake engine that honours this protocol can stand in for the rea
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 FINISH_STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
 FINISH_LENGTH = "length"  # max_tokens or the context limit was reached
@@ -60,7 +61,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import rms_norm

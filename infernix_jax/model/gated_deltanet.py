@@ -87,7 +87,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     strictly_lower = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system = jnp.where(strictly_lower, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
     unit = system + jnp.eye(chunk, dtype=system.dtype)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
+    solve = lambda rhs: jax.lax.linalg.triangular_solve(
         unit, rhs, left_side=True, lower=True, unit_diagonal=True
     )
     new_values = solve(v_beta)  # [B, H, N, C, Dv]

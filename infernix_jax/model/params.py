@@ -10,8 +10,9 @@ along `in`) slots in without changing layer code. GDN input projections are held
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
