@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from bench.ceilings import QUICK, Sizes, measure_hbm_read
 from bench.engine_setup import build_model, decode_bytes_per_step, make_core, place_prompts_without_compute
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.record import context_label, git_commit, machine_name, make_record, write_records
 
 
 def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit):
@@ -49,11 +49,7 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
     ceiling = batch * bandwidth / step_bytes
     figure = tokens / wall
-    name = (
-        f"decode {shape} {kv_dtype} batch{batch} ctx{context // 1024}k"
-        if context >= 1024
-        else f"decode {shape} {kv_dtype} batch{batch} ctx{context}"
-    )
+    name = f"decode {shape} {kv_dtype} batch{batch} {context_label(context)}"
     return make_record(name, figure, "tok/s", ceiling, "tok/s", machine=machine, commit=commit, details={
         "batch": batch, "context": context, "steps_per_dispatch": steps, "dispatches": dispatches,
         "bytes_per_step": step_bytes, "hbm_read_GBps": bandwidth / 1e9,

