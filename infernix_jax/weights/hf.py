@@ -172,7 +172,7 @@ def path_str(path_keys) -> str:
     return ".".join(parts)
 
 
-def _leaf_paths(tree) -> dict[str, Decl]:
+def leaf_paths(tree) -> dict[str, Decl]:
     """Flatten a declaration tree into {dotted path: Decl}."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Decl))[0]
     return {path_str(path): decl for path, decl in flat}
@@ -288,7 +288,7 @@ class HFWeightSource:
             with_mtp and cfg.mtp_num_layers > 0 and any(n.startswith("mtp.") for n in self.ckpt.names())
         )
         self.decls = declare_params(cfg, with_mtp=self.with_mtp)
-        self.leaves = _leaf_paths(self.decls)
+        self.leaves = leaf_paths(self.decls)
         self._reader = _Reader(self.ckpt, cfg, self.qcfg)
         self._layer_rules = _rules_by_path(LAYER_RULES)
         self._model_rules = _rules_by_path(MODEL_RULES)
