@@ -11,4 +11,4 @@ infernix_jax/weights/artifact.py; `infernix_jax.load` reads artifacts and HF fol
 from conversion.convert import ConversionSummary, convert
 from conversion.recipes import RECIPES, Recipe, RecipeError, apply, module_class, parse_recipe
 
-__all__ = ["ConversionSummary", "RECIPES", "Recipe", "RecipeError", "apply", "convert", "module_class", "parse_recipe"]
+__all__ = ["RECIPES", "ConversionSummary", "Recipe", "RecipeError", "apply", "convert", "module_class", "parse_recipe"]

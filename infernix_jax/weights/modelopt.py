@@ -177,7 +177,7 @@ class LinearNames:
     weight_scale_inv: str
 
     @classmethod
-    def of(cls, weight_name: str) -> "LinearNames":
+    def of(cls, weight_name: str) -> LinearNames:
         if weight_name.endswith(".weight"):
             module, base = weight_name[: -len(".weight")], weight_name[: -len("weight")]
         else:
