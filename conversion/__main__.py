@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from conversion.convert import convert
 from conversion.recipes import FORMATS, QUANTIZABLE, RECIPES, RecipeError, parse_recipe
 
 
@@ -32,8 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from conversion.convert import convert  # imports jax: keep --help fast
-
     summary = convert(args.in_dir, args.out_dir, recipe, with_mtp=not args.no_mtp, progress=not args.quiet)
     print(summary.table())
     ratio = summary.source_bytes / max(summary.stored_bytes, 1)

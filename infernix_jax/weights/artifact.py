@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,9 @@ class ArtifactWriter:
         self.num_experts = num_experts or None
         if (self.dir / METADATA_FILE).exists():
             (self.dir / METADATA_FILE).unlink()  # an interrupted rewrite must not look complete
-        (self.dir / TENSOR_DIR).mkdir(parents=True, exist_ok=True)
+        if (self.dir / TENSOR_DIR).is_dir():
+            shutil.rmtree(self.dir / TENSOR_DIR)  # no stale arrays from an earlier conversion
+        (self.dir / TENSOR_DIR).mkdir(parents=True)
         self.records: dict[str, dict[str, Any]] = {}
 
     def write(self, path: str, value: Any) -> dict[str, Any]:

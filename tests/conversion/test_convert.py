@@ -111,7 +111,7 @@ def test_moe_artifact_matches_in_memory_quantization_and_reads_one_expert_alone(
 def test_modelopt_experts_keep_their_bytes_through_conversion(tmp_path):
     src, ref = tmp_path / "modelopt", tmp_path / "dequantized"
     mo.write_modelopt_checkpoint(HF_FIXTURES / "qwen3_next", src, ref, exclude=("lm_head", "*.mlp.gate"))
-    summary = convert(src, tmp_path / "art", parse_recipe("dense8"), progress=False)
+    summary = convert(src, tmp_path / "art", parse_recipe("experts=nvfp4,attention=int8"), progress=False)
     assert summary.classes["experts"].kept == summary.classes["experts"].tensors > 0
     assert summary.classes["attention"].requantized == summary.classes["attention"].tensors  # nvfp4 -> int8
     cfg = ModelConfig.from_hf_config(tmp_path / "art")
