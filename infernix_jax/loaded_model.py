@@ -24,6 +24,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.jit import jit
 from infernix_jax.model.forward import forward
 from infernix_jax.model.params import Params
+from infernix_jax.weights.artifact import is_artifact, load_artifact_params
 from infernix_jax.weights.hf import load_params
 
 PREFILL_BUCKETS = (16, 64, 256, 1024)  # chunk lengths; a prompt is cut into chunks of these sizes
@@ -234,11 +235,13 @@ def demo_model_dir() -> Path:
 
 
 def load(path: str | os.PathLike | None = None, dtype=None, max_context: int | None = None) -> Model:
-    """Load a Hugging Face-layout checkpoint directory (config.json, safetensors, tokenizer files)."""
+    """Load a model folder: a Hugging Face checkpoint (config.json, safetensors, tokenizer files;
+    ModelOpt NVFP4 / FP8 included) or an artifact written by `python -m conversion` (recognised by
+    its metadata record). Quantized weights keep their format; other weights take `dtype`."""
     path = demo_model_dir() if path is None else Path(path)
     cfg = ModelConfig.from_hf_config(path)
     dtype = default_dtype() if dtype is None else dtype
-    params = load_params(path, cfg, dtype)
+    params = load_artifact_params(path, cfg, dtype) if is_artifact(path) else load_params(path, cfg, dtype)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     if max_context is None:
         max_context = min(cfg.max_position_embeddings, 8192)

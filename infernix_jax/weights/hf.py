@@ -22,6 +22,8 @@ from tqdm.auto import tqdm
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.params import Decl, Params, declare_params, param_dtype
+from infernix_jax.weights.modelopt import QuantConfig, build_weight, read_quant_config
+from infernix_jax.weights.quant import FP8Weight, NVFP4Weight, QuantizedWeight
 from infernix_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
 Transform = Callable[..., np.ndarray]
@@ -170,20 +172,58 @@ def path_str(path_keys) -> str:
     return ".".join(parts)
 
 
-def _leaf_paths(tree) -> dict[str, Decl]:
+def leaf_paths(tree) -> dict[str, Decl]:
     """Flatten a declaration tree into {dotted path: Decl}."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Decl))[0]
     return {path_str(path): decl for path, decl in flat}
 
 
+def _transform_quantized(transform: Transform, cfg: ModelConfig, w: QuantizedWeight) -> QuantizedWeight:
+    """Apply a row transform (a split or slice of the N axis) to a quantized weight.
+
+    The transforms here only regroup rows ([.., N, K] -> [.., N', K]); every full-rank leaf of
+    NVFP4 (packed, block_scale) and per-tensor FP8 (data) is indexed by the same rows, and the
+    per-tensor scales are shared by all rows, so regrouping the row leaves is exact.
+    """
+    if isinstance(w, FP8Weight) and w.block_size is not None:
+        raise CheckpointError(
+            f"{transform.__name__}: block-scaled FP8 rows cannot be regrouped (the 128-row scale blocks "
+            f"straddle the split); this layout is not supported"
+        )
+    if not isinstance(w, (NVFP4Weight, FP8Weight)):
+        raise CheckpointError(f"{transform.__name__}: cannot regroup the rows of a {type(w).__name__}")
+    rank = len(w.shape)
+    return jax.tree.map(lambda a: transform(cfg, a) if np.ndim(a) == rank else a, w)
+
+
+def _stack(values: list) -> np.ndarray | QuantizedWeight:
+    """Stack per-expert values (plain arrays or quantized weights alike) on a new leading axis."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *values)
+
+
 class _Reader:
     """Resolves rules against a checkpoint, recording every tensor it reads and every problem."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, cfg: ModelConfig):
-        self.ckpt, self.cfg = ckpt, cfg
+    def __init__(self, ckpt: SafetensorsCheckpoint, cfg: ModelConfig, qcfg: QuantConfig | None):
+        self.ckpt, self.cfg, self.qcfg = ckpt, cfg, qcfg
         self.used: set[str] = set()
         self.missing: list[str] = []
         self.misshaped: list[str] = []
+
+    def _get(self, name: str) -> np.ndarray:
+        if name not in self.ckpt:
+            raise KeyError(name)
+        self.used.add(name)
+        return self.ckpt.get(name)
+
+    def _load(self, name: str):
+        """One stored weight: its array, or its quantized type with the stored bytes (ModelOpt)."""
+        if self.qcfg is None:
+            return self._get(name)
+        try:
+            return build_weight(self._get, name, self.qcfg)
+        except ValueError as e:
+            raise CheckpointError(f"{name}: {e}") from e
 
     def _names(self, rule: Rule, base: str) -> list[str] | None:
         if rule.per_expert:
@@ -192,17 +232,23 @@ class _Reader:
             names = [base + n for n in rule.names]
         return names if all(n in self.ckpt for n in names) else None
 
-    def read(self, path: str, rules: list[Rule], base: str, decl: Decl) -> np.ndarray | None:
+    def read(self, path: str, rules: list[Rule], base: str, decl: Decl):
         for rule in rules:
             names = self._names(rule, base)
             if names is None:
                 continue
-            arrays = [self.ckpt.get(n) for n in names]
-            self.used.update(names)
+            try:
+                arrays = [self._load(n) for n in names]
+            except KeyError as e:  # a scale that a quantized weight needs
+                self.missing.append(f"{e.args[0]} (for {names[0]})")
+                return None
             if rule.per_expert:
-                value = np.stack(arrays)
+                value = _stack(arrays)
             elif rule.transform is not None:
-                value = rule.transform(self.cfg, *arrays)
+                if isinstance(arrays[0], QuantizedWeight):
+                    value = _transform_quantized(rule.transform, self.cfg, arrays[0])
+                else:
+                    value = rule.transform(self.cfg, *arrays)
             else:
                 value = arrays[0]
             if tuple(value.shape) != tuple(decl.shape):
@@ -224,6 +270,83 @@ def _rules_by_path(rules: tuple[Rule, ...]) -> dict[str, list[Rule]]:
     return by_path
 
 
+class HFWeightSource:
+    """A Hugging Face checkpoint read one `Params` leaf at a time, on the host.
+
+    `leaves` maps each dotted leaf path ("layers.3.moe.gate_proj") to its declaration; `read(path)`
+    returns that leaf as a numpy array or a quantized weight with numpy leaves (ModelOpt NVFP4 /
+    FP8 checkpoints keep their stored bytes); `check()` raises one CheckpointError listing every
+    missing, unexpected or mis-shaped tensor seen. The loader and the converter both use it, so a
+    converted artifact holds exactly what loading the folder would.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike, cfg: ModelConfig, with_mtp: bool = True):
+        self.model_dir, self.cfg = model_dir, cfg
+        self.ckpt = SafetensorsCheckpoint(model_dir)
+        self.qcfg = read_quant_config(model_dir)
+        self.with_mtp = (
+            with_mtp and cfg.mtp_num_layers > 0 and any(n.startswith("mtp.") for n in self.ckpt.names())
+        )
+        self.decls = declare_params(cfg, with_mtp=self.with_mtp)
+        self.leaves = leaf_paths(self.decls)
+        self._reader = _Reader(self.ckpt, cfg, self.qcfg)
+        self._layer_rules = _rules_by_path(LAYER_RULES)
+        self._model_rules = _rules_by_path(MODEL_RULES)
+        self._mtp_rules = _rules_by_path(MTP_RULES)
+
+    def read(self, path: str):
+        """The leaf at `path` on the host, or None when its tensors are missing or mis-shaped."""
+        parts = path.split(".")
+        prefix = self.cfg.weight_prefix
+        if parts[0] == "layers":
+            base, sub, rules = f"{prefix}layers.{parts[1]}.", ".".join(parts[2:]), self._layer_rules
+        elif parts[0] == "mtp" and parts[1] == "layers":
+            base, sub, rules = f"mtp.layers.{parts[2]}.", ".".join(parts[3:]), self._layer_rules
+        elif parts[0] == "mtp":
+            base, sub, rules = "mtp.", ".".join(parts[1:]), self._mtp_rules
+        elif parts[0] == "lm_head":
+            base, sub, rules = "", "lm_head", {"lm_head": [Rule("lm_head", ("lm_head.weight",))]}
+        else:
+            base, sub, rules = prefix, path, self._model_rules
+        return self._reader.read(path, rules.get(sub, []), base, self.leaves[path])
+
+    def check(self) -> None:
+        """Raise CheckpointError naming every problem met so far and every tensor never read."""
+        reader, cfg = self._reader, self.cfg
+        unexpected = [
+            n
+            for n in self.ckpt.names()
+            if n not in reader.used
+            and not any(fnmatch.fnmatch(n, pat) for pat in IGNORED if not (self.with_mtp and pat == "mtp.*"))
+            and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+            and not (self.qcfg is not None and n.endswith(_KV_SCALE_SUFFIXES))
+        ]
+        problems = []
+        if reader.missing:
+            problems.append(f"missing tensors ({len(reader.missing)}): " + "; ".join(reader.missing[:20]))
+        if reader.misshaped:
+            problems.append(f"mis-shaped tensors ({len(reader.misshaped)}): " + "; ".join(reader.misshaped[:20]))
+        if unexpected:
+            problems.append(f"unexpected tensors ({len(unexpected)}): " + "; ".join(sorted(unexpected)[:20]))
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {self.model_dir} does not match {cfg.architecture}: " + " | ".join(problems)
+            )
+
+
+# KV-cache scales that ModelOpt stores beside the attention projections (`self_attn.k_proj.k_scale`)
+# when it calibrated an FP8 KV cache; the KV-cache format is the engine's choice, so they are unused.
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def to_device(value, dtype=None):
+    """A host leaf on the default device: plain arrays cast to `dtype` (None keeps theirs); quantized
+    weights keep their stored dtypes."""
+    if isinstance(value, QuantizedWeight):
+        return jax.tree.map(jnp.asarray, value)
+    return jnp.asarray(value, dtype=dtype)
+
+
 def load_params(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -233,52 +356,19 @@ def load_params(
 ) -> Params:
     """Read a Hugging Face checkpoint into `Params` on the default device, cast to `dtype`.
 
+    ModelOpt NVFP4 / FP8 checkpoints (hf_quant_config.json or config.json's quantization_config)
+    load as `NVFP4Weight` / `FP8Weight` leaves holding the stored bytes; excluded modules and
+    everything that is not a quantized Linear take `dtype` like an unquantized checkpoint.
     Raises CheckpointError listing every missing, unexpected or mis-shaped tensor at once.
     """
-    ckpt = SafetensorsCheckpoint(model_dir)
-    with_mtp = with_mtp and cfg.mtp_num_layers > 0 and any(n.startswith("mtp.") for n in ckpt.names())
-    decls = declare_params(cfg, with_mtp=with_mtp)
-    reader = _Reader(ckpt, cfg)
-    layer_rules = _rules_by_path(LAYER_RULES)
-    model_rules = _rules_by_path(MODEL_RULES)
-    mtp_rules = _rules_by_path(MTP_RULES)
-    prefix = cfg.weight_prefix
+    source = HFWeightSource(model_dir, cfg, with_mtp)
+    values = {
+        path: source.read(path)
+        for path in tqdm(source.leaves, desc="loading weights", disable=not progress, unit="tensor")
+    }
+    source.check()
 
-    leaves = _leaf_paths(decls)
-    values: dict[str, np.ndarray | None] = {}
-    for path, decl in tqdm(leaves.items(), desc="loading weights", disable=not progress, unit="tensor"):
-        parts = path.split(".")
-        if parts[0] == "layers":
-            base, sub, rules = f"{prefix}layers.{parts[1]}.", ".".join(parts[2:]), layer_rules
-        elif parts[0] == "mtp" and parts[1] == "layers":
-            base, sub, rules = f"mtp.layers.{parts[2]}.", ".".join(parts[3:]), layer_rules
-        elif parts[0] == "mtp":
-            base, sub, rules = "mtp.", ".".join(parts[1:]), mtp_rules
-        elif parts[0] == "lm_head":
-            base, sub, rules = "", "lm_head", {"lm_head": [Rule("lm_head", ("lm_head.weight",))]}
-        else:
-            base, sub, rules = prefix, path, model_rules
-        values[path] = reader.read(path, rules.get(sub, []), base, decl)
+    def place(path_keys, decl: Decl):
+        return to_device(values[path_str(path_keys)], param_dtype(decl, dtype))
 
-    unexpected = [
-        n
-        for n in ckpt.names()
-        if n not in reader.used
-        and not any(fnmatch.fnmatch(n, pat) for pat in IGNORED if not (with_mtp and pat == "mtp.*"))
-        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
-    ]
-    problems = []
-    if reader.missing:
-        problems.append(f"missing tensors ({len(reader.missing)}): " + "; ".join(reader.missing[:20]))
-    if reader.misshaped:
-        problems.append(f"mis-shaped tensors ({len(reader.misshaped)}): " + "; ".join(reader.misshaped[:20]))
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): " + "; ".join(sorted(unexpected)[:20]))
-    if problems:
-        raise CheckpointError(f"checkpoint {model_dir} does not match {cfg.architecture}: " + " | ".join(problems))
-
-    def to_device(path_keys, decl: Decl):
-        return jnp.asarray(values[path_str(path_keys)], dtype=param_dtype(decl, dtype))
-
-    return jax.tree_util.tree_map_with_path(to_device, decls, is_leaf=lambda x: isinstance(x, Decl))
-
+    return jax.tree_util.tree_map_with_path(place, source.decls, is_leaf=lambda x: isinstance(x, Decl))

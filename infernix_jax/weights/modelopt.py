@@ -7,9 +7,10 @@ Two jobs, both used by the Hugging Face loader once per Linear:
   "exclude_modules"}}) or `config.json["quantization_config"]` ({"quant_method": "modelopt",
   "quant_algo", "ignore", "config_groups"} or Qwen/DeepSeek {"quant_method": "fp8",
   "weight_block_size", "modules_to_not_convert"}).
-* `build_linear(get_tensor, prefix, qcfg)` turns the tensors of one Linear `<prefix>` into a
-  plain array (unquantized or excluded modules) or an `NVFP4Weight` / `FP8Weight` holding the
-  stored bytes unchanged (bit-exact: nothing is re-quantized or re-laid-out).
+* `build_weight(get_tensor, weight_name, qcfg)` (and `build_linear` for `<prefix>.weight`) turns
+  the tensors of one Linear into a plain numpy array (unquantized or excluded modules) or an
+  `NVFP4Weight` / `FP8Weight` with numpy leaves holding the stored bytes unchanged (bit-exact:
+  nothing is re-quantized or re-laid-out). The loader moves them to the device.
 
 Tensors per Linear (weight [N, K]): NVFP4 `weight` u8 [N, K/2], `weight_scale` e4m3 [N, K/16],
 `weight_scale_2` f32 scalar, `input_scale` f32 scalar; FP8 `weight` e4m3 [N, K] with
@@ -25,7 +26,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -159,6 +159,33 @@ def _maybe(get_tensor: Callable[[str], np.ndarray], name: str) -> np.ndarray | N
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearNames:
+    """The stored tensor names of one Linear weight and its scales.
+
+    A Linear `<p>` stores `<p>.weight` with `<p>.weight_scale`, `<p>.weight_scale_2`,
+    `<p>.input_scale`, `<p>.weight_scale_inv`. A fused expert parameter with no `.weight`
+    suffix (`mlp.experts.gate_up_proj` [E, 2I, D]) keeps its scales beside it as
+    `<name>_weight_scale` and so on (our convention for fused quantized experts).
+    """
+
+    weight: str
+    module: str  # the dotted module name that exclude lists match
+    weight_scale: str
+    weight_scale_2: str
+    input_scale: str
+    weight_scale_inv: str
+
+    @classmethod
+    def of(cls, weight_name: str) -> LinearNames:
+        if weight_name.endswith(".weight"):
+            module, base = weight_name[: -len(".weight")], weight_name[: -len("weight")]
+        else:
+            module, base = weight_name, weight_name + "_"
+        return cls(weight_name, module, *(base + s for s in ("weight_scale", "weight_scale_2", "input_scale",
+                                                              "weight_scale_inv")))
+
+
 def _as_e4m3(a: np.ndarray, name: str) -> np.ndarray:
     """float8_e4m3fn view of a tensor that a reader returned as e4m3 or as its raw uint8 bytes."""
     a = np.asarray(a)
@@ -169,83 +196,99 @@ def _as_e4m3(a: np.ndarray, name: str) -> np.ndarray:
     raise ValueError(f"{name} must be float8_e4m3fn (or its uint8 bytes); got {a.dtype}")
 
 
-def _scalar_f32(a: np.ndarray, name: str) -> jnp.ndarray:
-    a = np.asarray(a)
-    if a.size != 1:
-        raise ValueError(f"{name} must be a scalar; got shape {a.shape}")
-    return jnp.asarray(a.astype(np.float32).reshape(()))
+def _per_tensor_f32(a: np.ndarray, lead: tuple[int, ...], name: str) -> np.ndarray:
+    """A per-tensor scale as float32 of shape `lead` (() for one matrix, [E] for stacked experts)."""
+    a = np.asarray(a).astype(np.float32)
+    if a.size == 1:
+        return np.broadcast_to(a.reshape(()), lead).copy() if lead else a.reshape(())
+    if tuple(a.shape) == lead or (a.size == int(np.prod(lead)) and a.ndim <= len(lead) + 1):
+        return a.reshape(lead)
+    raise ValueError(f"{name} must be a scalar (or one per expert, {list(lead)}); got shape {list(a.shape)}")
 
 
-def _build_nvfp4(get_tensor, prefix: str, weight: np.ndarray) -> NVFP4Weight:
-    n, half_k = weight.shape
-    scale = _as_e4m3(get_tensor(f"{prefix}.weight_scale"), f"{prefix}.weight_scale")
-    if scale.shape != (n, 2 * half_k // 16):
+def _build_nvfp4(get_tensor, names: LinearNames, weight: np.ndarray) -> NVFP4Weight:
+    *lead, n, half_k = weight.shape
+    lead = tuple(lead)
+    scale = _as_e4m3(get_tensor(names.weight_scale), names.weight_scale)
+    want = (*lead, n, 2 * half_k // 16)
+    if tuple(scale.shape) != want:
         raise ValueError(
-            f"{prefix}.weight_scale has shape {scale.shape}; expected [N, K/16] = "
-            f"{(n, 2 * half_k // 16)} for weight {weight.shape}"
+            f"{names.weight_scale} has shape {scale.shape}; expected [.., N, K/16] = {want} "
+            f"for weight {weight.shape}"
         )
-    input_scale = _maybe(get_tensor, f"{prefix}.input_scale")
+    input_scale = _maybe(get_tensor, names.input_scale)
     return NVFP4Weight(
-        packed=jnp.asarray(weight),
-        block_scale=jnp.asarray(scale),
-        tensor_scale=_scalar_f32(get_tensor(f"{prefix}.weight_scale_2"), f"{prefix}.weight_scale_2"),
-        input_scale=None if input_scale is None else _scalar_f32(input_scale, f"{prefix}.input_scale"),
+        packed=np.asarray(weight),
+        block_scale=scale,
+        tensor_scale=_per_tensor_f32(get_tensor(names.weight_scale_2), lead, names.weight_scale_2),
+        input_scale=None if input_scale is None else _per_tensor_f32(input_scale, lead, names.input_scale),
     )
 
 
-def _build_fp8(get_tensor, prefix: str, weight: np.ndarray, qcfg: QuantConfig) -> FP8Weight:
-    data = jnp.asarray(_as_e4m3(weight, f"{prefix}.weight"))
-    n, k = weight.shape
-    input_scale = _maybe(get_tensor, f"{prefix}.input_scale")
-    input_scale = None if input_scale is None else _scalar_f32(input_scale, f"{prefix}.input_scale")
-    scale_inv = _maybe(get_tensor, f"{prefix}.weight_scale_inv")
+def _build_fp8(get_tensor, names: LinearNames, weight: np.ndarray, qcfg: QuantConfig) -> FP8Weight:
+    data = _as_e4m3(weight, names.weight)
+    *lead, n, k = weight.shape
+    lead = tuple(lead)
+    input_scale = _maybe(get_tensor, names.input_scale)
+    input_scale = None if input_scale is None else _per_tensor_f32(input_scale, lead, names.input_scale)
+    scale_inv = _maybe(get_tensor, names.weight_scale_inv)
     if scale_inv is not None:
         rows, cols = qcfg.weight_block_size or (128, 128)
         if rows != cols:
-            raise ValueError(f"{prefix}: only square FP8 blocks are supported; got {(rows, cols)}")
-        want = (-(-n // rows), -(-k // cols))
+            raise ValueError(f"{names.module}: only square FP8 blocks are supported; got {(rows, cols)}")
+        want = (*lead, -(-n // rows), -(-k // cols))
         if tuple(scale_inv.shape) != want:
-            raise ValueError(f"{prefix}.weight_scale_inv has shape {scale_inv.shape}; expected {want}")
+            raise ValueError(f"{names.weight_scale_inv} has shape {scale_inv.shape}; expected {want}")
         return FP8Weight(
-            data=data,
-            scale=jnp.asarray(np.asarray(scale_inv, np.float32)),
-            block_size=rows,
-            input_scale=input_scale,
+            data=data, scale=np.asarray(scale_inv, np.float32), block_size=rows, input_scale=input_scale
         )
-    scale = _maybe(get_tensor, f"{prefix}.weight_scale")
+    scale = _maybe(get_tensor, names.weight_scale)
     if scale is None:
-        raise ValueError(f"{prefix}.weight is float8 but neither weight_scale nor weight_scale_inv exists")
+        raise ValueError(f"{names.weight} is float8 but neither weight_scale nor weight_scale_inv exists")
     scale = np.asarray(scale, np.float32)
-    if scale.size == 1:
-        return FP8Weight(data=data, scale=jnp.asarray(scale.reshape(())), input_scale=input_scale)
-    if scale.ndim == 2 and qcfg.weight_block_size is not None:  # FP8_PB_WO stores block scales here
+    if scale.ndim >= 2 and qcfg.weight_block_size is not None:  # FP8_PB_WO stores block scales here
         rows = qcfg.weight_block_size[0]
-        return FP8Weight(data=data, scale=jnp.asarray(scale), block_size=rows, input_scale=input_scale)
-    raise ValueError(f"{prefix}.weight_scale of shape {scale.shape} (per-channel FP8) is not supported")
+        return FP8Weight(data=data, scale=scale, block_size=rows, input_scale=input_scale)
+    if scale.size == 1 or scale.size == int(np.prod(lead)):
+        return FP8Weight(data=data, scale=_per_tensor_f32(scale, lead, names.weight_scale), input_scale=input_scale)
+    raise ValueError(f"{names.weight_scale} of shape {scale.shape} (per-channel FP8) is not supported")
 
 
-def build_linear(get_tensor: Callable[[str], np.ndarray], prefix: str, qcfg: QuantConfig | None) -> Any:
-    """The weight of Linear `prefix` as a plain array or a quantized type, from its stored tensors.
+def stored_as_quantized(dtype: np.dtype) -> bool:
+    """True for the stored dtypes of quantized weights (packed uint8 NVFP4, float8 FP8)."""
+    return dtype in (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+
+
+def build_weight(get_tensor: Callable[[str], np.ndarray], weight_name: str, qcfg: QuantConfig | None) -> Any:
+    """The weight stored as `weight_name` as a numpy array or a quantized type with numpy leaves.
 
     `get_tensor(name)` returns the named tensor as a numpy array and raises KeyError when it is
     absent; e4m3 tensors may come back as ml_dtypes.float8_e4m3fn or as their uint8 bytes. The
     format follows the stored dtype (uint8 weight: NVFP4; e4m3 weight: FP8), so a module that the
-    exclude list missed but the exporter left in bf16 still loads as bf16.
+    exclude list missed but the exporter left in bf16 still loads as bf16. The bytes are the
+    stored bytes, unchanged (nothing is re-quantized or re-laid-out). Leading axes stack experts.
     """
-    weight = np.asarray(get_tensor(f"{prefix}.weight"))
-    if qcfg is None or qcfg.is_excluded(prefix):
-        if weight.dtype == np.uint8:
-            raise ValueError(f"{prefix} is excluded from quantization but its weight is packed uint8")
-        return jnp.asarray(weight)
-    if weight.ndim != 2:
-        raise ValueError(f"{prefix}.weight must be 2-D [N, K]; got shape {weight.shape}")
+    names = LinearNames.of(weight_name)
+    weight = np.asarray(get_tensor(names.weight))
+    if qcfg is None or qcfg.is_excluded(names.module):
+        if stored_as_quantized(weight.dtype) and qcfg is not None:
+            raise ValueError(f"{names.module} is excluded from quantization but its weight is stored as {weight.dtype}")
+        return weight
+    if not stored_as_quantized(weight.dtype):
+        return weight
+    if weight.ndim < 2:
+        raise ValueError(f"{names.weight} must be [.., N, K]; got shape {weight.shape}")
     if weight.dtype == np.uint8 and qcfg.quant_algo == "NVFP4":
-        return _build_nvfp4(get_tensor, prefix, weight)
-    has_fp8_scale = _maybe(get_tensor, f"{prefix}.weight_scale_inv") is not None or (
-        _maybe(get_tensor, f"{prefix}.weight_scale") is not None
+        return _build_nvfp4(get_tensor, names, weight)
+    has_fp8_scale = _maybe(get_tensor, names.weight_scale_inv) is not None or (
+        _maybe(get_tensor, names.weight_scale) is not None
     )
-    if weight.dtype == ml_dtypes.float8_e4m3fn or (weight.dtype == np.uint8 and has_fp8_scale):
-        return _build_fp8(get_tensor, prefix, weight, qcfg)
-    if weight.dtype == np.uint8:
-        raise ValueError(f"{prefix}.weight is uint8 but quant_algo={qcfg.quant_algo}")
-    return jnp.asarray(weight)
+    if weight.dtype == ml_dtypes.float8_e4m3fn or has_fp8_scale:
+        return _build_fp8(get_tensor, names, weight, qcfg)
+    raise ValueError(f"{names.weight} is uint8 but quant_algo={qcfg.quant_algo}")
+
+
+def build_linear(get_tensor: Callable[[str], np.ndarray], prefix: str, qcfg: QuantConfig | None) -> Any:
+    """The weight of Linear `prefix` (tensors `<prefix>.weight`, `<prefix>.weight_scale`, ...): see
+    `build_weight`."""
+    return build_weight(get_tensor, f"{prefix}.weight", qcfg)

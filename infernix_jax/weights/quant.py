@@ -113,6 +113,15 @@ class QuantizedWeight:
     def dequantize(self, dtype=jnp.bfloat16) -> Array:
         raise NotImplementedError
 
+    def __jax_array__(self) -> Array:
+        """The float32 value, so that jnp functions accept a quantized weight as an array.
+
+        A correctness fallback for code that indexes expert stacks with plain jnp ops
+        (`jnp.take(w, ids, axis=0)`): it dequantizes the whole tensor. Code that should read
+        packed bytes calls `matmul`, `expert_matmul` or `take` instead.
+        """
+        return self.dequantize(jnp.float32)
+
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array | None:
         """The Pallas path for x [M, K]; None when this format has no kernel."""
         return None
