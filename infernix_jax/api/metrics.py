@@ -65,6 +65,32 @@ class ServerMetrics:
         self.kv_usage = Gauge(
             "infernix_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r
         )
+        self.kv_blocks_cached = Gauge(
+            "infernix_kv_blocks_cached", "KV blocks held only by the prefix cache (evictable)", registry=r
+        )
+        # the prefix cache's cumulative figures, mirrored at scrape time
+        self.prefix_queries = Gauge(
+            "infernix_prefix_cache_queries", "Prompts looked up in the prefix cache", registry=r
+        )
+        self.prefix_query_tokens = Gauge(
+            "infernix_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hit_tokens = Gauge(
+            "infernix_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache, by tier",
+            ["tier"],
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "infernix_prefix_cache_hit_rate",
+            "Share of looked-up prompt tokens served from the cache",
+            registry=r,
+        )
+        self.prefix_evicted = Gauge(
+            "infernix_prefix_cache_evicted_to_host",
+            "Prefix-cache entries moved from the GPU to host memory",
+            registry=r,
+        )
 
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.running)
@@ -72,6 +98,15 @@ class ServerMetrics:
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        self.kv_blocks_cached.set(stats.kv_blocks_cached)
+        cache = stats.prefix_cache
+        if cache is not None:
+            self.prefix_queries.set(cache.queries)
+            self.prefix_query_tokens.set(cache.query_tokens)
+            for tier, tokens in cache.hit_tokens_by_tier.items():
+                self.prefix_hit_tokens.labels(tier=tier).set(tokens)
+            self.prefix_hit_rate.set(cache.hit_rate)
+            self.prefix_evicted.set(cache.evicted_to_host)
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the engine gauges refreshed first."""

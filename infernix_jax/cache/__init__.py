@@ -18,7 +18,12 @@ from infernix_jax.cache.capacity import CapacityError, CapacityPlan, parse_bytes
 from infernix_jax.cache.kv_formats import KV_FORMATS, KVFormat, get_kv_format
 from infernix_jax.cache.kv_pool import KVPages, KVPool, PagedKV, create_kv_pool, kv_bytes_per_block
 from infernix_jax.cache.sequence import ContiguousKV, GDNState, SequenceCache, init_cache
-from infernix_jax.cache.state_pool import StatePool, create_state_pool, state_bytes_per_slot
+from infernix_jax.cache.state_pool import (
+    StatePool,
+    create_state_pool,
+    scatter_snapshots,
+    state_bytes_per_slot,
+)
 from infernix_jax.cache.view import cache_view, commit_view
 
 __all__ = [
@@ -49,5 +54,6 @@ __all__ = [
     "kv_bytes_per_block",
     "parse_bytes",
     "plan_capacity",
+    "scatter_snapshots",
     "state_bytes_per_slot",
 ]

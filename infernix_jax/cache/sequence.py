@@ -46,9 +46,10 @@ class ContiguousKV:
         b, t, h, dh = q.shape
         kv_heads = self.k.shape[2]
         qg = q.reshape(b, t, kv_heads, h // kv_heads, dh)
-        scores = jnp.einsum(
-            "btkgd,bskd->bkgts", qg, self.k.astype(q.dtype), preferred_element_type=jnp.float32
-        ) * scale
+        scores = (
+            jnp.einsum("btkgd,bskd->bkgts", qg, self.k.astype(q.dtype), preferred_element_type=jnp.float32)
+            * scale
+        )
         slots = jnp.arange(self.capacity)
         visible = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
@@ -68,10 +69,15 @@ class GDNState:
 
 @_pytree
 class SequenceCache:
-    """One entry per decoder layer (ContiguousKV or GDNState), plus the MTP layers' KV."""
+    """One entry per decoder layer (ContiguousKV or GDNState), plus the MTP layers' KV.
+
+    `snapshots` is filled by a forward asked for recurrent-state snapshots: one GDNState per
+    linear-attention layer with a snapshot axis after the batch axis (see model.forward).
+    """
 
     layers: tuple[Any, ...]
     mtp: tuple[ContiguousKV, ...] = ()
+    snapshots: tuple[GDNState, ...] = ()
 
 
 def init_cache(
@@ -92,7 +98,8 @@ def init_cache(
                 GDNState(
                     conv=jnp.zeros((batch, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1), dtype),
                     recurrent=jnp.zeros(
-                        (batch, cfg.linear_num_v_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim), jnp.float32
+                        (batch, cfg.linear_num_v_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim),
+                        jnp.float32,
                     ),
                 )
             )

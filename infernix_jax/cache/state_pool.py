@@ -62,3 +62,16 @@ def scatter_states(layer: GDNState, slots: jax.Array, states: GDNState) -> GDNSt
         conv=layer.conv.at[target].set(states.conv.astype(layer.conv.dtype), mode="drop"),
         recurrent=layer.recurrent.at[target].set(states.recurrent.astype(layer.recurrent.dtype), mode="drop"),
     )
+
+
+def scatter_snapshots(pool: StatePool, snapshots: tuple[GDNState, ...], slots: jax.Array) -> StatePool:
+    """Write snapshots (per layer: conv [B, S, ...], recurrent [B, S, ...]) to `slots` [B, S];
+    entries aimed at the scratch slot are dropped."""
+    layers = []
+    for layer, snap in zip(pool.layers, snapshots):
+        for j in range(slots.shape[1]):
+            layer = scatter_states(
+                layer, slots[:, j], GDNState(conv=snap.conv[:, j], recurrent=snap.recurrent[:, j])
+            )
+        layers.append(layer)
+    return StatePool(layers=tuple(layers))

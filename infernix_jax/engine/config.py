@@ -37,6 +37,14 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/infernix_jax/xla"  # JAX persistent cache; None: off
     warmup: bool = True  # compile every bucket at start (with a progress bar)
     progress: bool = True  # show the warm-up progress bar
+    # prefix cache (docs/prefix_cache.md)
+    prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts
+    prefix_cache_snapshots: int | str = "auto"  # GPU snapshot slots; "auto": 2 per concurrent request (>= 4)
+    prefix_cache_host_mem: int | str = "4GiB"  # host-RAM tier for evicted blocks and snapshots (0: none)
+    prefix_cache_file: str | None = None  # saved on shutdown (and every save_mins), loaded at start
+    prefix_cache_save_mins: float = 0.0  # also save the file every this many minutes (0: only at shutdown)
+    prefix_cache_snapshot_blocks: int = 16  # snapshot a long prompt every this many blocks (0: off)
+    snapshots_per_chunk: int = 4  # most snapshots one prefill row takes per chunk (a static program shape)
 
     def __post_init__(self) -> None:
         errors = []
@@ -56,6 +64,21 @@ class EngineConfig:
             errors.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
             errors.append(f"kv_capacity must be 'auto' or a positive block count, got {self.kv_capacity!r}")
+        if not (
+            self.prefix_cache_snapshots == "auto"
+            or (isinstance(self.prefix_cache_snapshots, int) and self.prefix_cache_snapshots >= 0)
+        ):
+            errors.append(
+                f"prefix_cache_snapshots must be 'auto' or >= 0, got {self.prefix_cache_snapshots!r}"
+            )
+        if self.prefix_cache_save_mins < 0:
+            errors.append(f"prefix_cache_save_mins must be >= 0, got {self.prefix_cache_save_mins}")
+        if self.prefix_cache_snapshot_blocks < 0:
+            errors.append(
+                f"prefix_cache_snapshot_blocks must be >= 0, got {self.prefix_cache_snapshot_blocks}"
+            )
+        if self.snapshots_per_chunk < 1:
+            errors.append(f"snapshots_per_chunk must be >= 1, got {self.snapshots_per_chunk}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -81,6 +104,24 @@ class EngineConfig:
         return tuple(
             (r, t) for t in self.chunk_buckets for r in rows if r == 1 or r * t <= self.prefill_chunk
         )
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        """GPU state slots reserved for prefix-cache snapshots."""
+        if not self.prefix_cache:
+            return 0
+        if self.prefix_cache_snapshots == "auto":
+            return max(4, 2 * self.max_concurrency)
+        return int(self.prefix_cache_snapshots)
+
+    @property
+    def prefix_cache_host_bytes(self) -> int:
+        from infernix_jax.cache.capacity import parse_bytes
+
+        value = self.prefix_cache_host_mem
+        if value in (0, "0"):
+            return 0
+        return parse_bytes(value)
 
     @property
     def max_blocks_per_sequence(self) -> int:

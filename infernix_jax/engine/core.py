@@ -27,6 +27,7 @@ from infernix_jax.cache import (
 )
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.prefix import build_prefix_cache, load_prefix_cache, save_prefix_cache
 from infernix_jax.engine.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -76,7 +77,7 @@ def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -
         return wanted
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     budget = stats["bytes_limit"] * config.gpu_memory_utilization - weights - stats.get("bytes_in_use", 0)
-    budget -= (config.max_concurrency + 1) * state_bytes_per_slot(cfg, dtype)
+    budget -= (config.max_concurrency + 1 + config.num_snapshot_slots) * state_bytes_per_slot(cfg, dtype)
     affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype))
     if affordable < per_sequence + 1:
         raise ValueError(
@@ -104,8 +105,27 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         num_blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)
         num_slots = config.max_concurrency + 1
-        self.runner = Runner(cfg, params, config, num_blocks, num_slots, self.eos_token_ids)
-        self.scheduler = Scheduler(config, BlockAllocator(num_blocks), SlotAllocator(num_slots))
+        stateful = bool(cfg.linear_attention_layers)
+        self.runner = Runner(
+            cfg,
+            params,
+            config,
+            num_blocks,
+            num_slots,
+            self.eos_token_ids,
+            num_snapshot_slots=config.num_snapshot_slots if stateful else 0,
+            snapshots_per_chunk=config.snapshots_per_chunk if config.prefix_cache else 0,
+        )
+        blocks = BlockAllocator(num_blocks)
+        self.prefix_cache = (
+            build_prefix_cache(cfg, params, config, blocks, self.runner) if config.prefix_cache else None
+        )
+        self.scheduler = Scheduler(
+            config, blocks, SlotAllocator(num_slots), self.prefix_cache, self.runner.snapshots_per_chunk
+        )
+        self._last_save = time.monotonic()
+        if self.prefix_cache is not None and config.prefix_cache_file:
+            load_prefix_cache(self.prefix_cache, config.prefix_cache_file)
         self.requests: dict[str, RequestState] = {}
         self.metrics = EngineMetrics()
         self._arrivals = 0
@@ -162,14 +182,30 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def save_prefix_cache(self) -> int:
+        """Write the prefix cache to `prefix_cache_file` (atomically). Returns entries written (0: none)."""
+        self._last_save = time.monotonic()
+        if self.prefix_cache is None or not self.config.prefix_cache_file:
+            return 0
+        return save_prefix_cache(self.prefix_cache, self.config.prefix_cache_file)
+
+    def maybe_save_prefix_cache(self) -> None:
+        """Save when `prefix_cache_save_mins` have passed since the last save."""
+        minutes = self.config.prefix_cache_save_mins
+        if minutes > 0 and time.monotonic() - self._last_save >= minutes * 60:
+            self.save_prefix_cache()
+
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
+        cached = self.prefix_cache.evictable_blocks() if self.prefix_cache is not None else 0
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             kv_blocks_total=blocks.num_total,
-            kv_blocks_used=blocks.num_total - blocks.num_free,
+            kv_blocks_used=blocks.num_total - blocks.num_free - cached,
             max_context=self.config.max_context,
+            kv_blocks_cached=cached,
+            prefix_cache=self.prefix_cache.stats if self.prefix_cache is not None else None,
         )
 
     # ---- one step ------------------------------------------------------------------------------
@@ -205,10 +241,12 @@ class EngineCore:
         return events
 
     def _newly_scheduled(self, plan: SchedulerOutput) -> list[RequestState]:
-        """Requests whose slot has no sampling state yet: admitted (or resumed) and at position 0."""
-        return [c.request for c in plan.prefill if c.start == 0] + [
-            r.request for r in plan.decode if r.position == 0
-        ]
+        """Requests whose slot has no sampling state yet: admitted (or resumed) since the last step."""
+        fresh = [c.request for c in plan.prefill if c.request.fresh_slot]
+        fresh += [r.request for r in plan.decode if r.request.fresh_slot]
+        for state in fresh:
+            state.fresh_slot = False
+        return fresh
 
     def _run_prefill(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
         rows, length = plan.prefill_shape
@@ -220,6 +258,10 @@ class EngineCore:
             batch.block_table[i, : len(state.blocks)] = state.blocks
             batch.slots[i] = state.slot
             batch.sample_rows[i] = chunk.sample
+            for j, (position, slot) in enumerate(chunk.snapshots):
+                if batch.snapshot_at is not None and slot is not None:
+                    batch.snapshot_at[i, j] = position - chunk.start
+                    batch.snapshot_slots[i, j] = slot
             self.metrics.prefill_tokens += chunk.num_tokens
         try:
             out = self.runner.prefill(batch)
@@ -227,10 +269,15 @@ class EngineCore:
             sampled = self.runner.read_prefill(out, rows)
             wait = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - one failed dispatch fails its requests, not the engine
+            for chunk in plan.prefill:
+                for _, slot in chunk.snapshots:
+                    if slot is not None:
+                        self.prefix_cache.release_slot(slot)
             self._fail_step([c.request for c in plan.prefill], exc, events)
             return 0.0
         for i, chunk in enumerate(plan.prefill):
             chunk.request.num_computed += chunk.num_tokens
+            self._cache_chunk(chunk)
             if chunk.sample:
                 self._accept(chunk.request, sampled, i, 1, events)
         return wait
@@ -257,6 +304,16 @@ class EngineCore:
             row.request.num_computed += count
             self._accept(row.request, sampled, i, count, events)
         return wait
+
+    def _cache_chunk(self, chunk) -> None:
+        """Index a prefilled chunk's full blocks and the snapshots it took."""
+        cache, state = self.prefix_cache, chunk.request
+        if cache is None:
+            return
+        tokens = state.tokens(0, state.num_computed)
+        cache.insert_blocks(tokens, state.blocks, state.num_computed)
+        for position, slot in chunk.snapshots:
+            cache.add_snapshot(tokens, position, slot, state.blocks)
 
     # ---- host-side output ----------------------------------------------------------------------
     def _accept(
@@ -297,6 +354,7 @@ class EngineCore:
             text,
             logprobs=list(logprobs) if want else None,
             prompt_tokens=len(state.prompt),
+            cached_tokens=state.cached_tokens,
             completion_tokens=state.tracker.generated,
             **final,
         )
@@ -310,7 +368,7 @@ class EngineCore:
     def _fail(self, state: RequestState, message: str) -> TokenEvent:
         self.requests.pop(state.request_id, None)
         if state.status != Status.FINISHED:
-            self.scheduler.finish(state)
+            self.scheduler.finish(state, cache=False)
         state.finish_reason = FINISH_ERROR
         event = self._final_event(state)
         event.error = message
@@ -329,5 +387,7 @@ class EngineCore:
             if hasattr(x, "is_deleted")
         ):
             self.runner.reset_pools()
+            if self.prefix_cache is not None:
+                self.prefix_cache.on_pools_reset()
             for state in list(self.scheduler.running):
-                self.scheduler.preempt(state)
+                self.scheduler.preempt(state, cache=False)

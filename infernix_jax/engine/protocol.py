@@ -112,8 +112,10 @@ class EngineStats:
     running: int = 0  # requests being advanced
     waiting: int = 0  # requests queued for admission
     kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_used: int = 0  # held by requests
     max_context: int = 0
+    kv_blocks_cached: int = 0  # held only by the prefix cache (evictable)
+    prefix_cache: object | None = None  # PrefixCacheStats (hits per tier) when the cache is on
 
 
 class Engine(Protocol):
@@ -135,4 +137,3 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
-

@@ -35,6 +35,8 @@ class RequestState:
     slot: int | None = None  # recurrent-state / sampling slot while running
     status: Status = Status.WAITING
     preemptions: int = 0  # times this request was preempted (and recomputed)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    fresh_slot: bool = False  # admitted (or resumed) and its slot's sampling state not yet installed
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     tracker: OutputTracker | None = None

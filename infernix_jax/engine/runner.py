@@ -39,6 +39,7 @@ from infernix_jax.cache import (
     commit_view,
     create_kv_pool,
     create_state_pool,
+    scatter_snapshots,
 )
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
@@ -110,14 +111,20 @@ def prefill_program(
     block_table: jax.Array,  # i32 [r, m]
     slots: jax.Array,  # i32 [r]
     sample_rows: jax.Array,  # bool [r]: the chunk ends the row's pending tokens; sample from it
+    snapshot_at: jax.Array | None = None,  # i32 [r, S]: recurrent-state snapshots after that many tokens
+    snapshot_slots: jax.Array | None = None,  # i32 [r, S]: the state-pool slots they go to (0: none)
     *,
     cfg: ModelConfig,
     num_top: int,
 ):
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
     last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0).astype(jnp.int32)
-    logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last[:, None])
+    logits, _, cache = forward(
+        params, tokens, positions, cache, cfg, logit_indices=last[:, None], snapshot_at=snapshot_at
+    )
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    if snapshot_at is not None:
+        state_pool = scatter_snapshots(state_pool, cache.snapshots, snapshot_slots)
     arrays, penalties = slot_sampling.rows(slots)
     out = sample(
         logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top
@@ -132,7 +139,11 @@ def prefill_program(
     )
 
 
-@partial(jit, static_argnames=("cfg", "steps", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
+@partial(
+    jit,
+    static_argnames=("cfg", "steps", "num_top"),
+    donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
+)
 def decode_program(
     params: Params,
     kv_pool: KVPool,
@@ -202,6 +213,43 @@ def set_slot_program(
     )
 
 
+def _drop_target(dst: jax.Array, n: int) -> jax.Array:
+    return jnp.where(dst == 0, n, dst)  # row 0 (null block / scratch slot): out of range, dropped
+
+
+@partial(jit, donate_argnames=("pool",))
+def copy_rows_program(pool, src: jax.Array, dst: jax.Array):
+    """pool leaves[dst] = leaves[src] along the leading (block or slot) axis; dst 0 is dropped."""
+    return jax.tree.map(lambda x: x.at[_drop_target(dst, x.shape[0])].set(x[src], mode="drop"), pool)
+
+
+@jit
+def gather_rows_program(pool, ids: jax.Array):
+    return jax.tree.map(lambda x: x[ids], pool)
+
+
+@partial(jit, donate_argnames=("pool",))
+def scatter_rows_program(pool, ids: jax.Array, rows):
+    return jax.tree.map(
+        lambda x, r: x.at[_drop_target(ids, x.shape[0])].set(r.astype(x.dtype), mode="drop"), pool, rows
+    )
+
+
+ROW_PROGRAM_WIDTH = 8  # rows per copy / gather / scatter dispatch (one compiled shape)
+
+
+def _padded(ids, width: int = ROW_PROGRAM_WIDTH) -> list[np.ndarray]:
+    """ids in fixed-width int32 batches padded with 0 (the reserved row)."""
+    ids = np.asarray(ids, np.int32)
+    out = []
+    for i in range(0, len(ids), width):
+        batch = np.zeros(width, np.int32)
+        part = ids[i : i + width]
+        batch[: len(part)] = part
+        out.append(batch)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The runner
 
@@ -226,6 +274,8 @@ class PrefillBatch:
     block_table: np.ndarray  # i32 [r, m]
     slots: np.ndarray  # i32 [r]
     sample_rows: np.ndarray  # bool [r]
+    snapshot_at: np.ndarray | None = None  # i32 [r, S] or None (no snapshots in this engine)
+    snapshot_slots: np.ndarray | None = None  # i32 [r, S]
 
 
 @dataclass
@@ -251,6 +301,8 @@ class Runner:
         num_blocks: int,
         num_slots: int,
         eos_token_ids: Sequence[int] = (),
+        num_snapshot_slots: int = 0,
+        snapshots_per_chunk: int = 0,
     ):
         self.cfg = cfg
         self.params = params
@@ -260,12 +312,19 @@ class Runner:
         self.num_top = config.max_top_logprobs
         self.max_blocks = config.max_blocks_per_sequence
         self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.num_snapshot_slots = num_snapshot_slots
+        self.snapshots_per_chunk = snapshots_per_chunk if cfg.linear_attention_layers else 0
         self.reset_pools()
+
+    @property
+    def snapshot_slots(self) -> range:
+        """State-pool slots reserved for prefix-cache snapshots (after the requests' slots)."""
+        return range(self.num_slots, self.num_slots + self.num_snapshot_slots)
 
     def reset_pools(self) -> None:
         """Fresh, empty pools and slot state (at start, and after a failed dispatch consumed them)."""
         self.kv_pool = create_kv_pool(self.cfg, self.num_blocks, self.config.kv_dtype, self.dtype)
-        self.state_pool = create_state_pool(self.cfg, self.num_slots, self.dtype)
+        self.state_pool = create_state_pool(self.cfg, self.num_slots + self.num_snapshot_slots, self.dtype)
         self.slot_sampling = SlotSampling(
             arrays=self._sampling_arrays([], [], self.num_slots),
             penalties=PenaltyState.zeros(self.num_slots, self.cfg.vocab_size),
@@ -315,6 +374,8 @@ class Runner:
             batch.block_table,
             batch.slots,
             batch.sample_rows,
+            batch.snapshot_at,
+            batch.snapshot_slots,
             cfg=self.cfg,
             num_top=self.num_top,
         )
@@ -355,6 +416,12 @@ class Runner:
             block_table=np.full((rows, self.max_blocks), NULL_BLOCK, np.int32),
             slots=np.full(rows, SCRATCH_SLOT, np.int32),
             sample_rows=np.zeros(rows, bool),
+            snapshot_at=np.full((rows, self.snapshots_per_chunk), -1, np.int32)
+            if self.snapshots_per_chunk
+            else None,
+            snapshot_slots=np.zeros((rows, self.snapshots_per_chunk), np.int32)
+            if self.snapshots_per_chunk
+            else None,
         )
 
     def empty_decode(self, batch: int, steps: int) -> DecodeBatch:
@@ -367,6 +434,51 @@ class Runner:
             steps=steps,
         )
 
+    # ---- pool rows for the prefix cache (implements cache.prefix_cache.PoolDevice) --------------
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        for s, d in zip(_padded(src), _padded(dst)):
+            self.kv_pool = copy_rows_program(self.kv_pool, s, d)
+
+    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        for s, d in zip(_padded(src), _padded(dst)):
+            self.state_pool = copy_rows_program(self.state_pool, s, d)
+
+    def read_blocks(self, ids: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+        return self._read_rows(self.kv_pool, ids)
+
+    def read_states(self, slots: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+        return self._read_rows(self.state_pool, slots)
+
+    def write_blocks(self, ids: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]) -> None:
+        self.kv_pool = self._write_rows(self.kv_pool, ids, data)
+
+    def write_states(self, slots: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]) -> None:
+        self.state_pool = self._write_rows(self.state_pool, slots, data)
+
+    @staticmethod
+    def _read_rows(pool, ids: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+        out = []
+        for batch in _padded(ids):
+            leaves = [
+                np.asarray(x) for x in jax.tree.leaves(jax.device_get(gather_rows_program(pool, batch)))
+            ]
+            out.extend(tuple(leaf[i] for leaf in leaves) for i in range(ROW_PROGRAM_WIDTH))
+        return out[: len(ids)]
+
+    @staticmethod
+    def _write_rows(pool, ids: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]):
+        leaves, treedef = jax.tree.flatten(pool)
+        for start, batch in zip(range(0, len(ids), ROW_PROGRAM_WIDTH), _padded(ids)):
+            part = data[start : start + ROW_PROGRAM_WIDTH]
+            rows = []
+            for j, leaf in enumerate(leaves):
+                block = np.zeros((ROW_PROGRAM_WIDTH,) + leaf.shape[1:], leaf.dtype)
+                for i, row in enumerate(part):
+                    block[i] = row[j]
+                rows.append(block)
+            pool = scatter_rows_program(pool, batch, jax.tree.unflatten(treedef, rows))
+        return pool
+
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket by running it on padding rows (their writes are dropped). Returns seconds."""
@@ -375,6 +487,11 @@ class Runner:
         work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
         bar = _progress(len(work), "compiling", progress)
         self.set_slot(SCRATCH_SLOT, SamplingParams(), 0, [0], [])
+        if self.config.prefix_cache:  # the prefix cache's row programs (all writes go to row 0: dropped)
+            self.copy_blocks([0], [0])
+            self.copy_states([0], [0])
+            self.write_blocks([0], self.read_blocks([0]))
+            self.write_states([0], self.read_states([0]))
         for kind, (a, b) in work:
             bar.set_postfix_str(f"{kind} {a}x{b}")
             if kind == "prefill":

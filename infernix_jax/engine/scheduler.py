@@ -17,6 +17,13 @@ back, (b) recomputing a prefix is one batched prefill (compute-bound, fast) whil
 bounded by PCIe, and (c) it needs no extra programs or host buffers. The resumed request keeps its
 output so far and its random stream (the sampler keys on the count of generated tokens), so it
 continues exactly where it stopped.
+
+With the prefix cache (cache/prefix_cache.py) admission first looks the tokens up: a hit shares the
+cached blocks, restores the snapshot's recurrent state into the request's slot and starts the
+request at the hit. Each prefill chunk may take recurrent-state snapshots at chosen positions
+(`PrefillChunk.snapshots`), and a request that stops (finished or preempted) leaves its blocks and
+final state in the cache, so a preempted request usually resumes from its own snapshot. Blocks
+held only by the cache are evicted (to the host tier) before any request is preempted.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from infernix_jax.cache.allocators import BLOCK_SIZE, BlockAllocator, SlotAllocator
+from infernix_jax.cache.prefix_cache import PrefixCache
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.request_state import RequestState, Status
 
@@ -37,6 +45,7 @@ class PrefillChunk:
     start: int  # position of the chunk's first token (= request.num_computed when scheduled)
     num_tokens: int  # tokens fed (<= the bucket's chunk length; the rest of the row is padding)
     sample: bool  # the chunk reaches the end of the pending tokens: sample the next token from it
+    snapshots: list[tuple[int, int | None]] = field(default_factory=list)  # (position, snapshot slot)
 
 
 @dataclass
@@ -68,10 +77,19 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running set, and the block and slot allocators."""
 
-    def __init__(self, config: EngineConfig, blocks: BlockAllocator, slots: SlotAllocator):
+    def __init__(
+        self,
+        config: EngineConfig,
+        blocks: BlockAllocator,
+        slots: SlotAllocator,
+        prefix_cache: PrefixCache | None = None,
+        snapshots_per_chunk: int = 0,
+    ):
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        self.prefix_cache = prefix_cache
+        self.snapshots_per_chunk = snapshots_per_chunk
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in admission order (oldest first)
         self.num_preemptions = 0
@@ -81,16 +99,25 @@ class Scheduler:
         state.status = Status.WAITING
         self.waiting.append(state)
 
-    def finish(self, state: RequestState) -> None:
-        """Remove a request (finished, aborted or failed) and free its blocks and slot at once."""
+    def finish(self, state: RequestState, cache: bool = True) -> None:
+        """Remove a request (finished, aborted or failed) and free its blocks and slot at once.
+        With `cache` its blocks and final state go to the prefix cache first."""
         if state.status == Status.RUNNING:
             self.running.remove(state)
         elif state.status == Status.WAITING and state in self.waiting:
             self.waiting.remove(state)
-        self._release(state)
+        self._release(state, cache)
         state.status = Status.FINISHED
 
-    def _release(self, state: RequestState) -> None:
+    def _release(self, state: RequestState, cache: bool = True) -> None:
+        if (
+            cache
+            and self.prefix_cache is not None
+            and state.blocks
+            and state.num_computed <= state.num_tokens
+        ):
+            tokens = state.tokens(0, state.num_computed)
+            self.prefix_cache.snapshot_request(tokens, state.num_computed, state.slot, state.blocks)
         if state.blocks:
             self.blocks.free(state.blocks)
             state.blocks = []
@@ -108,7 +135,38 @@ class Scheduler:
         self._admit(out)
         self._schedule_prefill(out)
         self._schedule_decode(out)
+        self._plan_snapshots(out)
         return out
+
+    def _plan_snapshots(self, out: SchedulerOutput) -> None:
+        """Choose where each prefill chunk snapshots the recurrent state: just before the prompt's
+        last token (a repeat or an extension of the prompt hits there), the prompt's last block
+        boundary, and every `prefix_cache_snapshot_blocks` blocks (latest first), skipping positions
+        already cached; at most `snapshots_per_chunk` a chunk."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        interval = self.config.prefix_cache_snapshot_blocks * BLOCK_SIZE
+        limit = self.snapshots_per_chunk if cache.stateful else 1
+        for chunk in out.prefill:
+            state = chunk.request
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            last = len(state.prompt) - 1
+            wanted = [last, last // BLOCK_SIZE * BLOCK_SIZE]
+            if interval:
+                wanted += range(end // interval * interval, start, -interval)
+            tokens = state.tokens(0, end)
+            chosen: list[int] = []
+            for p in wanted:
+                if len(chosen) == limit:
+                    break
+                if start < p <= end and p not in chosen and cache.wants_snapshot(tokens, p):
+                    chosen.append(p)
+            for p in chosen:
+                slot = cache.reserve_slot() if cache.stateful else None
+                if cache.stateful and slot is None:
+                    break
+                chunk.snapshots.append((p, slot))
 
     def _admit(self, out: SchedulerOutput) -> None:
         while self.waiting and len(self.running) < self.config.max_concurrency and self.slots.num_free:
@@ -117,13 +175,31 @@ class Scheduler:
                 self.waiting.popleft()
                 out.rejected.append(state)
                 continue
-            first = min(state.num_pending, self.config.prefill_chunk)
-            if self._blocks_for(first) > self.blocks.num_free:
+            cache = self.prefix_cache
+            match = cache.match(state.tokens(0, state.num_tokens)) if cache is not None else None
+            hit = match.length if match is not None else 0
+            first = min(state.num_tokens - hit, self.config.prefill_chunk)
+            shared = sum(1 for e in match.blocks if e.gpu is not None) if match is not None else 0
+            if self._blocks_for(hit + first) - shared > self._available_blocks():
                 break  # wait for blocks; never preempt to admit
             self.waiting.popleft()
             state.slot = self.slots.allocate()
             state.status = Status.RUNNING
+            state.fresh_slot = True
             self.running.append(state)
+            if cache is not None:
+                owned = cache.acquire(match, state.slot) if hit else []
+                if owned is None:  # no room to restore after all: prefill from the start
+                    owned, hit = [], 0
+                state.blocks, state.num_computed = owned, hit
+                if state.preemptions == 0:
+                    state.cached_tokens = hit
+                    cache.record_query(state.num_tokens, hit)
+
+    def _available_blocks(self) -> int:
+        """Free blocks plus those only the prefix cache holds (evictable)."""
+        free = self.blocks.num_free
+        return free + self.prefix_cache.evictable_blocks() if self.prefix_cache is not None else free
 
     def _schedule_prefill(self, out: SchedulerOutput) -> None:
         shapes = self.config.prefill_shapes
@@ -182,19 +258,23 @@ class Scheduler:
         """Give `state` blocks for its first num_tokens tokens, preempting the newest running
         requests while short. False when `state` itself had to be preempted."""
         need = self._blocks_for(num_tokens) - len(state.blocks)
-        while need > self.blocks.num_free:
-            victim = self.running[-1]
-            self.preempt(victim, out)
-            if victim is state:
-                return False
+        if need > self.blocks.num_free:
+            while need > self._available_blocks():
+                victim = self.running[-1]
+                self.preempt(victim, out)
+                if victim is state:
+                    return False
+            if need > self.blocks.num_free:
+                self.prefix_cache.evict_blocks(need - self.blocks.num_free)
         if need > 0:
             state.blocks.extend(self.blocks.allocate(need))
         return True
 
-    def preempt(self, state: RequestState, out: SchedulerOutput | None = None) -> None:
-        """Free a running request's blocks and slot; it waits at the head of the queue to be recomputed."""
+    def preempt(self, state: RequestState, out: SchedulerOutput | None = None, cache: bool = True) -> None:
+        """Free a running request's blocks and slot; it waits at the head of the queue to be recomputed
+        (from its own prefix-cache snapshot when it is still cached)."""
         self.running.remove(state)
-        self._release(state)
+        self._release(state, cache)
         state.status = Status.WAITING
         state.preemptions += 1
         self.num_preemptions += 1

@@ -20,17 +20,25 @@ from infernix_jax.model.params import LayerParams, Params
 from infernix_jax.weights.quant import matmul
 
 
-def decoder_layer(p: LayerParams, x: jax.Array, positions: jax.Array, entry, cfg: ModelConfig):
-    """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry)."""
+def decoder_layer(
+    p: LayerParams, x: jax.Array, positions: jax.Array, entry, cfg: ModelConfig, snapshot_at=None
+):
+    """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry),
+    and for a linear-attention layer given `snapshot_at` also its state snapshots (see gated_deltanet)."""
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     h = rms_norm(x, p.input_norm, eps, zc)
+    snapshots = None
     if p.attn is not None:
         h, entry = attention(p.attn, h, positions, entry, cfg)
-    else:
+    elif snapshot_at is None:
         h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg)
+    else:
+        h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at)
     x = x + h
     h = rms_norm(x, p.post_norm, eps, zc)
     h = moe(p.moe, h, cfg) if p.moe is not None else mlp(p.mlp, h)
+    if snapshots is not None:
+        return x + h, entry, snapshots
     return x + h, entry
 
 
@@ -53,25 +61,33 @@ def forward(
     cache: SequenceCache,
     cfg: ModelConfig,
     logit_indices: jax.Array | None = None,
+    snapshot_at: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SequenceCache]:
     """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
 
     Returns (logits float32 [B, T, V] — or [B, N, V] at `logit_indices` [B, N] when given —,
     hidden [B, T, D] after the final norm (what lm_head and the MTP head read), the updated cache).
+    With `snapshot_at` i32 [B, S] (token counts into each row's window) the returned cache's
+    `snapshots` holds, per linear-attention layer, the recurrent state after that many tokens.
     """
     dtype = params.final_norm.dtype
     x = embed(params, tokens, dtype)
     entries = list(cache.layers)
+    snapshots = []
     for i, layer in enumerate(params.layers):
         kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
         with jax.named_scope(f"layer{i}_{kind}"):
-            x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg)
+            if kind == "gdn" and snapshot_at is not None:
+                x, entries[i], taken = decoder_layer(layer, x, positions, entries[i], cfg, snapshot_at)
+                snapshots.append(taken)
+            else:
+                x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg)
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:
         selected = jnp.take_along_axis(hidden, logit_indices[..., None], axis=1)
     logits = lm_head(params, selected)
-    return logits, hidden, SequenceCache(layers=tuple(entries), mtp=cache.mtp)
+    return logits, hidden, SequenceCache(layers=tuple(entries), mtp=cache.mtp, snapshots=tuple(snapshots))
 
 
 def mtp_forward(

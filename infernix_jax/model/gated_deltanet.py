@@ -45,27 +45,46 @@ def causal_conv(
     return jax.nn.silu(out), jnp.swapaxes(new_state, 1, 2).astype(conv_state.dtype)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+def _capture(buffer: jax.Array, wanted: jax.Array, index, state: jax.Array) -> jax.Array:
+    """buffer [B, S, ...] with the rows' entries whose `wanted` [B, S] equals `index` set to state [B, ...]."""
+    hit = (wanted == index).reshape(wanted.shape + (1,) * (state.ndim - 1))
+    return jnp.where(hit, state[:, None], buffer)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, capture_at=None):
     """Per-token recurrence. q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dk, Dv].
 
-    All fp32; q already L2-normalised and scaled. Returns (out [B, T, H, Dv], final state).
+    All fp32; q already L2-normalised and scaled. Returns (out [B, T, H, Dv], final state), and
+    with `capture_at` i32 [B, S] also the states after the first capture_at[b, s] tokens [B, S, H, Dk, Dv].
     """
 
-    def step(s, inputs):
+    def step(carry, inputs):
+        s, buffer, t = carry
         q_t, k_t, v_t, g_t, b_t = inputs
         s = s * jnp.exp(g_t)[..., None, None]
         kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
         delta = (v_t - kv_mem) * b_t[..., None]
         s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        if buffer is not None:
+            buffer = _capture(buffer, capture_at, t + 1, s)
+        return (s, buffer, t + 1), jnp.einsum("bhkv,bhk->bhv", s, q_t)
 
+    buffer = None
+    if capture_at is not None:
+        buffer = _capture(jnp.zeros(capture_at.shape + state.shape[1:], state.dtype), capture_at, 0, state)
     xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))
-    state, out = jax.lax.scan(step, state, xs)
-    return jnp.swapaxes(out, 0, 1), state
+    (state, buffer, _), out = jax.lax.scan(step, (state, buffer, jnp.int32(0)), xs)
+    if capture_at is None:
+        return jnp.swapaxes(out, 0, 1), state
+    return jnp.swapaxes(out, 0, 1), state, buffer
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """Chunked form of the same recurrence (WY representation within each chunk); same contract."""
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, capture_chunks=None):
+    """Chunked form of the same recurrence (WY representation within each chunk); same contract.
+
+    With `capture_chunks` i32 [B, S] it also returns the state at the start of chunk
+    capture_chunks[b, s] ([B, S, H, Dk, Dv]; the final state for index = number of chunks).
+    """
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -97,21 +116,85 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])  # [B, H, N]
 
-    def step(s, inputs):
+    def step(carry, inputs):
+        s, buffer, c = carry
+        if buffer is not None:
+            buffer = _capture(buffer, capture_chunks, c, s)
         nv, kc, qd, kd, intra_i, cd = inputs
         v_new = nv - jnp.einsum("bhck,bhkv->bhcv", kc, s)
         out = jnp.einsum("bhck,bhkv->bhcv", qd, s) + jnp.einsum("bhcj,bhjv->bhcv", intra_i, v_new)
         s = s * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new)
-        return s, out
+        return (s, buffer, c + 1), out
 
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
-    state, out = jax.lax.scan(step, state, xs)  # out [N, B, H, C, Dv]
-    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
-    return jnp.moveaxis(out, 1, 2), state
+    buffer = None
+    if capture_chunks is not None:
+        buffer = jnp.zeros(capture_chunks.shape + state.shape[1:], state.dtype)
+    xs = tuple(
+        jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay)
+    )
+    (state, buffer, _), out = jax.lax.scan(step, (state, buffer, jnp.int32(0)), xs)  # out [N, B, H, C, Dv]
+    out = jnp.moveaxis(jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t], 1, 2)
+    if capture_chunks is None:
+        return out, state
+    return out, state, _capture(buffer, capture_chunks, n, state)
 
 
-def gated_deltanet(p: GDNParams, x: jax.Array, positions: jax.Array, state: GDNState, cfg: ModelConfig):
-    """x [B, T, D] at positions [B, T] -> (out [B, T, D], new state). A row starting at position 0 starts fresh."""
+def _rule_with_snapshots(q, k, v, g, beta, state, offsets):
+    """The rule over the window plus the recurrent states after the first offsets[b, s] tokens.
+
+    Returns (out, final state, snapshots [B, S, H, Dk, Dv] fp32). Short windows capture the
+    snapshots inside the per-token recurrence. Longer ones capture, inside the one chunked scan,
+    the state at the start of the 64-token chunk holding each offset, then finish it with that
+    chunk alone with its tokens from the offset on masked out (beta = 0, decay 1: the identity).
+    A snapshot costs one extra chunk, not a second walk over the prompt.
+    """
+    b, t = q.shape[:2]
+    if t <= RECURRENT_MAX_TOKENS:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, state, capture_at=offsets)
+    s = offsets.shape[1]
+    chunk_index = offsets // CHUNK
+    out, final, starts = chunk_gated_delta_rule(q, k, v, g, beta, state, capture_chunks=chunk_index)
+    token = chunk_index[..., None] * CHUNK + jnp.arange(CHUNK)  # [B, S, C]
+    keep = token < offsets[..., None]
+    token = jnp.minimum(token, t - 1)
+
+    def window(a):  # [B, T, H, ...] -> [B * S, C, H, ...], tokens at or after the offset masked
+        rows = jax.vmap(lambda x, idx: x[idx])(a, token)  # [B, S, C, H, ...]
+        mask = keep.reshape(keep.shape + (1,) * (rows.ndim - 3))
+        return jnp.where(mask, rows, 0).reshape((b * s, CHUNK) + a.shape[2:])
+
+    flat = lambda a: a.reshape((b * s,) + a.shape[2:])
+    # jaxlib 0.10.2's CPU runtime deadlocks running the batched chunk form here (docs/prefix_cache.md);
+    # the per-token recurrence computes the same state (the GPU keeps the parallel form).
+    finish = recurrent_gated_delta_rule if jax.default_backend() == "cpu" else chunk_gated_delta_rule
+    _, finished = finish(window(q), window(k), window(v), window(g), window(beta), flat(starts))
+    return out, final, finished.reshape(starts.shape)
+
+
+def _conv_states_at(conv_state: jax.Array, x: jax.Array, offsets: jax.Array) -> jax.Array:
+    """Conv states after the first offsets[b, s] raw inputs: [B, S, C, K-1] (the K-1 inputs before each offset)."""
+    keep = conv_state.shape[-1]
+    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    take = jax.vmap(jax.vmap(lambda e, j: jax.lax.dynamic_slice_in_dim(e, j, keep, axis=0), (None, 0)))
+    states = take(ext, jnp.maximum(offsets, 0))  # [B, S, K-1, C]
+    return jnp.swapaxes(states, 2, 3).astype(conv_state.dtype)
+
+
+def gated_deltanet(
+    p: GDNParams,
+    x: jax.Array,
+    positions: jax.Array,
+    state: GDNState,
+    cfg: ModelConfig,
+    snapshot_at: jax.Array | None = None,
+):
+    """x [B, T, D] at positions [B, T] -> (out [B, T, D], new state). A row starting at position 0 starts fresh.
+
+    With `snapshot_at` i32 [B, S] (token counts within the window, 0..T; entries < 0 are unused)
+    it returns a third value: the states after that many tokens of each row (GDNState with
+    conv [B, S, C, K-1] and recurrent [B, S, H, Dk, Dv]): the prefix cache's snapshots, taken
+    inside the walk.
+    """
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
     dk, dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
@@ -126,6 +209,7 @@ def gated_deltanet(p: GDNParams, x: jax.Array, positions: jax.Array, state: GDNS
     b_in = matmul(x, p.in_proj_b)
     a_in = matmul(x, p.in_proj_a)
 
+    raw = mixed
     mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid)
     key_dim = cfg.linear_key_dim
     q = mixed[..., :key_dim].reshape(b, t, hk, dk)
@@ -144,7 +228,15 @@ def gated_deltanet(p: GDNParams, x: jax.Array, positions: jax.Array, state: GDNS
     q = l2_normalize(q.astype(jnp.float32)) * (dk**-0.5)
     k = l2_normalize(k.astype(jnp.float32))
     v = v.astype(jnp.float32)
-    rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
-    out, new_rec = rule(q, k, v, g, beta, rec_state)
+    if snapshot_at is None:
+        rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
+        out, new_rec = rule(q, k, v, g, beta, rec_state)
+    else:
+        offsets = jnp.clip(snapshot_at, 0, t)
+        out, new_rec, rec_snapshots = _rule_with_snapshots(q, k, v, g, beta, rec_state, offsets)
     out = gated_rms_norm(out.astype(x.dtype), z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    return matmul(out, p.out_proj), GDNState(conv=new_conv, recurrent=new_rec)
+    result = (matmul(out, p.out_proj), GDNState(conv=new_conv, recurrent=new_rec))
+    if snapshot_at is None:
+        return result
+    snapshots = GDNState(conv=_conv_states_at(conv_state, raw, offsets), recurrent=rec_snapshots)
+    return (*result, snapshots)
