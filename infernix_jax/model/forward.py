@@ -20,14 +20,19 @@ from infernix_jax.model.params import LayerParams, Params
 from infernix_jax.weights.quant import matmul
 
 
-def decoder_layer(p: LayerParams, x: jax.Array, positions: jax.Array, entry, cfg: ModelConfig):
-    """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry)."""
+def decoder_layer(
+    p: LayerParams, x: jax.Array, positions: jax.Array, entry, cfg: ModelConfig, keep_states: bool = False
+):
+    """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry).
+
+    keep_states: a linear-attention layer returns its state after every position (see gated_deltanet).
+    """
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     h = rms_norm(x, p.input_norm, eps, zc)
     if p.attn is not None:
         h, entry = attention(p.attn, h, positions, entry, cfg)
     else:
-        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg)
+        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg, keep_states=keep_states)
     x = x + h
     h = rms_norm(x, p.post_norm, eps, zc)
     h = moe(p.moe, h, cfg) if p.moe is not None else mlp(p.mlp, h)
@@ -53,11 +58,15 @@ def forward(
     cache: SequenceCache,
     cfg: ModelConfig,
     logit_indices: jax.Array | None = None,
+    keep_states: bool = False,
 ) -> tuple[jax.Array, jax.Array, SequenceCache]:
     """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
 
     Returns (logits float32 [B, T, V] — or [B, N, V] at `logit_indices` [B, N] when given —,
     hidden [B, T, D] after the final norm (what lm_head and the MTP head read), the updated cache).
+    keep_states (static; speculative verification of windows <= 16 tokens): every GDNState entry of
+    the returned cache holds the state after each position, conv [B, T, C, K-1] and recurrent
+    [B, T, Hv, Dk, Dv]; engine/speculative/rollback.py keeps the one at each row's accepted length.
     """
     dtype = params.final_norm.dtype
     x = embed(params, tokens, dtype)
@@ -65,7 +74,7 @@ def forward(
     for i, layer in enumerate(params.layers):
         kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
         with jax.named_scope(f"layer{i}_{kind}"):
-            x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg)
+            x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg, keep_states=keep_states)
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:
