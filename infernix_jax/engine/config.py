@@ -37,6 +37,10 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/infernix_jax/xla"  # JAX persistent cache; None: off
     warmup: bool = True  # compile every bucket at start (with a progress bar)
     progress: bool = True  # show the warm-up progress bar
+    spec: str = "none"  # speculative decoding drafter: "none", "ngram", "mtp" or "mtp+ngram"
+    draft_tokens: int = 3  # MTP draft chain length (tokens verified per step: up to this + 1)
+    ngram_draft_tokens: int = 5  # most tokens the n-gram (prompt lookup) drafter proposes
+    ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
 
     def __post_init__(self) -> None:
         errors = []
@@ -56,6 +60,12 @@ class EngineConfig:
             errors.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not (self.kv_capacity == "auto" or (isinstance(self.kv_capacity, int) and self.kv_capacity > 0)):
             errors.append(f"kv_capacity must be 'auto' or a positive block count, got {self.kv_capacity!r}")
+        if self.spec not in ("none", "ngram", "mtp", "mtp+ngram"):
+            errors.append(f"spec must be none, ngram, mtp or mtp+ngram, got {self.spec!r}")
+        if self.spec != "none" and not 1 <= self.spec_window - 1 <= 15:
+            errors.append(f"draft tokens must be in [1, 15] (verify windows <= 16), got {self.spec_window - 1}")
+        if self.ngram_min_match < 1:
+            errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -81,6 +91,18 @@ class EngineConfig:
         return tuple(
             (r, t) for t in self.chunk_buckets for r in rows if r == 1 or r * t <= self.prefill_chunk
         )
+
+    @property
+    def spec_window(self) -> int:
+        """Tokens of a verify window (pending token + most drafts); 1 without speculation."""
+        drafts = {"none": 0, "ngram": self.ngram_draft_tokens, "mtp": self.draft_tokens}.get(
+            self.spec, max(self.draft_tokens, self.ngram_draft_tokens)
+        )
+        return drafts + 1
+
+    @property
+    def spec_uses_mtp(self) -> bool:
+        return self.spec in ("mtp", "mtp+ngram")
 
     @property
     def max_blocks_per_sequence(self) -> int:

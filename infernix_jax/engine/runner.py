@@ -264,7 +264,9 @@ class Runner:
 
     def reset_pools(self) -> None:
         """Fresh, empty pools and slot state (at start, and after a failed dispatch consumed them)."""
-        self.kv_pool = create_kv_pool(self.cfg, self.num_blocks, self.config.kv_dtype, self.dtype)
+        self.kv_pool = create_kv_pool(
+            self.cfg, self.num_blocks, self.config.kv_dtype, self.dtype, with_mtp=self.config.spec_uses_mtp
+        )
         self.state_pool = create_state_pool(self.cfg, self.num_slots, self.dtype)
         self.slot_sampling = SlotSampling(
             arrays=self._sampling_arrays([], [], self.num_slots),
