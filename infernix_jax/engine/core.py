@@ -40,6 +40,7 @@ from infernix_jax.engine.request_state import OutputTracker, RequestState, Statu
 from infernix_jax.engine.runner import Runner, Sampled, enable_compilation_cache
 from infernix_jax.engine.sampling import resolve_seed
 from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
+from infernix_jax.engine.speculative.rollback import verify_state_bytes
 from infernix_jax.engine.speculative.step import Speculation
 from infernix_jax.model.params import Params
 
@@ -91,6 +92,8 @@ def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     budget = stats["bytes_limit"] * config.gpu_memory_utilization - weights - stats.get("bytes_in_use", 0)
     budget -= (config.max_concurrency + 1) * state_bytes_per_slot(cfg, dtype)
+    if config.spec != "none":  # per-position GDN states of the largest verify dispatch
+        budget -= verify_state_bytes(cfg, max(config.decode_buckets), config.spec_window, dtype)
     affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype, with_mtp=config.spec_uses_mtp))
     if affordable < per_sequence + 1:
         raise ValueError(

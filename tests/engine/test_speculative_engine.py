@@ -11,7 +11,7 @@ without speculation (`Model.generate`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -46,12 +46,12 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
 MODELS = {"hybrid": "qwen3_next", "dense": "qwen3_dense"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def model(name: str):
     return infernix_jax.load(HF_FIXTURES / MODELS[name], max_context=MAX_CONTEXT)
 
 
-@lru_cache(maxsize=None)
+@cache
 def expected(name: str, prompt: tuple[int, ...]) -> list[int]:
     return model(name).generate(list(prompt), max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
 

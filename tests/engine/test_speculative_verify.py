@@ -110,11 +110,17 @@ def speculative_pairs(drafts: np.ndarray, draft_probs: np.ndarray | None) -> np.
 def plain_pairs() -> np.ndarray:
     arrays, penalties = batch_state(PARAMS, N)
     first = jax.jit(sample)(
-        jnp.asarray(np.broadcast_to(LOGITS[0], (N, V))), arrays, penalties, row_keys(arrays, penalties.num_generated)
+        jnp.asarray(np.broadcast_to(LOGITS[0], (N, V))),
+        arrays,
+        penalties,
+        row_keys(arrays, penalties.num_generated),
     ).tokens
     penalties = update_penalty_state(penalties, first, jnp.ones(N, bool))
     second = jax.jit(sample)(
-        jnp.asarray(np.broadcast_to(LOGITS[1], (N, V))), arrays, penalties, row_keys(arrays, penalties.num_generated)
+        jnp.asarray(np.broadcast_to(LOGITS[1], (N, V))),
+        arrays,
+        penalties,
+        row_keys(arrays, penalties.num_generated),
     ).tokens
     return np.stack([np.asarray(first), np.asarray(second)], axis=1)
 

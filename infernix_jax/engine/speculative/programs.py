@@ -52,7 +52,9 @@ def verify_program(
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
     logits, hidden, cache = forward(params, tokens, positions, cache, cfg, keep_states=True)
     arrays, penalties = slot_sampling.rows(slots)
-    out = verify_window(logits, tokens[:, 1:], num_drafts, arrays, penalties, active, num_top_logprobs=num_top)
+    out = verify_window(
+        logits, tokens[:, 1:], num_drafts, arrays, penalties, active, num_top_logprobs=num_top
+    )
     cache = keep_accepted_states(cache, out.accepted)
     b, w = tokens.shape
     drafts = jnp.zeros((b, max(mtp_steps, 1)), jnp.int32)
@@ -64,10 +66,17 @@ def verify_program(
             params, out.tokens.T, hidden, mtp_positions, out.accepted, cache, cfg
         )
         last_position = jnp.take_along_axis(positions, out.accepted[:, None], axis=1)[:, 0]
-        drafts, cache = chain_drafts(params, first_logits, first_hidden, last_position, active, cache, cfg, mtp_steps)
+        drafts, cache = chain_drafts(
+            params, first_logits, first_hidden, last_position, active, cache, cfg, mtp_steps
+        )
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     slot_sampling = slot_sampling.with_penalties(slots, out.penalties)
-    return kv_pool, state_pool, slot_sampling, (out.counts, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, drafts)
+    return (
+        kv_pool,
+        state_pool,
+        slot_sampling,
+        (out.counts, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, drafts),
+    )
 
 
 @partial(jit, static_argnames=("cfg", "num_top", "mtp_steps"), donate_argnames=_DONATED)
@@ -91,16 +100,27 @@ def mtp_prefill_program(
     last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0).astype(jnp.int32)
     logits, hidden, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last[:, None])
     arrays, penalties = slot_sampling.rows(slots)
-    out = sample(logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top)
+    out = sample(
+        logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top
+    )
     penalties = update_penalty_state(penalties, out.tokens, sample_rows)
     slot_sampling = slot_sampling.with_penalties(jnp.where(sample_rows, slots, SCRATCH_SLOT), penalties)
-    r, t = tokens.shape
+    t = tokens.shape[1]
     at_last = jnp.arange(t)[None, :] == last[:, None]
     next_tokens = jnp.where(at_last & sample_rows[:, None], out.tokens[:, None], next_tokens)
-    first_logits, first_hidden, cache = shifted_mtp_pass(params, next_tokens, hidden, positions, last, cache, cfg)
+    first_logits, first_hidden, cache = shifted_mtp_pass(
+        params, next_tokens, hidden, positions, last, cache, cfg
+    )
     last_position = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0]
     drafts, cache = chain_drafts(
-        params, first_logits, first_hidden, last_position, sample_rows & (last_position >= 0), cache, cfg, mtp_steps
+        params,
+        first_logits,
+        first_hidden,
+        last_position,
+        sample_rows & (last_position >= 0),
+        cache,
+        cfg,
+        mtp_steps,
     )
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     sampled = (out.tokens[None], out.logprobs[None], out.top_ids[None], out.top_logprobs[None])

@@ -10,6 +10,7 @@ each verify returns the next chain, which the host keeps per request until its n
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from infernix_jax.engine.speculative.drafters import make_drafter
 from infernix_jax.engine.speculative.programs import mtp_prefill_program, verify_program
 from infernix_jax.engine.speculative.rollback import verify_state_bytes
 
+log = logging.getLogger("infernix_jax.engine")
 
 @dataclass
 class VerifyBatch:
@@ -46,6 +48,11 @@ class Speculation:
         if self.mtp_steps and core.runner.params.mtp is None:
             raise ValueError(f"spec={config.spec!r} needs a checkpoint with MTP weights; this one has none")
         self.device_drafts: dict[str, list[int]] = {}  # request id -> MTP chain for its next window
+        log.info(
+            "speculative decoding: %s, verify window %d, per-position GDN states %.1f MiB at batch %d",
+            config.spec, self.window, self.state_bytes(max(config.decode_buckets)) / 2**20,
+            max(config.decode_buckets),
+        )  # fmt: skip
 
     @property
     def uses_mtp(self) -> bool:

@@ -135,6 +135,8 @@ def verify_window(
         return (penalties, live_next, count), (token, token_logprob, top_ids.astype(jnp.int32), top_logprobs)
 
     carry = (penalties, active, jnp.zeros(b, jnp.int32))
-    (penalties, _, counts), (tokens, logprobs, top_ids, top_logprobs) = jax.lax.scan(step, carry, jnp.arange(w))
+    (penalties, _, counts), (tokens, logprobs, top_ids, top_logprobs) = jax.lax.scan(
+        step, carry, jnp.arange(w)
+    )
     accepted = jnp.maximum(counts - 1, 0)
     return VerifyOutput(tokens, counts, accepted, logprobs, top_ids, top_logprobs, penalties)
