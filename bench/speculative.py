@@ -62,7 +62,9 @@ def run_engine(model, config: EngineConfig, prompts: list, new_tokens: int) -> t
     """Generate greedily for all prompts at once; returns (decode tok/s over the run, the core)."""
     core = EngineCore(model.config, model.params, config, model.tokenizer, model.eos_token_ids())
     for i, p in enumerate(prompts):
-        core.add_request(GenerationRequest(f"q{i}", p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)))
+        core.add_request(
+            GenerationRequest(f"q{i}", p, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        )
     start = time.perf_counter()
     while core.has_work():
         core.step()
@@ -177,7 +179,9 @@ def measure_shape(cfg, params, shape, batch, context, args, accepted_length, mac
 
 
 def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", default="27b")
     parser.add_argument("--contexts", default="8192")
     parser.add_argument("--batches", default="1,8")
@@ -211,14 +215,19 @@ def main(argv: list[str] | None = None):
         cfg, params = build_model(shape, dtype)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                record = measure_shape(cfg, params, shape, batch, context, args, accepted_length, machine, commit)
+                record = measure_shape(
+                    cfg, params, shape, batch, context, args, accepted_length, machine, commit
+                )
                 print(f"{record.name}: {record.figure:.1f} tok/s, {record.details['speedup']:.2f}x over "
                       f"{record.details['plain_tok_s']:.1f} (accepted length "
                       f"{record.details['measured_accepted_length']:.2f})", flush=True)  # fmt: skip
                 records.append(record)
         del params
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    print("wrote", write_records(records, args.out or f"speculative-{slug}{'-quick' if args.quick else ''}.json"))
+    print(
+        "wrote",
+        write_records(records, args.out or f"speculative-{slug}{'-quick' if args.quick else ''}.json"),
+    )
     return records
 
 
