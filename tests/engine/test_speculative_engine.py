@@ -139,3 +139,22 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(
     together = run(core, others + [GenerationRequest("s", prompt, params)])["s"]["tokens"]
     assert len(alone) == 12 and together == alone
     assert_pool_empty(core)
+
+
+@pytest.mark.slow  # ~15 s
+def test_preemption_under_speculation_gives_identical_output():
+    """A pool too small for every window: requests are preempted (their drafts go stale, the MTP KV
+    is rebuilt by the recompute prefill) and still produce the non-speculative greedy output."""
+    core = speculative_core("hybrid", "mtp+ngram", ngram_min_match=1)
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(0, 512, size=n).tolist() for n in (50, 60, 45, 55, 40, 52)]
+    requests = [
+        GenerationRequest(f"p{i}", p, SamplingParams(max_tokens=90, ignore_eos=True))
+        for i, p in enumerate(ids)
+    ]
+    results = run(core, requests)
+    assert core.metrics.preemptions > 0, "the pool was meant to run out"
+    m = model("hybrid")
+    for i, p in enumerate(ids):
+        assert results[f"p{i}"]["tokens"] == m.generate(p, max_new_tokens=90, ignore_eos=True).token_ids
+    assert_pool_empty(core)

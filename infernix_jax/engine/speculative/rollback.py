@@ -39,7 +39,7 @@ def keep_accepted_states(cache: SequenceCache, index: jax.Array) -> SequenceCach
 def verify_state_bytes(cfg: ModelConfig, batch: int, window: int, dtype: Any = jnp.bfloat16) -> int:
     """Transient device bytes of the per-position states one verify program holds: for every
     linear-attention layer, batch x window copies of the conv state (model dtype) and of the
-    float32 recurrent state. (Qwen3.5-27B shape, 48 GDN layers: 151 MiB per row and position.)"""
+    float32 recurrent state. (Qwen3.5-27B shape, 48 GDN layers: 147 MiB per row and position.)"""
     conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1) * jnp.dtype(dtype).itemsize
     recurrent = cfg.linear_num_v_heads * cfg.linear_k_head_dim * cfg.linear_v_head_dim * 4
     return len(cfg.linear_attention_layers) * batch * window * (conv + recurrent)
