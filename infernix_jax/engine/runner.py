@@ -374,7 +374,10 @@ class Runner:
         """Compile every bucket by running it on padding rows (their writes are dropped). Returns seconds."""
         start = time.perf_counter()
         work = [("prefill", shape) for shape in self.config.prefill_shapes]
-        work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
+        if self.config.spec_uses_mtp:  # its prefill is speculative.programs.mtp_prefill_program
+            work = []
+        if self.config.spec == "none":  # with speculation every decode row runs the verify program
+            work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
         bar = _progress(len(work), "compiling", progress)
         self.set_slot(SCRATCH_SLOT, SamplingParams(), 0, [0], [])
         for kind, (a, b) in work:

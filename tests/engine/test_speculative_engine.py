@@ -116,6 +116,7 @@ class OracleDrafter:
         raise AssertionError("unknown request")
 
 
+@pytest.mark.slow  # compiles each model's verify program unless an earlier test did (~30 s)
 @pytest.mark.parametrize("name", ["hybrid", "dense"])
 def test_rows_accepting_different_lengths_in_one_batch_stay_exact(name):
     core = speculative_core(name, "ngram")
@@ -127,6 +128,7 @@ def test_rows_accepting_different_lengths_in_one_batch_stay_exact(name):
     assert m.mean_accepted_length > 1.5, m  # about (1 + 2 + 3 + 5) / 4, less where budgets run out
 
 
+@pytest.mark.slow  # compiles the MTP programs unless an earlier test did (~30 s)
 def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent():
     core = speculative_core("hybrid", "mtp+ngram")
     prompt = repetitive_prompts(1, seed=15)[0]
@@ -157,4 +159,32 @@ def test_preemption_under_speculation_gives_identical_output():
     m = model("hybrid")
     for i, p in enumerate(ids):
         assert results[f"p{i}"]["tokens"] == m.generate(p, max_new_tokens=90, ignore_eos=True).token_ids
+    assert_pool_empty(core)
+
+
+@pytest.mark.slow  # ~40 s: warms up every bucket
+def test_no_compilation_after_warmup_with_speculation():
+    import jax
+
+    from tests.engine.test_engine_core import COMPILE_EVENT
+
+    m = model("hybrid")
+    config = SMALL.replace(spec="mtp+ngram", warmup=True)
+    core = EngineCore(m.config, m.params, config, m.tokenizer, m.eos_token_ids())
+    counter = {"n": 0}
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        counter["n"] += event == COMPILE_EVENT
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        sampling = [
+            SamplingParams(max_tokens=9, ignore_eos=True),
+            SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, logprobs=3),
+        ]
+        for ids in (repetitive_prompts(6, seed=3), repetitive_prompts(1, seed=4)):
+            run(core, [GenerationRequest(f"c{i}", p, sampling[i % 2]) for i, p in enumerate(ids)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert counter["n"] == 0, f"{counter['n']} compilations after warm-up"
     assert_pool_empty(core)
