@@ -58,6 +58,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="most prompt tokens fed in one step (default: the engine's, 4096)",
     )
 
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--spec",
+        default="none",
+        choices=["none", "ngram", "mtp", "mtp+ngram"],
+        help="drafter: n-gram prompt lookup, the checkpoint's MTP head, or n-gram with MTP as fallback "
+        "(default: %(default)s)",
+    )
+    spec.add_argument(
+        "--draft-tokens", type=int, default=None, help="MTP draft chain length (default: the engine's, 3)"
+    )
+    spec.add_argument(
+        "--ngram-draft-tokens",
+        type=int,
+        default=None,
+        help="most tokens the n-gram drafter proposes (default: the engine's, 5)",
+    )
+    spec.add_argument(
+        "--ngram-min-match",
+        type=int,
+        default=None,
+        help="shortest context suffix the n-gram drafter may match (default: the engine's, 2)",
+    )
+
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -126,12 +150,21 @@ def build_engine(args: argparse.Namespace):
     """The real engine for `args`. The one place the command line reaches into infernix_jax.engine."""
     from infernix_jax.engine import create_engine  # imported here: it pulls in JAX and the model
 
+    speculative = {}
+    if getattr(args, "spec", "none") != "none":
+        speculative = {
+            "spec": args.spec,
+            "draft_tokens": args.draft_tokens,
+            "ngram_draft_tokens": args.ngram_draft_tokens,
+            "ngram_min_match": args.ngram_min_match,
+        }
     return create_engine(
         args.model,
         max_concurrency=args.max_concurrency,
         max_context=args.max_context,
         kv_dtype=args.kv_dtype,
         prefill_chunk=args.prefill_chunk,
+        **speculative,
     )
 
 

@@ -45,6 +45,10 @@ class EngineConfig:
     prefix_cache_save_mins: float = 0.0  # also save the file every this many minutes (0: only at shutdown)
     prefix_cache_snapshot_blocks: int = 16  # snapshot a long prompt every this many blocks (0: off)
     snapshots_per_chunk: int = 4  # most snapshots one prefill row takes per chunk (a static program shape)
+    spec: str = "none"  # speculative decoding drafter: "none", "ngram", "mtp" or "mtp+ngram"
+    draft_tokens: int = 3  # MTP draft chain length (tokens verified per step: up to this + 1)
+    ngram_draft_tokens: int = 5  # most tokens the n-gram (prompt lookup) drafter proposes
+    ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
 
     def __post_init__(self) -> None:
         errors = []
@@ -79,6 +83,12 @@ class EngineConfig:
             )
         if self.snapshots_per_chunk < 1:
             errors.append(f"snapshots_per_chunk must be >= 1, got {self.snapshots_per_chunk}")
+        if self.spec not in ("none", "ngram", "mtp", "mtp+ngram"):
+            errors.append(f"spec must be none, ngram, mtp or mtp+ngram, got {self.spec!r}")
+        if self.spec != "none" and not 1 <= self.spec_window - 1 <= 15:
+            errors.append(f"draft tokens must be in [1, 15] (verify windows <= 16), got {self.spec_window - 1}")
+        if self.ngram_min_match < 1:
+            errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -122,6 +132,18 @@ class EngineConfig:
         if value in (0, "0"):
             return 0
         return parse_bytes(value)
+
+    @property
+    def spec_window(self) -> int:
+        """Tokens of a verify window (pending token + most drafts); 1 without speculation."""
+        drafts = {"none": 0, "ngram": self.ngram_draft_tokens, "mtp": self.draft_tokens}.get(
+            self.spec, max(self.draft_tokens, self.ngram_draft_tokens)
+        )
+        return drafts + 1
+
+    @property
+    def spec_uses_mtp(self) -> bool:
+        return self.spec in ("mtp", "mtp+ngram")
 
     @property
     def max_blocks_per_sequence(self) -> int:

@@ -41,6 +41,8 @@ from infernix_jax.engine.request_state import OutputTracker, RequestState, Statu
 from infernix_jax.engine.runner import Runner, Sampled, enable_compilation_cache
 from infernix_jax.engine.sampling import resolve_seed
 from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
+from infernix_jax.engine.speculative.rollback import verify_state_bytes
+from infernix_jax.engine.speculative.step import Speculation
 from infernix_jax.model.params import Params
 
 
@@ -56,6 +58,19 @@ class EngineMetrics:
     decode_wall_s: float = 0.0  # wall time of steps that ran only a decode dispatch
     decode_device_wait_s: float = 0.0  # of which the host waited for the device's results
     warmup_s: float = 0.0  # compile time at start
+    spec_rows: int = 0  # speculative: row-steps verified (one per row per verify dispatch)
+    drafted_tokens: int = 0  # speculative: draft tokens proposed and verified
+    accepted_tokens: int = 0  # speculative: draft tokens accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per row per verify step (accepted drafts + the bonus/correction token); 0 when idle."""
+        return (self.accepted_tokens + self.spec_rows) / self.spec_rows if self.spec_rows else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens accepted (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def decode_host_fraction(self) -> float:
@@ -78,7 +93,9 @@ def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     budget = stats["bytes_limit"] * config.gpu_memory_utilization - weights - stats.get("bytes_in_use", 0)
     budget -= (config.max_concurrency + 1 + config.num_snapshot_slots) * state_bytes_per_slot(cfg, dtype)
-    affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype))
+    if config.spec != "none":  # per-position GDN states of the largest verify dispatch
+        budget -= verify_state_bytes(cfg, max(config.decode_buckets), config.spec_window, dtype)
+    affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype, with_mtp=config.spec_uses_mtp))
     if affordable < per_sequence + 1:
         raise ValueError(
             f"memory for {affordable} KV blocks, fewer than one sequence of {config.max_context} "
@@ -114,7 +131,9 @@ class EngineCore:
             num_slots,
             self.eos_token_ids,
             num_snapshot_slots=config.num_snapshot_slots if stateful else 0,
-            snapshots_per_chunk=config.snapshots_per_chunk if config.prefix_cache else 0,
+            # MTP drafting prefills through its own program, which takes no snapshots: those requests
+            # are cached when they stop (finish or preemption) only
+            snapshots_per_chunk=config.snapshots_per_chunk if config.prefix_cache and not config.spec_uses_mtp else 0,
         )
         blocks = BlockAllocator(num_blocks)
         self.prefix_cache = (
@@ -129,8 +148,15 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         self.metrics = EngineMetrics()
         self._arrivals = 0
+        self.speculation = None
+        if config.spec != "none":
+            self.speculation = Speculation(self)
         if config.warmup:
             self.metrics.warmup_s = self.runner.warmup(config.progress)
+            if self.speculation is not None:
+                start = time.perf_counter()
+                self.speculation.warmup()
+                self.metrics.warmup_s += time.perf_counter() - start
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> list[TokenEvent]:
@@ -233,7 +259,10 @@ class EngineCore:
         if plan.prefill:
             wait += self._run_prefill(plan, events)
         if plan.decode:
-            wait += self._run_decode(plan, events)
+            if self.speculation is not None:
+                wait += self.speculation.run(plan, events)
+            else:
+                wait += self._run_decode(plan, events)
         if plan.decode and not plan.prefill:
             self.metrics.decode_dispatches += 1
             self.metrics.decode_wall_s += time.perf_counter() - start
@@ -264,7 +293,10 @@ class EngineCore:
                     batch.snapshot_slots[i, j] = slot
             self.metrics.prefill_tokens += chunk.num_tokens
         try:
-            out = self.runner.prefill(batch)
+            if self.speculation is not None and self.speculation.uses_mtp:
+                out = self.speculation.prefill(batch, plan)
+            else:
+                out = self.runner.prefill(batch)
             t0 = time.perf_counter()
             sampled = self.runner.read_prefill(out, rows)
             wait = time.perf_counter() - t0

@@ -323,7 +323,9 @@ class Runner:
 
     def reset_pools(self) -> None:
         """Fresh, empty pools and slot state (at start, and after a failed dispatch consumed them)."""
-        self.kv_pool = create_kv_pool(self.cfg, self.num_blocks, self.config.kv_dtype, self.dtype)
+        self.kv_pool = create_kv_pool(
+            self.cfg, self.num_blocks, self.config.kv_dtype, self.dtype, with_mtp=self.config.spec_uses_mtp
+        )
         self.state_pool = create_state_pool(self.cfg, self.num_slots + self.num_snapshot_slots, self.dtype)
         self.slot_sampling = SlotSampling(
             arrays=self._sampling_arrays([], [], self.num_slots),
@@ -484,7 +486,10 @@ class Runner:
         """Compile every bucket by running it on padding rows (their writes are dropped). Returns seconds."""
         start = time.perf_counter()
         work = [("prefill", shape) for shape in self.config.prefill_shapes]
-        work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
+        if self.config.spec_uses_mtp:  # its prefill is speculative.programs.mtp_prefill_program
+            work = []
+        if self.config.spec == "none":  # with speculation every decode row runs the verify program
+            work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
         bar = _progress(len(work), "compiling", progress)
         self.set_slot(SCRATCH_SLOT, SamplingParams(), 0, [0], [])
         if self.config.prefix_cache:  # the prefix cache's row programs (all writes go to row 0: dropped)

@@ -230,6 +230,8 @@ class Scheduler:
 
     def _schedule_decode(self, out: SchedulerOutput) -> None:
         steps = self.config.decode_steps_per_dispatch
+        if self.config.spec != "none":  # a verify window: the pending token and up to window - 1 drafts
+            steps = self.config.spec_window
         in_prefill = {id(c.request) for c in out.prefill}
         rows: list[DecodeRow] = []
         for state in list(self.running):

@@ -21,17 +21,26 @@ from infernix_jax.weights.quant import matmul
 
 
 def decoder_layer(
-    p: LayerParams, x: jax.Array, positions: jax.Array, entry, cfg: ModelConfig, snapshot_at=None
+    p: LayerParams,
+    x: jax.Array,
+    positions: jax.Array,
+    entry,
+    cfg: ModelConfig,
+    snapshot_at=None,
+    keep_states: bool = False,
 ):
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry),
-    and for a linear-attention layer given `snapshot_at` also its state snapshots (see gated_deltanet)."""
+    and for a linear-attention layer given `snapshot_at` also its state snapshots (see gated_deltanet).
+
+    keep_states: a linear-attention layer returns its state after every position (see gated_deltanet).
+    """
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     h = rms_norm(x, p.input_norm, eps, zc)
     snapshots = None
     if p.attn is not None:
         h, entry = attention(p.attn, h, positions, entry, cfg)
     elif snapshot_at is None:
-        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg)
+        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg, keep_states=keep_states)
     else:
         h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at)
     x = x + h
@@ -62,6 +71,7 @@ def forward(
     cfg: ModelConfig,
     logit_indices: jax.Array | None = None,
     snapshot_at: jax.Array | None = None,
+    keep_states: bool = False,
 ) -> tuple[jax.Array, jax.Array, SequenceCache]:
     """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
 
@@ -69,6 +79,9 @@ def forward(
     hidden [B, T, D] after the final norm (what lm_head and the MTP head read), the updated cache).
     With `snapshot_at` i32 [B, S] (token counts into each row's window) the returned cache's
     `snapshots` holds, per linear-attention layer, the recurrent state after that many tokens.
+    keep_states (static; speculative verification of windows <= 16 tokens): every GDNState entry of
+    the returned cache holds the state after each position, conv [B, T, C, K-1] and recurrent
+    [B, T, Hv, Dk, Dv]; engine/speculative/rollback.py keeps the one at each row's accepted length.
     """
     dtype = params.final_norm.dtype
     x = embed(params, tokens, dtype)
@@ -81,7 +94,7 @@ def forward(
                 x, entries[i], taken = decoder_layer(layer, x, positions, entries[i], cfg, snapshot_at)
                 snapshots.append(taken)
             else:
-                x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg)
+                x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg, keep_states=keep_states)
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:

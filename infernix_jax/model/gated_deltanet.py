@@ -29,18 +29,22 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def causal_conv(
-    x: jax.Array, conv_state: jax.Array, weight: jax.Array, n_valid: jax.Array
+    x: jax.Array, conv_state: jax.Array, weight: jax.Array, n_valid: jax.Array, keep_states: bool = False
 ) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv + SiLU.
 
     x [B, T, C] raw inputs, conv_state [B, C, K-1] the previous K-1 raw inputs, weight [C, K],
-    n_valid [B] valid tokens per row. Returns (out [B, T, C], new conv state [B, C, K-1]).
+    n_valid [B] valid tokens per row. Returns (out [B, T, C], new conv state [B, C, K-1]), or with
+    keep_states the conv state after every token: [B, T, C, K-1] (entry t holds inputs t-K+2..t).
     """
     b, t, c = x.shape
     k = weight.shape[-1]
     ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     w = weight.astype(x.dtype)
     out = sum(ext[:, j : j + t, :] * w[:, j] for j in range(k))
+    if keep_states:  # after token i the state is ext[i + 1 : i + K]
+        states = jnp.stack([ext[:, i + 1 : i + k, :] for i in range(t)], axis=1)  # [B, T, K-1, C]
+        return jax.nn.silu(out), jnp.swapaxes(states, 2, 3).astype(conv_state.dtype)
     new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, k - 1, axis=0))(ext, n_valid)
     return jax.nn.silu(out), jnp.swapaxes(new_state, 1, 2).astype(conv_state.dtype)
 
@@ -51,11 +55,12 @@ def _capture(buffer: jax.Array, wanted: jax.Array, index, state: jax.Array) -> j
     return jnp.where(hit, state[:, None], buffer)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state, capture_at=None):
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, capture_at=None, keep_states: bool = False):
     """Per-token recurrence. q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dk, Dv].
 
-    All fp32; q already L2-normalised and scaled. Returns (out [B, T, H, Dv], final state), and
-    with `capture_at` i32 [B, S] also the states after the first capture_at[b, s] tokens [B, S, H, Dk, Dv].
+    All fp32; q already L2-normalised and scaled. Returns (out [B, T, H, Dv], final state); with
+    `capture_at` i32 [B, S] also the states after the first capture_at[b, s] tokens [B, S, H, Dk, Dv];
+    with keep_states the state after every token instead of the final one: [B, T, H, Dk, Dv].
     """
 
     def step(carry, inputs):
@@ -67,13 +72,17 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, capture_at=None):
         s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
         if buffer is not None:
             buffer = _capture(buffer, capture_at, t + 1, s)
-        return (s, buffer, t + 1), jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        out_t = jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return (s, buffer, t + 1), ((out_t, s) if keep_states else out_t)
 
     buffer = None
     if capture_at is not None:
         buffer = _capture(jnp.zeros(capture_at.shape + state.shape[1:], state.dtype), capture_at, 0, state)
     xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))
     (state, buffer, _), out = jax.lax.scan(step, (state, buffer, jnp.int32(0)), xs)
+    if keep_states:
+        out, states = out
+        return jnp.swapaxes(out, 0, 1), jnp.swapaxes(states, 0, 1)
     if capture_at is None:
         return jnp.swapaxes(out, 0, 1), state
     return jnp.swapaxes(out, 0, 1), state, buffer
@@ -187,6 +196,7 @@ def gated_deltanet(
     state: GDNState,
     cfg: ModelConfig,
     snapshot_at: jax.Array | None = None,
+    keep_states: bool = False,
 ):
     """x [B, T, D] at positions [B, T] -> (out [B, T, D], new state). A row starting at position 0 starts fresh.
 
@@ -194,7 +204,14 @@ def gated_deltanet(
     it returns a third value: the states after that many tokens of each row (GDNState with
     conv [B, S, C, K-1] and recurrent [B, S, H, Dk, Dv]): the prefix cache's snapshots, taken
     inside the walk.
+
+    keep_states (speculative verification): the returned GDNState holds the state after every
+    position instead of the final one, conv [B, T, C, K-1] and recurrent [B, T, Hv, Dk, Dv], so that
+    the caller keeps the one at the accepted length without recomputing (windows of at most
+    RECURRENT_MAX_TOKENS tokens; positions past a row's valid tokens repeat its last state).
     """
+    if keep_states and x.shape[1] > RECURRENT_MAX_TOKENS:
+        raise ValueError(f"keep_states needs a window of <= {RECURRENT_MAX_TOKENS} tokens, got {x.shape[1]}")
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
     dk, dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
@@ -210,7 +227,7 @@ def gated_deltanet(
     a_in = matmul(x, p.in_proj_a)
 
     raw = mixed
-    mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid)
+    mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid, keep_states)
     key_dim = cfg.linear_key_dim
     q = mixed[..., :key_dim].reshape(b, t, hk, dk)
     k = mixed[..., key_dim : 2 * key_dim].reshape(b, t, hk, dk)
@@ -228,7 +245,9 @@ def gated_deltanet(
     q = l2_normalize(q.astype(jnp.float32)) * (dk**-0.5)
     k = l2_normalize(k.astype(jnp.float32))
     v = v.astype(jnp.float32)
-    if snapshot_at is None:
+    if keep_states:
+        out, new_rec = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state, keep_states=True)
+    elif snapshot_at is None:
         rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule
         out, new_rec = rule(q, k, v, g, beta, rec_state)
     else:

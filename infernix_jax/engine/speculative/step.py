@@ -1,0 +1,161 @@
+"""`Speculation`: the engine core's speculative decode step (and the MTP-aware prefill).
+
+With `EngineConfig.spec` set, every decode row of a step is verified instead of decoded: the
+scheduler gives it a window of up to `spec_window` tokens (the pending token + drafts, capped by its
+remaining budget), the drafter proposes drafts on the host, one `verify_program` dispatch scores and
+accepts them, and the core takes 1..k+1 tokens per row (each row its own count). With an MTP drafter
+the prefill runs `mtp_prefill_program` (the MTP KV of the prompt and the first draft chain) and
+each verify returns the next chain, which the host keeps per request until its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from infernix_jax.cache import NULL_BLOCK, SCRATCH_SLOT
+from infernix_jax.engine.runner import PrefillBatch, Sampled
+from infernix_jax.engine.speculative.drafters import make_drafter
+from infernix_jax.engine.speculative.programs import mtp_prefill_program, verify_program
+from infernix_jax.engine.speculative.rollback import verify_state_bytes
+
+log = logging.getLogger("infernix_jax.engine")
+
+@dataclass
+class VerifyBatch:
+    """Host arrays of one verify dispatch."""
+
+    tokens: np.ndarray  # i32 [b, w]: pending token, then drafts
+    positions: np.ndarray  # i32 [b, w]: -1 past the row's drafts and on padding rows
+    block_table: np.ndarray  # i32 [b, m]
+    slots: np.ndarray  # i32 [b]
+    num_drafts: np.ndarray  # i32 [b]
+
+
+class Speculation:
+    """Drafter + verify dispatches for one EngineCore (owns nothing on the device but programs)."""
+
+    def __init__(self, core):
+        config = core.config
+        self.core = core
+        self.window = config.spec_window
+        self.drafter = make_drafter(config.spec, config.ngram_draft_tokens, config.ngram_min_match)
+        self.mtp_steps = config.draft_tokens if config.spec_uses_mtp else 0
+        if self.mtp_steps and core.runner.params.mtp is None:
+            raise ValueError(f"spec={config.spec!r} needs a checkpoint with MTP weights; this one has none")
+        self.device_drafts: dict[str, list[int]] = {}  # request id -> MTP chain for its next window
+        log.info(
+            "speculative decoding: %s, verify window %d, per-position GDN states %.1f MiB at batch %d",
+            config.spec, self.window, self.state_bytes(max(config.decode_buckets)) / 2**20,
+            max(config.decode_buckets),
+        )  # fmt: skip
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.mtp_steps > 0
+
+    def state_bytes(self, batch: int) -> int:
+        """Transient bytes of the per-position GDN states of a verify dispatch of `batch` rows."""
+        runner = self.core.runner
+        return verify_state_bytes(runner.cfg, batch, self.window, runner.dtype)
+
+    # ---- prefill (MTP only) --------------------------------------------------------------------
+    def prefill(self, batch: PrefillBatch, plan) -> tuple:
+        """The MTP-aware prefill: same outputs as Runner.prefill; keeps each sampled row's first chain."""
+        runner = self.core.runner
+        next_tokens = np.zeros_like(batch.tokens)
+        for i, chunk in enumerate(plan.prefill):  # the last one of a sampled row is filled on the device
+            following = chunk.request.tokens(chunk.start + 1, chunk.start + chunk.num_tokens + 1)
+            next_tokens[i, : len(following)] = following
+        runner.kv_pool, runner.state_pool, runner.slot_sampling, out, drafts = mtp_prefill_program(
+            runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
+            batch.tokens, batch.positions, next_tokens, batch.block_table, batch.slots, batch.sample_rows,
+            cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
+        )  # fmt: skip
+        drafts = np.asarray(jax.device_get(drafts))
+        for i, chunk in enumerate(plan.prefill):
+            if chunk.sample:
+                self.device_drafts[chunk.request.request_id] = drafts[i].tolist()
+        return out
+
+    # ---- verify --------------------------------------------------------------------------------
+    def empty_batch(self, batch: int) -> VerifyBatch:
+        runner = self.core.runner
+        return VerifyBatch(
+            tokens=np.zeros((batch, self.window), np.int32),
+            positions=np.full((batch, self.window), -1, np.int32),
+            block_table=np.full((batch, runner.max_blocks), NULL_BLOCK, np.int32),
+            slots=np.full(batch, SCRATCH_SLOT, np.int32),
+            num_drafts=np.zeros(batch, np.int32),
+        )
+
+    def dispatch(self, batch: VerifyBatch):
+        runner = self.core.runner
+        runner.kv_pool, runner.state_pool, runner.slot_sampling, out = verify_program(
+            runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
+            batch.tokens, batch.positions, batch.block_table, batch.slots, batch.num_drafts,
+            cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
+        )  # fmt: skip
+        return out
+
+    def run(self, plan, events: list) -> float:
+        """Draft, verify and accept for every decode row of the plan. Returns seconds waited on the device."""
+        core = self.core
+        vocab = core.cfg.vocab_size
+        batch = self.empty_batch(plan.decode_batch)
+        for i, row in enumerate(plan.decode):
+            state = row.request
+            limit = min(self.window, row.max_steps) - 1
+            context = state.prompt + state.output
+            drafts = self.drafter.propose(context, self.device_drafts.get(state.request_id, ()), limit)
+            drafts = [t for t in drafts[:limit] if 0 <= t < vocab][:limit]
+            n = len(drafts)
+            batch.tokens[i, 0] = state.token_at(row.position)
+            batch.tokens[i, 1 : 1 + n] = drafts
+            batch.positions[i, : 1 + n] = np.arange(row.position, row.position + 1 + n)
+            batch.block_table[i, : len(state.blocks)] = state.blocks
+            batch.slots[i] = state.slot
+            batch.num_drafts[i] = n
+        try:
+            out = self.dispatch(batch)
+            t0 = time.perf_counter()
+            counts, tokens, logprobs, top_ids, top_logprobs, chains = jax.device_get(out)
+            wait = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - one failed dispatch fails its requests, not the engine
+            core._fail_step([r.request for r in plan.decode], exc, events)
+            return 0.0
+        sampled = Sampled(tokens, counts, logprobs, top_ids, top_logprobs)
+        metrics = core.metrics
+        for i, row in enumerate(plan.decode):
+            state, count = row.request, int(counts[i])
+            state.num_computed += count
+            metrics.spec_rows += 1
+            metrics.drafted_tokens += int(batch.num_drafts[i])
+            metrics.accepted_tokens += count - 1
+            if self.uses_mtp:
+                self.device_drafts[state.request_id] = chains[i].tolist()
+            core._accept(state, sampled, i, count, events)
+        for request_id in [r for r in self.device_drafts if r not in core.requests]:
+            del self.device_drafts[request_id]
+        return wait
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile the verify program for every decode bucket (and the MTP prefill shapes)."""
+        runner = self.core.runner
+        for b in self.core.config.decode_buckets:
+            jax.block_until_ready(self.dispatch(self.empty_batch(b)))
+        if self.uses_mtp:
+            for rows, length in self.core.config.prefill_shapes:
+                batch = runner.empty_prefill(rows, length)
+                runner.kv_pool, runner.state_pool, runner.slot_sampling, out, drafts = mtp_prefill_program(
+                    runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
+                    batch.tokens, batch.positions, np.zeros_like(batch.tokens), batch.block_table,
+                    batch.slots, batch.sample_rows, cfg=runner.cfg, num_top=runner.num_top,
+                    mtp_steps=self.mtp_steps,
+                )  # fmt: skip
+                jax.block_until_ready((out, drafts))
