@@ -18,7 +18,7 @@ import pytest
 from infernix_jax.engine.protocol import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
 from infernix_jax.structured import ConstraintSpec, RequestConstraint
 from tests.structured.run import generate, sampled_requests
-from tests.structured.schemas import SCHEMAS
+from tests.structured.schemas import SCHEMAS, UNBOUNDED
 
 THINK_OPEN, THINK_CLOSE = 151667, 151668
 ARITHMETIC_GBNF = r"""
@@ -58,7 +58,7 @@ def check_json_sweep(llm, backend, prompt, samples: int, max_tokens: int) -> Non
             completed += 1
     assert completed >= 0.85 * len(requests)
     if samples >= 10:  # every schema has completed samples, not only the easy ones
-        for name in SCHEMAS:
+        for name in set(SCHEMAS) - UNBOUNDED:
             assert any(outputs[f"{name}-{i}"].finish_reason == FINISH_STOP for i in range(samples)), name
 
 
