@@ -276,7 +276,7 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
     request_id = new_request_id("msg")
     generation = await start_generation(
-        state, request_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch()
+        state, request_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch(), plan.constraint
     )
     if fields.get_bool(body, "stream"):
         return Response(_stream(plan, generation), content_type="text/event-stream", headers=SSE_HEADERS)

@@ -13,8 +13,10 @@ from infernix_jax.api.chat_support import OutputParser
 from infernix_jax.api.errors import bad_request
 from infernix_jax.api.generation import clamp_max_tokens, make_sampling
 from infernix_jax.api.state import ServerState
+from infernix_jax.api.structured_fields import build_constraint, tool_call_constraint
 from infernix_jax.api.thinking import EFFORT_BUDGETS, ThinkingPolicy, ThinkingWatch
 from infernix_jax.engine.protocol import SamplingParams
+from infernix_jax.structured import ConstraintSpec, RequestConstraint
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ChatPlan:
     parallel_tool_calls: bool = True
     stop_sequences: tuple[str, ...] = field(default_factory=tuple)
     thinking: ThinkingPolicy = field(default_factory=ThinkingPolicy)
+    constraint: RequestConstraint | None = None  # structured output, or the forced tool call's grammar
 
     def new_parser(self) -> OutputParser:
         return OutputParser(
@@ -117,11 +120,15 @@ def plan_chat(
     sampling_options: dict,
     parallel_tool_calls: bool = True,
     thinking_budget: int | None | str = "default",
+    constraint_spec: ConstraintSpec | None = None,
+    constraint_param: str | None = None,
 ) -> ChatPlan:
     """Render and encode the conversation and fix the sampling for one chat request.
 
     `thinking_budget` is the request's own budget in tokens, None for unlimited, or "default" for
-    the server's --reasoning-budget.
+    the server's --reasoning-budget. `constraint_spec` (from `constraint_param`) constrains the
+    answer after any thinking; a forced tool call (Hermes format) is constrained to a valid call
+    instead, whatever constraint_spec says.
     """
     config = state.config
     budget = config.reasoning_budget if thinking_budget == "default" else thinking_budget
@@ -138,6 +145,10 @@ def plan_chat(
     sampling = make_sampling(
         max_tokens=clamp_max_tokens(state, len(prompt_ids), max_tokens), **sampling_options
     )
+    if forced:
+        constraint = tool_call_constraint(state, parser, rendered_tools, forced_name, parallel_tool_calls)
+    else:
+        constraint = build_constraint(state, constraint_spec, constraint_param, prompt, thinking=True)
     return ChatPlan(
         model=model,
         prompt_text=prompt + forced,
@@ -151,4 +162,5 @@ def plan_chat(
         parallel_tool_calls=parallel_tool_calls,
         stop_sequences=tuple(sampling_options.get("stop") or ()),
         thinking=thinking,
+        constraint=constraint,
     )

@@ -30,6 +30,7 @@ from infernix_jax.engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+from infernix_jax.structured import RequestConstraint
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,8 @@ class Generation:
             request_id=self._engine_id,
             prompt_token_ids=[*self.request.prompt_token_ids, *self._generated, *closing_ids],
             sampling=self.request.sampling.replace(max_tokens=remaining),
-            constraint=self.request.constraint,
+            # the continuation's prompt holds the closed thinking: its constraint applies at once
+            constraint=self.request.constraint.begun() if self.request.constraint is not None else None,
             arrival_time=self.request.arrival_time,
         )
         self._stream = aiter(self.state.engine.submit(continuation))
@@ -253,6 +255,7 @@ async def start_generation(
     sampling: SamplingParams,
     arrival_time: float,
     thinking: ThinkingWatch | None = None,
+    constraint: RequestConstraint | None = None,
 ) -> Generation:
     """Submit a request and wait for its first event; engine rejections become 4xx errors."""
     if not prompt_ids:
@@ -267,7 +270,11 @@ async def start_generation(
     if limit and state.engine.stats().waiting >= limit:
         raise ApiError(503, "the server is busy; retry shortly", retry_after_s=state.config.retry_after_s)
     request = GenerationRequest(
-        request_id=request_id, prompt_token_ids=list(prompt_ids), sampling=sampling, arrival_time=arrival_time
+        request_id=request_id,
+        prompt_token_ids=list(prompt_ids),
+        sampling=sampling,
+        constraint=constraint,
+        arrival_time=arrival_time,
     )
     stream = aiter(state.engine.submit(request))
     try:
@@ -291,10 +298,15 @@ async def start_generations(
     arrival_time: float,
     n: int = 1,
     new_watch: Callable[[], ThinkingWatch | None] = lambda: None,
+    constraint: RequestConstraint | None = None,
 ) -> list[Generation]:
     """`n` generations of one prompt (OpenAI's `n`); a seed, if given, becomes seed, seed + 1, ..."""
     if n == 1:
-        return [await start_generation(state, request_id, prompt_ids, sampling, arrival_time, new_watch())]
+        return [
+            await start_generation(
+                state, request_id, prompt_ids, sampling, arrival_time, new_watch(), constraint
+            )
+        ]
     started = await asyncio.gather(
         *(
             start_generation(
@@ -304,6 +316,7 @@ async def start_generations(
                 sampling if sampling.seed is None else sampling.replace(seed=sampling.seed + i),
                 arrival_time,
                 new_watch(),
+                constraint,
             )
             for i in range(n)
         ),

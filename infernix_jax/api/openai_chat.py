@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from quart import Response, jsonify
 
-from infernix_jax.api import chat_support, fields
+from infernix_jax.api import chat_support, fields, structured_fields
 from infernix_jax.api.chat_plan import ChatPlan, check_tools, effort_budget, normalize_tool_choice, plan_chat
 from infernix_jax.api.chat_support import ContentDelta, ReasoningDelta, ToolCallDelta, collect_events
 from infernix_jax.api.errors import bad_request, not_supported
@@ -110,18 +110,9 @@ def sampling_options(body: dict) -> dict:
     }
 
 
-def check_response_format(body: dict) -> None:
-    response_format = body.get("response_format")
-    if response_format is None:
-        return
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind != "text":
-        raise not_supported(f"response_format {kind!r} (structured output)", param="response_format")
-
-
 def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
     model = fields.check_model(state, body)
-    check_response_format(body)
+    spec, spec_param = structured_fields.spec_from_body(body)
     tools = check_tools(body.get("tools"))
     tool_choice, forced_name = normalize_tool_choice(body.get("tool_choice"), tools)
     max_tokens = fields.get_int(body, "max_completion_tokens", minimum=0)
@@ -139,6 +130,8 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
         sampling_options=sampling_options(body),
         parallel_tool_calls=fields.get_bool(body, "parallel_tool_calls", default=True),
         thinking_budget=effort_budget(body.get("reasoning_effort")),
+        constraint_spec=spec,
+        constraint_param=spec_param,
     )
 
 
@@ -199,7 +192,14 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))
     request_id = new_request_id("chatcmpl")
     generations = await start_generations(
-        state, request_id, plan.prompt_ids, plan.sampling, arrival, n, plan.new_thinking_watch
+        state,
+        request_id,
+        plan.prompt_ids,
+        plan.sampling,
+        arrival,
+        n,
+        plan.new_thinking_watch,
+        plan.constraint,
     )
     if fields.get_bool(body, "stream"):
         body_iter = _stream(state, plan, request_id, generations, include_usage)

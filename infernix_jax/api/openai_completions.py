@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from quart import Response, jsonify
 
-from infernix_jax.api import chat_support, fields
+from infernix_jax.api import chat_support, fields, structured_fields
 from infernix_jax.api.errors import bad_request, not_supported
 from infernix_jax.api.generation import (
     Generation,
@@ -87,9 +87,11 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
         min_tokens=fields.get_int(body, "min_tokens", minimum=0),
         logprobs=want_logprobs,
     )
+    spec, spec_param = structured_fields.spec_from_body(body, completions=True)
+    constraint = structured_fields.build_constraint(state, spec, spec_param)
     prefix = (text if text is not None else chat_support.decode(state.tokenizer, ids)) if echo else ""
     request_id = new_request_id("cmpl")
-    generations = await start_generations(state, request_id, ids, sampling, arrival, n)
+    generations = await start_generations(state, request_id, ids, sampling, arrival, n, constraint=constraint)
     if fields.get_bool(body, "stream"):
         stream_options = body.get("stream_options") or {}
         include_usage = bool(isinstance(stream_options, dict) and stream_options.get("include_usage"))

@@ -19,6 +19,7 @@ from infernix_jax.api.openai_chat import text_content
 from infernix_jax.api.sse import SSE_HEADERS, sse_event
 from infernix_jax.api.state import ServerState
 from infernix_jax.engine.protocol import FINISH_ERROR, FINISH_LENGTH
+from infernix_jax.structured import ConstraintError, ConstraintSpec
 
 CUSTOM_INPUT = "input"  # the one parameter a freeform tool is given as a function
 
@@ -146,10 +147,7 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
             "previous_response_id (responses are not stored; send the whole input)",
             param="previous_response_id",
         )
-    text = body.get("text") or {}
-    kind = (text.get("format") or {}).get("type", "text") if isinstance(text, dict) else None
-    if kind != "text":
-        raise not_supported(f"text.format {kind!r} (structured output)", param="text.format")
+    spec = _text_format(body.get("text"))
     tools = chat_tools(body.get("tools"))
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -171,6 +169,32 @@ def plan_from_body(state: ServerState, body: dict) -> ChatPlan:
         },
         parallel_tool_calls=fields.get_bool(body, "parallel_tool_calls", default=True),
         thinking_budget=effort_budget((body.get("reasoning") or {}).get("effort")),
+        constraint_spec=spec,
+        constraint_param="text.format",
+    )
+
+
+def _text_format(text) -> ConstraintSpec | None:
+    """Responses' text.format: {"type": "text" | "json_object" | "json_schema", "schema", "strict"}."""
+    if text is None:
+        return None
+    form = text.get("format") if isinstance(text, dict) else None
+    if form is None:
+        return None
+    if not isinstance(form, dict):
+        raise bad_request("text.format must be an object", param="text.format")
+    kind = form.get("type", "text")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return ConstraintSpec.json_object()
+        if kind == "json_schema" and form.get("schema") is not None:
+            return ConstraintSpec.json_schema(form["schema"], strict=bool(form.get("strict", True)))
+    except ConstraintError as exc:
+        raise bad_request(str(exc), param="text.format") from None
+    raise bad_request(
+        f"text.format {kind!r} needs a known type and, for json_schema, a schema", param="text.format"
     )
 
 
@@ -297,7 +321,13 @@ async def handle(state: ServerState, body: dict, arrival: float) -> Response:
     plan = plan_from_body(state, body)
     response_id = new_request_id("resp")
     generation = await start_generation(
-        state, response_id, plan.prompt_ids, plan.sampling, arrival, plan.new_thinking_watch()
+        state,
+        response_id,
+        plan.prompt_ids,
+        plan.sampling,
+        arrival,
+        plan.new_thinking_watch(),
+        plan.constraint,
     )
     created = int(time.time())
     if fields.get_bool(body, "stream"):

@@ -16,6 +16,7 @@ class ServerState:
     tokenizer: Any  # chat.tokenizer.Tokenizer: encode, decode, eos_token_ids, chat_template
     config: ServerConfig
     metrics: ServerMetrics
+    structured_backend: Any = None  # structured.GrammarBackend, built on the first constrained request
 
     def model_names(self) -> tuple[str, ...]:
         return (self.config.served_model_name, *self.config.model_aliases)

@@ -36,6 +36,7 @@ class EngineConfig:
     max_stop_ids: int = 16  # stop token ids per request, EOS included
     compilation_cache_dir: str | None = "~/.cache/infernix_jax/xla"  # JAX persistent cache; None: off
     warmup: bool = True  # compile every bucket at start (with a progress bar)
+    structured_output: bool = True  # warm-up also compiles the one-step masked decode programs
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
     prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts

@@ -27,11 +27,13 @@ from infernix_jax.cache import (
 )
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
 from infernix_jax.engine.prefix import build_prefix_cache, load_prefix_cache, save_prefix_cache
 from infernix_jax.engine.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
+    FINISH_STOP,
     EngineStats,
     GenerationRequest,
     TokenEvent,
@@ -146,6 +148,7 @@ class EngineCore:
         if self.prefix_cache is not None and config.prefix_cache_file:
             load_prefix_cache(self.prefix_cache, config.prefix_cache_file)
         self.requests: dict[str, RequestState] = {}
+        self.constraints: dict[str, ConstrainedOutput] = {}  # request id -> its structured-output state
         self.metrics = EngineMetrics()
         self._arrivals = 0
         self.speculation = None
@@ -193,6 +196,8 @@ class EngineCore:
             state.status = Status.FINISHED
             return [self._final_event(state)]
         self.requests[request.request_id] = state
+        if request.constraint is not None:
+            self.constraints[request.request_id] = ConstrainedOutput(request.constraint, params)
         self.scheduler.add(state)
         return []
 
@@ -254,12 +259,15 @@ class EngineCore:
             return events
         self.metrics.steps += 1
         for state in self._newly_scheduled(plan):
-            self.runner.set_slot(state.slot, state.request.sampling, state.seed, state.prompt, state.output)
+            constrained = self.constraints.get(state.request_id)
+            sampling = constrained.slot_sampling() if constrained else state.request.sampling
+            self.runner.set_slot(state.slot, sampling, state.seed, state.prompt, state.output)
         wait = 0.0
         if plan.prefill:
             wait += self._run_prefill(plan, events)
         if plan.decode:
-            if self.speculation is not None:
+            constrained = any(self._needs_host_each_token(r.request) for r in plan.decode)
+            if self.speculation is not None and not constrained:
                 wait += self.speculation.run(plan, events)
             else:
                 wait += self._run_decode(plan, events)
@@ -291,6 +299,9 @@ class EngineCore:
                 if batch.snapshot_at is not None and slot is not None:
                     batch.snapshot_at[i, j] = position - chunk.start
                     batch.snapshot_slots[i, j] = slot
+            constrained = self.constraints.get(state.request_id)
+            if chunk.sample and constrained is not None:
+                constrained.fill_mask(batch.mask[i])
             self.metrics.prefill_tokens += chunk.num_tokens
         try:
             if self.speculation is not None and self.speculation.uses_mtp:
@@ -311,10 +322,14 @@ class EngineCore:
             chunk.request.num_computed += chunk.num_tokens
             self._cache_chunk(chunk)
             if chunk.sample:
-                self._accept(chunk.request, sampled, i, 1, events)
+                status, count = self._follow_constraint(chunk.request, sampled.tokens[:1, i])
+                self._accept(chunk.request, sampled, i, count, events)
+                self._settle_constraint(chunk.request, status, events)
         return wait
 
     def _run_decode(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
+        if any(self._needs_host_each_token(r.request) for r in plan.decode):
+            return self._run_decode_constrained(plan, events)
         batch = self.runner.empty_decode(plan.decode_batch, plan.decode_steps)
         for i, row in enumerate(plan.decode):
             state = row.request
@@ -334,7 +349,121 @@ class EngineCore:
         for i, row in enumerate(plan.decode):
             count = int(sampled.counts[i])
             row.request.num_computed += count
+            status, count = self._follow_constraint(row.request, sampled.tokens[:count, i])
             self._accept(row.request, sampled, i, count, events)
+            self._settle_constraint(row.request, status, events)
+        return wait
+
+    # ---- structured output ---------------------------------------------------------------------
+    def _needs_host_each_token(self, state: RequestState) -> bool:
+        constrained = self.constraints.get(state.request_id)
+        return constrained is not None and constrained.needs_host_each_token()
+
+    def _follow_constraint(self, state: RequestState, tokens: np.ndarray) -> tuple[str, int]:
+        """Feed a row's new tokens to its constraint: (status, tokens to keep). A token the grammar
+        refuses is dropped, and so is everything after it."""
+        constrained = self.constraints.get(state.request_id)
+        if constrained is None:
+            return OK, len(tokens)
+        for n, token in enumerate(tokens):
+            status = constrained.advance(int(token))
+            if status == FAILED:
+                return FAILED, n
+            if status == DONE:
+                return DONE, n + 1
+        return OK, len(tokens)
+
+    def _settle_constraint(self, state: RequestState, status: str, events: list[TokenEvent]) -> None:
+        """End a request whose constraint completed (stop) or broke (error) if its tokens did not."""
+        if status == OK or state.status != Status.RUNNING:
+            return
+        if status == FAILED:
+            events.append(self._fail(state, self.constraints[state.request_id].error or "constraint failed"))
+            return
+        state.finish_reason, state.stop_reason = FINISH_STOP, state.output[-1] if state.output else None
+        self.requests.pop(state.request_id, None)
+        self.scheduler.finish(state)
+        events.append(self._final_event(state))
+
+    def _run_decode_constrained(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
+        """Decode a batch holding constrained rows, one device round trip per token.
+
+        Step t dispatches the forward of the tokens sampled at t - 1 straight from the device (JAX
+        dispatch is asynchronous), then, while the device runs it, reads those tokens back, feeds
+        them to the matchers, checks stop tokens and fills the masks of step t; then it dispatches
+        the masked sample. A row that stopped at t - 1 is fed once more (the request has ended, so
+        what the extra token writes is never read) but does not sample. Free rows of the batch
+        sample with an all-ones mask: the same keys, penalties and stops as in decode_program, so
+        their tokens are the ones the multi-step program would give.
+        """
+        b = plan.decode_batch
+        batch = self.runner.empty_decode(b, 1)
+        live = np.zeros(b, bool)
+        for i, row in enumerate(plan.decode):
+            state = row.request
+            batch.tokens[i] = state.token_at(row.position)
+            batch.positions[i] = row.position
+            batch.block_table[i, : len(state.blocks)] = state.blocks
+            batch.slots[i] = state.slot
+            batch.max_steps[i] = row.max_steps
+            live[i] = True
+        steps = int(batch.max_steps.max())
+        k = self.runner.num_top
+        tokens = np.zeros((steps, b), np.int32)
+        logprobs = np.zeros((steps, b), np.float32)
+        top_ids = np.zeros((steps, b, k), np.int32)
+        top_logprobs = np.zeros((steps, b, k), np.float32)
+        counts = np.zeros(b, np.int32)
+        statuses = [OK] * len(plan.decode)
+        current = batch.tokens  # what each row feeds: host ids, then the last sample's device array
+        pending, sampling_rows = None, live  # the last dispatched sample, read one step later
+        wait = 0.0
+        try:
+            for step in range(steps + 1):
+                feed = live & (step < batch.max_steps)  # may still hold a row the pending sample stops
+                logits = None
+                if step < steps and feed.any():
+                    positions = np.where(feed, batch.positions + step, -1).astype(np.int32)
+                    logits = self.runner.decode_forward(current, positions, batch.block_table, batch.slots)
+                if pending is not None:  # read the previous step's tokens while this forward runs
+                    t0 = time.perf_counter()
+                    step_tokens, step_logprobs, step_top_ids, step_top_logprobs = self.runner.read_step(
+                        pending
+                    )
+                    wait += time.perf_counter() - t0
+                    live = live.copy()
+                    for i in np.flatnonzero(sampling_rows):
+                        state = plan.decode[i].request
+                        status, kept = self._follow_constraint(state, step_tokens[i : i + 1])
+                        if kept:
+                            n = counts[i]
+                            tokens[n, i], logprobs[n, i] = step_tokens[i], step_logprobs[i]
+                            top_ids[n, i], top_logprobs[n, i] = step_top_ids[i], step_top_logprobs[i]
+                            counts[i] += 1
+                        statuses[i] = status
+                        if status != OK or int(step_tokens[i]) in state.tracker.stop_token_ids:
+                            live[i] = False
+                if logits is None:
+                    break
+                sampling_rows = live & feed
+                mask = allow_all(b, self.runner.mask_words)  # host work overlapped with the forward
+                for i in np.flatnonzero(sampling_rows):
+                    constrained = self.constraints.get(plan.decode[i].request.request_id)
+                    if constrained is not None:
+                        constrained.fill_mask(mask[i])
+                pending = self.runner.sample_masked(logits, batch.slots, sampling_rows, mask)
+                current = pending[0]
+        except Exception as exc:  # noqa: BLE001 - as in _run_decode
+            self._fail_step([r.request for r in plan.decode], exc, events)
+            return 0.0
+        sampled = Sampled(tokens, counts, logprobs, top_ids, top_logprobs)
+        for i, row in enumerate(plan.decode):
+            if not live[i]:  # it stopped and was fed once more: its slot is one token past num_computed
+                row.request.cacheable_state = False
+            count = int(counts[i])
+            row.request.num_computed += count
+            self._accept(row.request, sampled, i, count, events)
+            self._settle_constraint(row.request, statuses[i], events)
         return wait
 
     def _cache_chunk(self, chunk) -> None:
@@ -392,6 +521,7 @@ class EngineCore:
         )
 
     def _final_event(self, state: RequestState) -> TokenEvent:
+        self.constraints.pop(state.request_id, None)
         tokens, text, logprobs = state.tracker.take(final=True) if state.tracker else ([], "", [])
         return self._event(
             state, tokens, text, logprobs, finish_reason=state.finish_reason, stop_reason=state.stop_reason

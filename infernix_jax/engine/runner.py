@@ -8,6 +8,10 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
   stop-token and length checks, cache writes) entirely on the device; a row that stops feeds
   padding (position -1) for the remaining steps, so nothing more is written for it.
 - `set_slot_program`: install one request's sampling settings and penalty state in its slot.
+- `decode_forward_program` [batch] and `masked_sample_program` [batch]: one decode step split in
+  two for constrained rows (structured output): the forward returns the logits and stays on the
+  device while the host computes the rows' token masks, then the sample applies them. Prefill
+  always takes a packed mask (all ones for rows without a constraint).
 
 The pools (KV pages, GDN state slots) and the per-slot sampling state are donated (on accelerators, see infernix_jax/jit.py) to every
 program and updated in place. Per-slot sampling state lives on the device so that a dispatch
@@ -43,6 +47,7 @@ from infernix_jax.cache import (
 )
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.constrained import allow_all
 from infernix_jax.engine.protocol import SamplingParams
 from infernix_jax.engine.sampling import (
     PenaltyState,
@@ -113,6 +118,7 @@ def prefill_program(
     sample_rows: jax.Array,  # bool [r]: the chunk ends the row's pending tokens; sample from it
     snapshot_at: jax.Array | None = None,  # i32 [r, S]: recurrent-state snapshots after that many tokens
     snapshot_slots: jax.Array | None = None,  # i32 [r, S]: the state-pool slots they go to (0: none)
+    mask: jax.Array | None = None,  # i32 [r, ceil(v / 32)]: packed allowed tokens (structured output)
     *,
     cfg: ModelConfig,
     num_top: int,
@@ -127,7 +133,12 @@ def prefill_program(
         state_pool = scatter_snapshots(state_pool, cache.snapshots, snapshot_slots)
     arrays, penalties = slot_sampling.rows(slots)
     out = sample(
-        logits[:, 0], arrays, penalties, row_keys(arrays, penalties.num_generated), num_top_logprobs=num_top
+        logits[:, 0],
+        arrays,
+        penalties,
+        row_keys(arrays, penalties.num_generated),
+        mask,
+        num_top_logprobs=num_top,
     )
     penalties = update_penalty_state(penalties, out.tokens, sample_rows)
     slot_sampling = slot_sampling.with_penalties(jnp.where(sample_rows, slots, SCRATCH_SLOT), penalties)
@@ -195,6 +206,45 @@ def decode_program(
     kv_pool, state_pool, penalties, _, _, count, out = jax.lax.fori_loop(0, steps, step, carry)
     slot_sampling = slot_sampling.with_penalties(slots, penalties)
     return kv_pool, state_pool, slot_sampling, (count, *out)
+
+
+@partial(jit, static_argnames=("cfg",), donate_argnames=("kv_pool", "state_pool"))
+def decode_forward_program(
+    params: Params,
+    kv_pool: KVPool,
+    state_pool: StatePool,
+    tokens: jax.Array,  # i32 [b]: the token each row feeds
+    positions: jax.Array,  # i32 [b]: its position; -1 for rows that feed nothing
+    block_table: jax.Array,  # i32 [b, m]
+    slots: jax.Array,  # i32 [b]
+    *,
+    cfg: ModelConfig,
+):
+    """One decode forward without sampling: f32 logits [b, v] stay on the device for the sample."""
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    logits, _, cache = forward(params, tokens[:, None], positions[:, None], cache, cfg)
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    return kv_pool, state_pool, logits[:, 0].astype(jnp.float32)
+
+
+@partial(jit, static_argnames=("num_top",), donate_argnames=("slot_sampling",))
+def masked_sample_program(
+    slot_sampling: SlotSampling,
+    logits: jax.Array,  # f32 [b, v] from decode_forward_program
+    slots: jax.Array,  # i32 [b]
+    active: jax.Array,  # bool [b]: rows that sample (padding and stopped rows do not)
+    mask: jax.Array,  # i32 [b, ceil(v / 32)]: packed allowed tokens (all ones for free rows)
+    *,
+    num_top: int,
+):
+    """Sample one token per row under its mask and record it in the row's penalty state."""
+    arrays, penalties = slot_sampling.rows(slots)
+    out = sample(
+        logits, arrays, penalties, row_keys(arrays, penalties.num_generated), mask, num_top_logprobs=num_top
+    )
+    penalties = update_penalty_state(penalties, out.tokens, active)
+    slot_sampling = slot_sampling.with_penalties(jnp.where(active, slots, SCRATCH_SLOT), penalties)
+    return slot_sampling, (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
 
 
 @partial(jit, donate_argnames=("slot_sampling",))
@@ -276,6 +326,7 @@ class PrefillBatch:
     sample_rows: np.ndarray  # bool [r]
     snapshot_at: np.ndarray | None = None  # i32 [r, S] or None (no snapshots in this engine)
     snapshot_slots: np.ndarray | None = None  # i32 [r, S]
+    mask: np.ndarray | None = None  # i32 [r, mask_words]: packed allowed tokens; None: all
 
 
 @dataclass
@@ -311,6 +362,7 @@ class Runner:
         self.dtype = params.final_norm.dtype
         self.num_top = config.max_top_logprobs
         self.max_blocks = config.max_blocks_per_sequence
+        self.mask_words = -(-cfg.vocab_size // 32)  # int32 words of one packed token mask
         self.num_blocks, self.num_slots = num_blocks, num_slots
         self.num_snapshot_slots = num_snapshot_slots
         self.snapshots_per_chunk = snapshots_per_chunk if cfg.linear_attention_layers else 0
@@ -378,10 +430,32 @@ class Runner:
             batch.sample_rows,
             batch.snapshot_at,
             batch.snapshot_slots,
+            batch.mask if batch.mask is not None else allow_all(len(batch.slots), self.mask_words),
             cfg=self.cfg,
             num_top=self.num_top,
         )
         return out
+
+    def decode_forward(
+        self, tokens: np.ndarray, positions: np.ndarray, block_table: np.ndarray, slots: np.ndarray
+    ) -> jax.Array:
+        """Dispatch one decode forward (returns at once); the logits stay on the device."""
+        self.kv_pool, self.state_pool, logits = decode_forward_program(
+            self.params, self.kv_pool, self.state_pool, tokens, positions, block_table, slots, cfg=self.cfg
+        )
+        return logits
+
+    def sample_masked(self, logits: jax.Array, slots: np.ndarray, active: np.ndarray, mask: np.ndarray):
+        """Dispatch the masked sample of `decode_forward`'s logits; read it with `read_step`."""
+        self.slot_sampling, out = masked_sample_program(
+            self.slot_sampling, logits, slots, active, mask, num_top=self.num_top
+        )
+        return out
+
+    @staticmethod
+    def read_step(out) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [b], logprobs [b], top ids [b, k], top logprobs [b, k]) of one masked sample."""
+        return jax.device_get(out)
 
     def decode(self, batch: DecodeBatch):
         self.kv_pool, self.state_pool, self.slot_sampling, out = decode_program(
@@ -424,6 +498,7 @@ class Runner:
             snapshot_slots=np.zeros((rows, self.snapshots_per_chunk), np.int32)
             if self.snapshots_per_chunk
             else None,
+            mask=allow_all(rows, self.mask_words),
         )
 
     def empty_decode(self, batch: int, steps: int) -> DecodeBatch:
@@ -490,6 +565,8 @@ class Runner:
             work = []
         if self.config.spec == "none":  # with speculation every decode row runs the verify program
             work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
+        if self.config.structured_output:
+            work += [("constrained decode", (b, 1)) for b in self.config.decode_buckets]
         bar = _progress(len(work), "compiling", progress)
         self.set_slot(SCRATCH_SLOT, SamplingParams(), 0, [0], [])
         if self.config.prefix_cache:  # the prefix cache's row programs (all writes go to row 0: dropped)
@@ -501,6 +578,14 @@ class Runner:
             bar.set_postfix_str(f"{kind} {a}x{b}")
             if kind == "prefill":
                 out = self.prefill(self.empty_prefill(a, b))
+            elif kind == "constrained decode":
+                empty = self.empty_decode(a, 1)
+                logits = self.decode_forward(
+                    empty.tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
+                )
+                out = self.sample_masked(
+                    logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
+                )
             else:
                 out = self.decode(self.empty_decode(a, b))
             jax.block_until_ready(out)

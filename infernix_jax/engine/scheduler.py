@@ -110,12 +110,8 @@ class Scheduler:
         state.status = Status.FINISHED
 
     def _release(self, state: RequestState, cache: bool = True) -> None:
-        if (
-            cache
-            and self.prefix_cache is not None
-            and state.blocks
-            and state.num_computed <= state.num_tokens
-        ):
+        exact = state.cacheable_state and state.num_computed <= state.num_tokens  # slot state is at num_computed
+        if cache and self.prefix_cache is not None and state.blocks and exact:
             tokens = state.tokens(0, state.num_computed)
             self.prefix_cache.snapshot_request(tokens, state.num_computed, state.slot, state.blocks)
         if state.blocks:

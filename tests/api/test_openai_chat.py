@@ -150,12 +150,13 @@ async def test_image_content_is_a_clear_400(make_app):
     assert engine.submitted == []
 
 
-async def test_response_format_is_not_supported_yet(make_app):
+async def test_unknown_response_format_type_is_400(make_app):
+    # json_object and json_schema constrain the output (tests/api/test_structured_fields.py)
     app, _ = make_app()
-    body = chat_body(response_format={"type": "json_object"})
+    body = chat_body(response_format={"type": "yaml"})
     response = await app.test_client().post("/v1/chat/completions", json=body)
     assert response.status_code == 400
-    assert "not supported yet" in (await response.get_json())["error"]["message"]
+    assert "'yaml'" in (await response.get_json())["error"]["message"]
 
 
 async def test_bad_requests_get_openai_error_shapes(make_app):

@@ -1,0 +1,95 @@
+"""The engine's side of constrained decoding: one `ConstrainedOutput` per constrained request.
+
+It follows the request's generated tokens through its grammar's `Matcher` and writes the packed
+mask of the next token into a row of the dispatch's mask array. With `starts_after_token` (thinking
+on) the output is free until that token (</think>) is generated; the matcher starts after it. With
+`may_open_token` as well, the first token decides: <think> opens the free part, anything else is
+the grammar's (the first mask allows both).
+
+The engine asks `needs_host_each_token()` to choose a request's decode path: a row whose next token
+is constrained cannot run several decode steps on the device per dispatch (its mask depends on the
+token before), so its dispatch goes through the one-step logits -> mask -> sample split (see
+EngineCore._run_decode_constrained and docs/structured_output.md). A free row of a constrained
+request (still thinking) runs the normal multi-step program with `starts_after_token` added to its
+stop ids, so the device stops it right after </think> and the next dispatch is constrained.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from infernix_jax.engine.protocol import SamplingParams
+
+OK = "ok"  # the token was allowed; generation goes on
+DONE = "done"  # the grammar is complete and an end token was generated: the request ends
+FAILED = "failed"  # the token broke the grammar (see `error`)
+
+
+class ConstrainedOutput:
+    """One request's position in its constraint (duck-typed `structured.RequestConstraint`)."""
+
+    def __init__(self, constraint, sampling: SamplingParams):
+        self.constraint = constraint
+        self.sampling = sampling
+        may_open = getattr(constraint, "may_open_token", None)
+        free_first = constraint.starts_after_token is not None and may_open is None
+        self.matcher = None if free_first else constraint.new_matcher()
+        self.undecided = constraint.starts_after_token is not None and may_open is not None
+        self.error: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """The next token is constrained (the free part, if any, is over)."""
+        return self.matcher is not None
+
+    def needs_host_each_token(self) -> bool:
+        """The row must come back to the host after every token: its mask changes per token, or
+        (min_tokens) the device cannot be told to stop it at the end of the free part."""
+        return self.active or self.sampling.min_tokens > 0
+
+    def slot_sampling(self) -> SamplingParams:
+        """The sampling installed in the request's slot: the free part stops at its closing token."""
+        close = self.constraint.starts_after_token
+        if close is None or self.sampling.min_tokens > 0 or close in self.sampling.stop_token_ids:
+            return self.sampling
+        return self.sampling.replace(stop_token_ids=(*self.sampling.stop_token_ids, close))
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        """Write the next token's packed mask into row (int32 [model words]); free rows allow all."""
+        if self.matcher is None:
+            row[:] = -1
+            return
+        words = self.matcher.mask_words
+        row[words:] = 0  # model rows beyond the tokenizer's vocabulary are never allowed
+        self.matcher.fill_mask(row[:words])
+        if self.undecided:
+            token = self.constraint.may_open_token
+            row[token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+
+    def advance(self, token: int) -> str:
+        """Follow one generated token: OK, DONE or FAILED."""
+        if self.undecided:
+            self.undecided = False
+            if token == self.constraint.may_open_token:
+                self.matcher = None  # the model opened its thinking: free until it closes
+                return OK
+        if self.matcher is None:
+            if token == self.constraint.starts_after_token:
+                self.matcher = self.constraint.new_matcher()
+            return OK
+        if not self.matcher.consume(token):
+            self.error = (
+                f"the output left its constraint ({self.constraint.describe()}): {self.matcher.error}"
+            )
+            return FAILED
+        return DONE if self.matcher.finished else OK
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens constrained tokens (rejected speculative drafts)."""
+        if self.matcher is not None:
+            self.matcher.rollback(num_tokens)
+
+
+def allow_all(batch: int, words: int) -> np.ndarray:
+    """A packed mask int32 [batch, words] allowing every token (rows without a constraint)."""
+    return np.full((batch, words), -1, np.int32)

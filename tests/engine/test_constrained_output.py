@@ -1,0 +1,123 @@
+"""`ConstrainedOutput`: the engine's per-request view of a constraint (phases, masks, stop ids)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput
+from infernix_jax.engine.protocol import SamplingParams
+from infernix_jax.structured import RequestConstraint
+
+THINK_OPEN, THINK_CLOSE, END = 7, 9, 2
+WORDS = 2  # a 64-token vocabulary
+
+
+@dataclass
+class Sequence:
+    """A matcher for one fixed token sequence followed by END."""
+
+    tokens: list[int]
+    consumed: list[int] = field(default_factory=list)
+    failed: bool = False
+
+    @property
+    def mask_words(self) -> int:
+        return WORDS
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        row[:] = 0
+        n = len(self.consumed)
+        token = self.tokens[n] if n < len(self.tokens) else END
+        row[token // 32] |= np.int32(1 << (token % 32))
+
+    def consume(self, token: int) -> bool:
+        n = len(self.consumed)
+        expected = self.tokens[n] if n < len(self.tokens) else END
+        self.failed = token != expected
+        self.consumed.append(token)
+        return not self.failed
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.consumed[len(self.consumed) - num_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.consumed) and self.consumed[-1] == END and not self.failed
+
+    @property
+    def error(self) -> str | None:
+        return "unexpected token" if self.failed else None
+
+
+@dataclass
+class Grammar:
+    tokens: list[int]
+
+    class spec:  # what RequestConstraint.describe reads
+        @staticmethod
+        def describe() -> str:
+            return "test sequence"
+
+    def new_matcher(self) -> Sequence:
+        return Sequence(list(self.tokens))
+
+
+def allowed(output: ConstrainedOutput, model_words: int = WORDS + 1) -> set[int]:
+    row = np.zeros(model_words, np.int32)
+    output.fill_mask(row)
+    return set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).tolist())
+
+
+def test_constrained_from_the_first_token_until_done():
+    output = ConstrainedOutput(RequestConstraint(Grammar([5, 6])), SamplingParams())
+    assert output.active and output.needs_host_each_token()
+    assert allowed(output) == {5}  # model words beyond the tokenizer's are masked off
+    assert output.advance(5) == OK
+    assert allowed(output) == {6}
+    assert output.advance(6) == OK
+    assert output.advance(END) == DONE
+
+
+def test_a_refused_token_fails_with_the_matcher_reason():
+    output = ConstrainedOutput(RequestConstraint(Grammar([5])), SamplingParams())
+    assert output.advance(4) == FAILED
+    assert "unexpected token" in output.error and "test sequence" in output.error
+
+
+def test_thinking_is_free_until_it_closes_and_stops_on_the_device_there():
+    constraint = RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE)
+    output = ConstrainedOutput(constraint, SamplingParams(stop_token_ids=(3,)))
+    assert not output.active and not output.needs_host_each_token()
+    assert len(allowed(output)) == 96  # free: every bit set
+    assert output.slot_sampling().stop_token_ids == (3, THINK_CLOSE)
+    assert output.advance(5) == OK and output.advance(11) == OK  # free tokens
+    assert output.advance(THINK_CLOSE) == OK
+    assert output.active and allowed(output) == {5}
+    assert output.advance(5) == OK and output.advance(END) == DONE
+
+
+def test_min_tokens_keeps_the_free_part_on_the_host_instead_of_a_stop_id():
+    constraint = RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE)
+    output = ConstrainedOutput(constraint, SamplingParams(min_tokens=4))
+    assert output.needs_host_each_token()
+    assert output.slot_sampling().stop_token_ids == ()
+
+
+def test_the_model_may_open_its_thinking_with_the_first_token():
+    constraint = RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE, may_open_token=THINK_OPEN)
+    opened = ConstrainedOutput(constraint, SamplingParams())
+    assert allowed(opened) == {5, THINK_OPEN}
+    assert opened.advance(THINK_OPEN) == OK and not opened.active
+    assert opened.advance(THINK_CLOSE) == OK and allowed(opened) == {5}
+    direct = ConstrainedOutput(constraint, SamplingParams())
+    assert direct.advance(5) == OK and allowed(direct) == {END}
+    assert direct.advance(THINK_OPEN) == FAILED  # only the first token may open thinking
+
+
+def test_a_continuation_after_thinking_is_constrained_at_once():
+    constraint = RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE, may_open_token=THINK_OPEN)
+    output = ConstrainedOutput(constraint.begun(), SamplingParams())
+    assert output.active and allowed(output) == {5}
+    assert output.slot_sampling() == SamplingParams()

@@ -1,0 +1,175 @@
+"""Constrained decoding through the engine: a tiny random-weight model and the real Qwen3 tokenizer.
+
+A random model writes near-uniform garbage, so whatever structure its output has comes from the
+constraint. Samples of one kind run as one batch of requests; `length` finishes are allowed by the
+spec (a constraint that cannot complete within max_tokens), so each test also checks that enough
+samples completed for its assertion to mean something.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from infernix_jax.engine.protocol import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
+from infernix_jax.structured import ConstraintSpec, RequestConstraint
+from tests.structured.run import generate, sampled_requests
+from tests.structured.schemas import SCHEMAS, UNBOUNDED
+
+THINK_OPEN, THINK_CLOSE = 151667, 151668
+ARITHMETIC_GBNF = r"""
+root   ::= expr
+expr   ::= term ([+-] term){0,2}
+term   ::= factor ([*/] factor){0,1}
+factor ::= [0-9] | "(" [0-9] [+*] [0-9] ")"
+"""
+ASSIGNMENT_LARK = r"""
+start: "let " NAME " = " VALUE ";"
+NAME: /[a-z]{1,3}/
+VALUE: /[0-9]{1,2}/ | "true" | "false"
+"""
+
+
+def constraint(backend, spec: ConstraintSpec, **where) -> RequestConstraint:
+    return RequestConstraint(backend.compile(spec), **where)
+
+
+@pytest.fixture(scope="module")
+def prompt(qwen3_tokenizer) -> list[int]:
+    return qwen3_tokenizer.encode("Answer in the requested format.")
+
+
+def check_json_sweep(llm, backend, prompt, samples: int, max_tokens: int) -> None:
+    requests = []
+    for name, schema in SCHEMAS.items():
+        spec = ConstraintSpec.json_schema(schema)
+        requests += sampled_requests(name, prompt, constraint(backend, spec), samples, max_tokens)
+    outputs = generate(llm.core, requests)
+    completed = 0
+    for request_id, output in outputs.items():
+        name = request_id.rsplit("-", 1)[0]
+        assert output.finish_reason in (FINISH_STOP, FINISH_LENGTH), output.error
+        if output.finish_reason == FINISH_STOP:
+            jsonschema.validate(json.loads(output.text), SCHEMAS[name])
+            completed += 1
+    assert completed >= 0.85 * len(requests)
+    if samples >= 10:  # every schema has completed samples, not only the easy ones
+        for name in set(SCHEMAS) - UNBOUNDED:
+            assert any(outputs[f"{name}-{i}"].finish_reason == FINISH_STOP for i in range(samples)), name
+
+
+def test_json_schemas_yield_valid_json_at_temperature_one(llm, backend, prompt):
+    check_json_sweep(llm, backend, prompt, samples=3, max_tokens=24)
+
+
+@pytest.mark.slow
+def test_json_schema_sweep_twenty_samples_each(llm, backend, prompt):
+    """The acceptance sweep: 16 schemas x 20 samples at temperature 1.0 (~3 min on 2 cores)."""
+    check_json_sweep(llm, backend, prompt, samples=20, max_tokens=40)
+
+
+def check_other_kinds(llm, backend, prompt, samples: int) -> None:
+    regex = r"[A-Z][a-z]{1,4} [0-9]{2}"
+    choices = ["apple", "banana split", "cherry"]
+    kinds = {
+        "regex": ConstraintSpec.regex(regex),
+        "choice": ConstraintSpec.choice(choices),
+        "gbnf": ConstraintSpec.grammar(ARITHMETIC_GBNF),
+        "lark": ConstraintSpec.grammar(ASSIGNMENT_LARK),
+    }
+    requests = []
+    for name, spec in kinds.items():
+        requests += sampled_requests(name, prompt, constraint(backend, spec), samples, max_tokens=40)
+    outputs = generate(llm.core, requests)
+    completed = {name: [] for name in kinds}
+    for request_id, output in outputs.items():
+        if output.finish_reason == FINISH_STOP:
+            completed[request_id.rsplit("-", 1)[0]].append(output.text)
+    assert len(completed["regex"]) == samples and len(completed["choice"]) == samples
+    assert all(re.fullmatch(regex, text) for text in completed["regex"])
+    assert all(text in choices for text in completed["choice"])
+    assert len(completed["gbnf"]) >= samples // 2 and len(completed["lark"]) >= samples // 2
+    for text in completed["gbnf"]:
+        assert re.fullmatch(r"[0-9+\-*/()]+", text), text
+        ast.parse(text, mode="eval")  # a well-formed arithmetic expression
+    for text in completed["lark"]:
+        assert re.fullmatch(r"let [a-z]{1,3} = ([0-9]{1,2}|true|false);", text), text
+
+
+def test_regex_choice_and_grammars_yield_accepted_strings(llm, backend, prompt):
+    check_other_kinds(llm, backend, prompt, samples=6)
+
+
+@pytest.mark.slow
+def test_regex_choice_and_grammars_twenty_samples_each(llm, backend, prompt):
+    check_other_kinds(llm, backend, prompt, samples=20)
+
+
+def test_free_rows_batched_with_constrained_rows_give_the_same_tokens(llm, backend, prompt):
+    free = [
+        GenerationRequest("greedy", prompt, SamplingParams(max_tokens=10)),
+        GenerationRequest("sampled", prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=5)),
+    ]
+    alone = generate(llm.core, free)
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+    mixed_requests = [
+        GenerationRequest(f"{r.request_id}-mixed", r.prompt_token_ids, r.sampling) for r in free
+    ] + sampled_requests("person", prompt, json_constraint, 4, max_tokens=30)
+    mixed = generate(llm.core, mixed_requests)
+    for r in free:
+        assert mixed[f"{r.request_id}-mixed"].token_ids == alone[r.request_id].token_ids
+    assert all(
+        json.loads(mixed[f"person-{i}"].text)
+        for i in range(4)
+        if mixed[f"person-{i}"].finish_reason == FINISH_STOP
+    )
+
+
+def test_a_constraint_that_cannot_complete_in_time_ends_with_length(llm, backend, prompt):
+    spec = ConstraintSpec.json_schema({"type": "string", "minLength": 40, "maxLength": 40})
+    outputs = generate(llm.core, sampled_requests("long", prompt, constraint(backend, spec), 2, max_tokens=5))
+    for output in outputs.values():
+        assert output.finish_reason == FINISH_LENGTH
+        assert len(output.token_ids) == 5 and output.text.startswith('"')
+
+
+def test_thinking_is_free_and_the_json_starts_after_it(llm, backend, qwen3_tokenizer):
+    prompt = qwen3_tokenizer.encode(
+        "<|im_start|>user\nJSON please<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    schema = SCHEMAS["const_and_enum"]
+    json_after_thinking = constraint(
+        backend, ConstraintSpec.json_schema(schema), starts_after_token=THINK_CLOSE
+    )
+    # A random model would think forever: a bias makes it close the thinking after a few tokens.
+    requests = sampled_requests(
+        "think", prompt, json_after_thinking, 8, max_tokens=48, logit_bias=((THINK_CLOSE, 15.0),)
+    )
+    outputs = generate(llm.core, requests)
+    thought = 0
+    for output in outputs.values():
+        assert output.finish_reason == FINISH_STOP, output
+        assert THINK_CLOSE in output.token_ids
+        _thinking, answer = output.text.split("</think>", 1)
+        thought += output.token_ids.index(THINK_CLOSE) > 0
+        jsonschema.validate(json.loads(answer), schema)
+    assert thought >= 2  # some samples thought freely before answering
+
+
+def test_a_constraint_failing_mid_way_ends_only_its_request(llm, backend, prompt):
+    # min_tokens suppresses the end of sequence the completed grammar requires: the request ends
+    # with an error naming the constraint, and the batch's free request is unharmed.
+    spec = ConstraintSpec.choice(["ok"])
+    requests = [
+        GenerationRequest(
+            "stuck", prompt, SamplingParams(max_tokens=12, min_tokens=8), constraint(backend, spec)
+        ),
+        GenerationRequest("free", prompt, SamplingParams(max_tokens=12)),
+    ]
+    outputs = generate(llm.core, requests)
+    assert outputs["stuck"].finish_reason == "error" and "constraint" in outputs["stuck"].error
+    assert outputs["free"].finish_reason == FINISH_LENGTH and len(outputs["free"].token_ids) == 12
