@@ -58,6 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="most prompt tokens fed in one step (default: the engine's, 4096)",
     )
 
+    prefix = parser.add_argument_group("prefix cache")
+    prefix.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="do not reuse the KV blocks and recurrent state of earlier prompts",
+    )
+    prefix.add_argument(
+        "--prefix-cache-file",
+        default=None,
+        metavar="PATH",
+        help="keep the prefix cache across restarts: loaded at start, saved on shutdown",
+    )
+    prefix.add_argument(
+        "--prefix-cache-save-mins",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="also save the prefix cache file every N minutes (default: only on shutdown)",
+    )
+    prefix.add_argument(
+        "--prefix-cache-host-mem",
+        default=None,
+        metavar="SIZE",
+        help="host RAM for prefix-cache entries evicted from the GPU, e.g. 8GiB, 0 for none (default: 4GiB)",
+    )
+    prefix.add_argument(
+        "--prefix-cache-snapshot-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="snapshot long prompts every N 64-token blocks, 0 for none (default: 16)",
+    )
+
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--spec",
@@ -158,6 +192,13 @@ def build_engine(args: argparse.Namespace):
             "ngram_draft_tokens": args.ngram_draft_tokens,
             "ngram_min_match": args.ngram_min_match,
         }
+    prefix = {}
+    if not getattr(args, "prefix_cache", True):
+        prefix["prefix_cache"] = False
+    for name in ("prefix_cache_file", "prefix_cache_save_mins", "prefix_cache_host_mem", "prefix_cache_snapshot_blocks"):
+        value = getattr(args, name, None)
+        if value is not None and not (name == "prefix_cache_save_mins" and value == 0):
+            prefix[name] = value
     return create_engine(
         args.model,
         max_concurrency=args.max_concurrency,
@@ -165,6 +206,7 @@ def build_engine(args: argparse.Namespace):
         kv_dtype=args.kv_dtype,
         prefill_chunk=args.prefill_chunk,
         **speculative,
+        **prefix,
     )
 
 

@@ -73,10 +73,16 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
 
     def close(self) -> None:
-        """Stop the scheduler thread (running requests are abandoned)."""
+        """Stop the scheduler thread (running requests are abandoned) and save the prefix cache
+        file when one is configured."""
         self._stopped.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            try:
+                self.core.save_prefix_cache()
+            except Exception:  # a failed save must not turn a clean shutdown into a crash
+                log.exception("saving the prefix cache failed")
 
     async def _drain(self, request_id: str, events: asyncio.Queue, owned: bool) -> AsyncIterator[TokenEvent]:
         finished = False
@@ -94,8 +100,11 @@ class AsyncEngine:
         core = self.core
         while not self._stopped.is_set():
             commands = []
-            if not core.has_work():  # idle: sleep until a command arrives
-                commands.append(self._inbox.get())
+            if not core.has_work():  # idle: sleep until a command arrives (or a periodic save is due)
+                try:
+                    commands.append(self._inbox.get(timeout=30.0))
+                except queue.Empty:
+                    pass
             while True:
                 try:
                     commands.append(self._inbox.get_nowait())
@@ -118,6 +127,10 @@ class AsyncEngine:
                             events.append(event)
             self._stats = core.stats()
             self._deliver(events)
+            try:
+                core.maybe_save_prefix_cache()
+            except Exception:
+                log.exception("saving the prefix cache failed")
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:

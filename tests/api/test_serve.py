@@ -73,6 +73,25 @@ def test_build_engine_passes_engine_flags_to_create_engine(tmp_path, monkeypatch
     ]
 
 
+def test_prefix_cache_flags_reach_the_engine(tmp_path, monkeypatch):
+    import infernix_jax.engine as engine_package
+
+    calls = []
+    monkeypatch.setattr(
+        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
+    )
+    path = str(tmp_path / "prefix.cache")
+    argv = ["--prefix-cache-file", path, "--prefix-cache-save-mins", "5", "--prefix-cache-host-mem", "8GiB"]
+    serve.build_engine(serve.build_parser().parse_args(argv + ["--prefix-cache-snapshot-blocks", "0"]))
+    serve.build_engine(serve.build_parser().parse_args(["--no-prefix-cache"]))
+    assert calls[0]["prefix_cache_file"] == path
+    assert calls[0]["prefix_cache_save_mins"] == 5.0
+    assert calls[0]["prefix_cache_host_mem"] == "8GiB"
+    assert calls[0]["prefix_cache_snapshot_blocks"] == 0
+    assert "prefix_cache" not in calls[0]
+    assert calls[1]["prefix_cache"] is False
+
+
 def test_memory_is_logged_from_the_engine(caplog, tokenizer):
     import logging
 
