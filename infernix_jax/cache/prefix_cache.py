@@ -8,8 +8,8 @@ that use them (BlockAllocator); the cache holds one reference per entry. A block
 when only cache entries reference it. Snapshots occupy dedicated state-pool slots
 (`snapshot_slots`), separate from the requests' slots.
 
-Host tier. Evicted entries are copied to host memory (numpy arrays, or pinned-host device arrays
-where the platform has them) within `host_bytes`; a hit on them is uploaded into fresh blocks /
+Host tier. Evicted entries are copied to pinned host memory (`memory_kind="pinned_host"` arrays;
+numpy where the platform has no such memory) within `host_bytes`; a hit on them is uploaded into fresh blocks /
 the request's slot. Entries that fit nowhere are dropped, with everything that hangs off them.
 
 Taking a snapshot never copies KV: the entry references the block its tail lives in, which the
@@ -24,8 +24,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import numpy as np
 
 from infernix_jax.cache.allocators import BLOCK_SIZE, BlockAllocator
 from infernix_jax.cache.prefix_file import FileEntry
@@ -74,7 +72,7 @@ class PrefixCacheStats:
 
 
 def _nbytes(data: HostData | None) -> int:
-    return sum(int(np.asarray(a).nbytes) for a in data) if data else 0
+    return sum(int(a.nbytes) for a in data) if data else 0
 
 
 class PrefixCache:

@@ -45,7 +45,7 @@ def cache_salt(*parts: str | bytes) -> bytes:
     return h.digest()
 
 
-HostData = tuple[np.ndarray, ...]  # one array per pool leaf, the block / slot axis removed
+HostData = tuple  # one array per pool leaf (pinned-host jax array or numpy), the block / slot axis removed
 
 
 @dataclass(eq=False)
