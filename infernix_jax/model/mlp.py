@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.params import MLPParams, MoEParams
-from infernix_jax.weights.quant import matmul
+from infernix_jax.weights.quant import dequantize, matmul, take
 
 # With few (token, expert) pairs, gather each pair's expert weights: it reads only the chosen experts
 # (the decode case). Once the pairs would read more than half of all experts, sort the pairs by
@@ -30,10 +30,11 @@ def route(router: jax.Array, x: jax.Array, top_k: int, renormalize: bool) -> tup
 
 
 def _experts_gathered(p: MoEParams, x: jax.Array, ids: jax.Array) -> jax.Array:
-    """x [N, D], ids [N, k] -> per-pair expert outputs [N, k, D], reading only chosen experts."""
-    gate = jnp.take(p.gate_proj, ids, axis=0).astype(x.dtype)  # [N, k, I, D]
-    up = jnp.take(p.up_proj, ids, axis=0).astype(x.dtype)
-    down = jnp.take(p.down_proj, ids, axis=0).astype(x.dtype)  # [N, k, D, I]
+    """x [N, D], ids [N, k] -> per-pair expert outputs [N, k, D], reading only chosen experts
+    (quantized experts: only their packed bytes, unpacked after the gather)."""
+    gate = dequantize(take(p.gate_proj, ids), x.dtype)  # [N, k, I, D]
+    up = dequantize(take(p.up_proj, ids), x.dtype)
+    down = dequantize(take(p.down_proj, ids), x.dtype)  # [N, k, D, I]
     h = jax.nn.silu(jnp.einsum("nd,nkid->nki", x, gate)) * jnp.einsum("nd,nkid->nki", x, up)
     return jnp.einsum("nki,nkdi->nkd", h, down)
 
@@ -46,9 +47,10 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
     token_of_pair = order // k
     xs = jnp.take(x, token_of_pair, axis=0)  # [N*k, D] grouped by expert
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    gate_t = jnp.swapaxes(p.gate_proj, 1, 2).astype(x.dtype)  # [E, D, I]
-    up_t = jnp.swapaxes(p.up_proj, 1, 2).astype(x.dtype)
-    down_t = jnp.swapaxes(p.down_proj, 1, 2).astype(x.dtype)  # [E, I, D]
+    # every expert is read once here (prefill): quantized stacks are unpacked to x's dtype first
+    gate_t = jnp.swapaxes(dequantize(p.gate_proj, x.dtype), 1, 2)  # [E, D, I]
+    up_t = jnp.swapaxes(dequantize(p.up_proj, x.dtype), 1, 2)
+    down_t = jnp.swapaxes(dequantize(p.down_proj, x.dtype), 1, 2)  # [E, I, D]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_t, group_sizes)) * jax.lax.ragged_dot(xs, up_t, group_sizes)
     ys = jax.lax.ragged_dot(h, down_t, group_sizes)  # [N*k, D] in sorted order
     out = jnp.zeros_like(ys).at[order].set(ys)  # back to (token, slot) order
