@@ -93,7 +93,8 @@ def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -
     if not stats or "bytes_limit" not in stats:  # the CPU: room for every sequence at full length
         return wanted
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    budget = stats["bytes_limit"] * config.gpu_memory_utilization - weights - stats.get("bytes_in_use", 0)
+    # the weights are normally on the device already and so inside bytes_in_use: count them once
+    budget = stats["bytes_limit"] * config.gpu_memory_utilization - max(weights, stats.get("bytes_in_use", 0))
     budget -= (config.max_concurrency + 1 + config.num_snapshot_slots) * state_bytes_per_slot(cfg, dtype)
     if config.spec != "none":  # per-position GDN states of the largest verify dispatch
         budget -= verify_state_bytes(cfg, max(config.decode_buckets), config.spec_window, dtype)
