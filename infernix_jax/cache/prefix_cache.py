@@ -8,8 +8,7 @@ that use them (BlockAllocator); the cache holds one reference per entry. A block
 when only cache entries reference it. Snapshots occupy dedicated state-pool slots
 (`snapshot_slots`), separate from the requests' slots.
 
-Host tier. Evicted entries are copied to pinned host memory (`memory_kind="pinned_host"` arrays;
-numpy where the platform has no such memory) within `host_bytes`; a hit on them is uploaded into fresh blocks /
+Host tier. Evicted entries are copied to host memory (numpy arrays) within `host_bytes`; a hit on them is uploaded into fresh blocks /
 the request's slot. Entries that fit nowhere are dropped, with everything that hangs off them.
 
 Taking a snapshot never copies KV: the entry references the block its tail lives in, which the

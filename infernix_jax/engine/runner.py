@@ -275,29 +275,14 @@ def copy_rows_program(pool, src: jax.Array, dst: jax.Array):
 
 @jit
 def gather_rows_program(pool, ids: jax.Array):
-    """One separate pytree per id (rows of the leading axis), so each can move to the host alone."""
-    return tuple(jax.tree.map(lambda x, j=j: x[ids[j]], pool) for j in range(ids.shape[0]))
+    return jax.tree.map(lambda x: x[ids], pool)
 
 
 @partial(jit, donate_argnames=("pool",))
 def scatter_rows_program(pool, ids: jax.Array, rows):
-    """pool leaves[ids[j]] = rows[j] (a tuple of per-row pytrees); id 0 is dropped."""
-    stacked = jax.tree.map(lambda *r: jnp.stack(r), *rows)
     return jax.tree.map(
-        lambda x, r: x.at[_drop_target(ids, x.shape[0])].set(r.astype(x.dtype), mode="drop"), pool, stacked
+        lambda x, r: x.at[_drop_target(ids, x.shape[0])].set(r.astype(x.dtype), mode="drop"), pool, rows
     )
-
-
-def host_sharding() -> jax.sharding.Sharding | None:
-    """Pinned host memory of the first device, where the platform has it (GPU and CPU do)."""
-    device = jax.devices()[0]
-    try:
-        kinds = {m.kind for m in device.addressable_memories()}
-    except Exception:  # noqa: BLE001 - platforms without memory kinds
-        return None
-    if "pinned_host" not in kinds:
-        return None
-    return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
 
 
 ROW_PROGRAM_WIDTH = 8  # rows per copy / gather / scatter dispatch (one compiled shape)
@@ -547,25 +532,28 @@ class Runner:
     def write_states(self, slots: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]) -> None:
         self.state_pool = self._write_rows(self.state_pool, slots, data)
 
-    def _read_rows(self, pool, ids: Sequence[int]) -> list[tuple]:
-        """Copies of rows on the host: arrays in pinned host memory (numpy where there is none)."""
-        target = host_sharding()
+    @staticmethod
+    def _read_rows(pool, ids: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
         out = []
         for batch in _padded(ids):
-            rows = gather_rows_program(pool, batch)
-            rows = jax.device_put(rows, target) if target is not None else jax.device_get(rows)
-            out.extend(tuple(jax.tree.leaves(row)) for row in rows)
+            leaves = [
+                np.asarray(x) for x in jax.tree.leaves(jax.device_get(gather_rows_program(pool, batch)))
+            ]
+            out.extend(tuple(leaf[i] for leaf in leaves) for i in range(ROW_PROGRAM_WIDTH))
         return out[: len(ids)]
 
-    def _write_rows(self, pool, ids: Sequence[int], data: Sequence[tuple]):
+    @staticmethod
+    def _write_rows(pool, ids: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]):
         leaves, treedef = jax.tree.flatten(pool)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        padding = tuple(np.zeros(leaf.shape[1:], leaf.dtype) for leaf in leaves)
         for start, batch in zip(range(0, len(ids), ROW_PROGRAM_WIDTH), _padded(ids)):
-            part = list(data[start : start + ROW_PROGRAM_WIDTH])
-            part += [padding] * (ROW_PROGRAM_WIDTH - len(part))
-            rows = jax.device_put(tuple(jax.tree.unflatten(treedef, list(row)) for row in part), device)
-            pool = scatter_rows_program(pool, batch, rows)
+            part = data[start : start + ROW_PROGRAM_WIDTH]
+            rows = []
+            for j, leaf in enumerate(leaves):
+                block = np.zeros((ROW_PROGRAM_WIDTH,) + leaf.shape[1:], leaf.dtype)
+                for i, row in enumerate(part):
+                    block[i] = row[j]
+                rows.append(block)
+            pool = scatter_rows_program(pool, batch, jax.tree.unflatten(treedef, rows))
         return pool
 
     # ---- warm-up -------------------------------------------------------------------------------
