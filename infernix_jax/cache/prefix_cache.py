@@ -339,26 +339,25 @@ class PrefixCache:
                 self._drop_snapshot(entry)
         return self.host_used + nbytes <= self.host_bytes
 
-    def _demote_block(self, entry: BlockEntry) -> None:
-        if entry.host is None:
-            (data,) = self.device.read_blocks([entry.gpu])
+    def _block_to_host(self, entry, gpu_attr: str, host_attr: str) -> bool:
+        """Copy the GPU block `entry.<gpu_attr>` to `entry.<host_attr>` (if the host has room), then
+        release the GPU block. True when the entry still has the block's data."""
+        if getattr(entry, host_attr) is None:
+            (data,) = self.device.read_blocks([getattr(entry, gpu_attr)])
             if self._make_room(_nbytes(data), entry):
-                entry.host = data
+                setattr(entry, host_attr, data)
                 self.host_used += _nbytes(data)
-        self._unhold(entry, "gpu")
-        if entry.host is None:
-            self._drop_block(entry)
-        else:
+        self._unhold(entry, gpu_attr)
+        return getattr(entry, host_attr) is not None
+
+    def _demote_block(self, entry: BlockEntry) -> None:
+        if self._block_to_host(entry, "gpu", "host"):
             self.stats.evicted_to_host += 1
+        else:
+            self._drop_block(entry)
 
     def _demote_tail(self, snap: SnapshotEntry) -> None:
-        if snap.tail_host is None:
-            (data,) = self.device.read_blocks([snap.tail_gpu])
-            if self._make_room(_nbytes(data), snap):
-                snap.tail_host = data
-                self.host_used += _nbytes(data)
-        self._unhold(snap, "tail_gpu")
-        if snap.tail_host is None:
+        if not self._block_to_host(snap, "tail_gpu", "tail_host"):
             self._drop_snapshot(snap)
 
     def _demote_snapshot(self, snap: SnapshotEntry) -> None:
