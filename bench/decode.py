@@ -30,7 +30,8 @@ from bench.record import context_label, git_commit, machine_name, make_record, w
 def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit):
     dtype = params.final_norm.dtype
     core = make_core(
-        cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256
+        cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256,
+        new_tokens=steps * (dispatches + 1),
     )
     place_prompts_without_compute(core, batch, context)
     core.step()  # compile / warm the decode program
@@ -44,6 +45,8 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
         core.step()
     wall = time.perf_counter() - start
     tokens = core.metrics.generated_tokens - start_metrics[2]
+    if tokens != batch * steps * dispatches:
+        raise RuntimeError(f"timed {tokens} tokens, expected {batch * steps * dispatches}: rows stopped early")
     decode_wall = core.metrics.decode_wall_s - start_metrics[0]
     device_wait = core.metrics.decode_device_wait_s - start_metrics[1]
     step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
