@@ -79,17 +79,19 @@ def decode_bytes_per_step(cfg: ModelConfig, params, batch: int, context: int, kv
 
 def make_core(
     cfg, params, *, batch: int, context: int, steps: int, kv_dtype: str, prefill_chunk: int,
-    new_tokens: int | None = None,
+    new_tokens: int | None = None, **overrides,
 ) -> EngineCore:
     """An engine sized for `batch` rows of `context` prompt tokens plus `new_tokens` generated ones
-    (default: two dispatches of `steps`); a row that reaches max_context stops generating."""
+    (default: two dispatches of `steps`); a row that reaches max_context stops generating.
+    `overrides` go to EngineConfig (e.g. warmup=False: compile only the programs a bench uses)."""
     room = context + (2 * steps if new_tokens is None else new_tokens) + 1
-    config = EngineConfig(
+    options = dict(
         max_concurrency=batch, max_context=room, kv_dtype=kv_dtype,
         kv_capacity=batch * math.ceil(room / BLOCK_SIZE), prefill_chunk=prefill_chunk,
         prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(batch,),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False,
     )  # fmt: skip
+    config = EngineConfig(**(options | overrides))
     return EngineCore(cfg, params, config)
 
 
