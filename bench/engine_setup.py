@@ -10,6 +10,7 @@ Shapes (random bf16 weights built directly on the accelerator, no files):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -85,13 +86,13 @@ def make_core(
     (default: two dispatches of `steps`); a row that reaches max_context stops generating.
     `overrides` go to EngineConfig (e.g. warmup=False: compile only the programs a bench uses)."""
     room = context + (2 * steps if new_tokens is None else new_tokens) + 1
-    options = dict(
+    config = EngineConfig(
         max_concurrency=batch, max_context=room, kv_dtype=kv_dtype,
         kv_capacity=batch * math.ceil(room / BLOCK_SIZE), prefill_chunk=prefill_chunk,
         prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(batch,),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False,
     )  # fmt: skip
-    config = EngineConfig(**(options | overrides))
+    config = dataclasses.replace(config, **overrides)
     return EngineCore(cfg, params, config)
 
 
