@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench.record import RESULTS_DIR, read_records
 
-FILES = ("ceilings-nvidia-h200.json", "decode-27b.json", "decode-moe.json", "kernels-nvidia-h200.json",
+FILES = ("ceilings-nvidia-h200.json", "decode-nvidia-h200.json", "kernels-nvidia-h200.json",
          "mtp-acceptance-cpu.json")
 
 
