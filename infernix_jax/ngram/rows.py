@@ -81,6 +81,9 @@ class RowCache:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         unique, inverse = np.unique(ids.reshape(-1), return_inverse=True)
+        if self.capacity == 0:  # no cache: one batched read
+            self.stats.misses += len(unique)
+            return np.asarray(self.source.read(unique))[inverse].reshape(ids.shape + (self.width,))
         out = np.empty((len(unique), self.width), self.source.dtype)
         with self._lock:
             get = self.where.get

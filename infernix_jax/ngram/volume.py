@@ -132,13 +132,18 @@ def write_volume(
         delete_existing=True,
     ).result()
     digest = hashlib.sha256()
+    pending = None  # the previous shard's write runs while the next shard is read and hashed
     for start in range(0, rows, shard_rows):
         stop = min(rows, start + shard_rows)
         block = np.ascontiguousarray(np.asarray(table[start:stop]).astype(dtype, copy=False))
-        digest.update(block.tobytes())
-        store[start:stop].write(block).result()
+        digest.update(memoryview(block.view(np.uint8)))
+        if pending is not None:
+            pending.result()
+        pending = store[start:stop].write(block)
         if progress is not None:
             progress(stop, rows)
+    if pending is not None:
+        pending.result()
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -228,7 +233,8 @@ def verify_volume(rows: VolumeRows) -> None:
     digest = hashlib.sha256()
     step = int(rows.manifest["shard_rows"])
     for start in range(0, rows.shape[0], step):
-        digest.update(np.ascontiguousarray(rows.read_range(start, min(rows.shape[0], start + step))).tobytes())
+        block = np.ascontiguousarray(rows.read_range(start, min(rows.shape[0], start + step)))
+        digest.update(memoryview(block.view(np.uint8)))
     if digest.hexdigest() != rows.manifest["sha256"]:
         raise NgramVolumeError(
             f"the n-gram volume {rows.path} is damaged: its data hashes to {digest.hexdigest()}, "

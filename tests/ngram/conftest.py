@@ -16,6 +16,11 @@ VOCAB = 256
 
 def tiny_config(**memory_changes) -> ModelConfig:
     """Qwen3.5-style dense hybrid (GDN + gated attention), 4 layers, memory at layers 1 and 3."""
+    return ModelConfig.from_hf_config(tiny_raw_config(**memory_changes))
+
+
+def tiny_raw_config(**memory_changes) -> dict:
+    """tiny_config()'s config.json as a dict."""
     memory = {
         "orders": [2, 3],
         "heads_per_order": 2,
@@ -26,8 +31,7 @@ def tiny_config(**memory_changes) -> ModelConfig:
         "table_dtype": "float32",
     }
     memory.update(memory_changes)
-    return ModelConfig.from_hf_config(
-        {
+    return {
             "architectures": ["Qwen3_5ForCausalLM"],
             "vocab_size": VOCAB,
             "hidden_size": 64,
@@ -44,7 +48,6 @@ def tiny_config(**memory_changes) -> ModelConfig:
             "max_position_embeddings": 512,
             "ngram_memory": memory,
         }
-    )
 
 
 @pytest.fixture(scope="session")

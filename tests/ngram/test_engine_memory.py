@@ -131,6 +131,15 @@ def test_the_table_changes_the_output(tiny_cfg, tiny_params, tiny_table, prompts
     assert run(core, prompts, "other") != expected
 
 
+def test_random_lookup_delays_do_not_change_tokens(tiny_cfg, tiny_params, tiny_table, prompts, expected):
+    from infernix_jax.ngram.memory import NgramTable
+    from tests.ngram.test_prefetch import DelayedRows
+
+    slow = NgramTable(tiny_cfg, DelayedRows(tiny_table, seed=9), cache_bytes=4 << 10)
+    core = EngineCore(tiny_cfg, tiny_params, engine_config(), ngram_table=slow)
+    assert run(core, prompts, "slow") == expected
+
+
 def test_a_memory_model_without_a_table_says_which_flag_to_give(tiny_cfg, tiny_params):
     with pytest.raises(ValueError, match="--ngram-volume"):
         EngineCore(tiny_cfg, tiny_params, engine_config())
