@@ -73,7 +73,9 @@ class RandomBf16Rows:
 
     def __getitem__(self, rows: slice) -> np.ndarray:
         start, stop, _ = rows.indices(self.shape[0])
-        bits = np.random.default_rng([self.seed, start]).integers(0, 1 << 16, (stop - start, self.shape[1]), np.uint16)
+        bits = np.random.default_rng([self.seed, start]).integers(
+            0, 1 << 16, (stop - start, self.shape[1]), np.uint16
+        )
         if self.dtype.itemsize == 2:
             return ((bits & 0x807F) | 0x3F00).view(self.dtype)  # bf16: sign, exponent of 0.5, 7 mantissa bits
         return (bits.astype(np.float32) / (1 << 16) - 0.5).astype(self.dtype)
@@ -128,13 +130,19 @@ def decode_rate(core: EngineCore, context: int, tokens: int, seed: int) -> float
 
 
 def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default=os.environ.get("TMPDIR", tempfile.gettempdir()), help="where the volume is written")
-    parser.add_argument("--table-gib", type=float, default=16.0, help="table size in GiB (>= 16 for the record)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dir", default=os.environ.get("TMPDIR", tempfile.gettempdir()), help="where the volume is written"
+    )
+    parser.add_argument(
+        "--table-gib", type=float, default=16.0, help="table size in GiB (>= 16 for the record)"
+    )
     parser.add_argument("--shape", default="moe", choices=sorted(SHAPES))
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens before decode")
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--lookup-windows", type=int, default=64, help="prefill-sized lookups timed")
+    parser.add_argument("--lookup-windows", type=int, default=16, help="prefill-sized lookups timed")
     parser.add_argument("--window", type=int, default=512, help="tokens per lookup")
     parser.add_argument("--cache-gib", type=float, default=4.0, help="host cache of hot rows")
     parser.add_argument("--keep", action="store_true", help="keep the volume afterwards")
@@ -200,12 +208,17 @@ def main(argv: list[str] | None = None):
                                         "host_cache_hit_rate": on_disk.cache.stats.hit_rate},
             ))  # fmt: skip
         for r in records:
-            print(f"{r.name}: {r.figure:,.1f} {r.unit} = {r.fraction:.1%} of RAM's {r.ceiling:,.1f}", flush=True)
+            print(
+                f"{r.name}: {r.figure:,.1f} {r.unit} = {r.fraction:.1%} of RAM's {r.ceiling:,.1f}", flush=True
+            )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    print("wrote", write_records(records, args.out or f"ngram-memory-{slug}{'-quick' if args.quick else ''}.json"))
+    print(
+        "wrote",
+        write_records(records, args.out or f"ngram-memory-{slug}{'-quick' if args.quick else ''}.json"),
+    )
     return records
 
 

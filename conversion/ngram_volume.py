@@ -33,7 +33,9 @@ class RandomRows:
     def __getitem__(self, rows: slice) -> np.ndarray:
         start, stop, _ = rows.indices(self.shape[0])
         rng = np.random.default_rng([self.seed, start])
-        return (rng.standard_normal((stop - start, self.shape[1]), np.float32) * self.scale).astype(self.dtype)
+        return (rng.standard_normal((stop - start, self.shape[1]), np.float32) * self.scale).astype(
+            self.dtype
+        )
 
 
 class SafetensorsRows:
@@ -43,7 +45,7 @@ class SafetensorsRows:
         from safetensors import safe_open
 
         self._file = safe_open(path, framework="numpy")
-        if name not in self._file.keys():
+        if name not in self._file.keys():  # noqa: SIM118 - safe_open is not a dict
             raise NgramVolumeError(f"{path} has no tensor {name!r}")
         self._slice = self._file.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
@@ -60,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--npy", help="table as a .npy file [rows, width] (memory-mapped)")
     source.add_argument("--safetensors", help="checkpoint file holding the table tensor (with --tensor)")
-    source.add_argument("--random", type=int, metavar="SEED", help="a random normal table (tests, benchmarks)")
-    source.add_argument("--verify", metavar="VOLUME", help="check a volume against the model and its checksum")
+    source.add_argument(
+        "--random", type=int, metavar="SEED", help="a random normal table (tests, benchmarks)"
+    )
+    source.add_argument(
+        "--verify", metavar="VOLUME", help="check a volume against the model and its checksum"
+    )
     source.add_argument("--describe", action="store_true", help="print the table shape the model addresses")
     p.add_argument("--tensor", help="tensor name in --safetensors")
     p.add_argument("--out", help="volume folder to write")
@@ -78,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = (hasher.total_rows, cfg.ngram_memory.row_width)
     dtype = table_dtype(cfg.ngram_memory.table_dtype)
     if args.describe:
-        print(f"table [{shape[0]}, {shape[1]}] {dtype.name} ({shape[0] * shape[1] * dtype.itemsize / 2**30:.2f} GiB)")
+        print(
+            f"table [{shape[0]}, {shape[1]}] {dtype.name} ({shape[0] * shape[1] * dtype.itemsize / 2**30:.2f} GiB)"
+        )
         return 0
     try:
         if args.verify:
@@ -101,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except NgramVolumeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: [{manifest['shape'][0]}, {manifest['shape'][1]}] {manifest['dtype']} sha256 {manifest['sha256']}")
+    print(
+        f"wrote {args.out}: [{manifest['shape'][0]}, {manifest['shape'][1]}] {manifest['dtype']} sha256 {manifest['sha256']}"
+    )
     return 0
 
 

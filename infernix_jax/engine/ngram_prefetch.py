@@ -47,7 +47,9 @@ class NgramFeeder:
         for row in plan.decode:
             state = row.request
             tokens = state.tokens(0, row.position + 1)
-            self.prefetcher.submit(self._key(state, row.position, row.position + 1), tokens, row.position, row.position + 1)
+            self.prefetcher.submit(
+                self._key(state, row.position, row.position + 1), tokens, row.position, row.position + 1
+            )
 
     def prefill_rows(self, plan: SchedulerOutput) -> np.ndarray:
         """[L, rows, chunk, heads, width] for the plan's prefill dispatch."""
@@ -56,7 +58,9 @@ class NgramFeeder:
         for i, chunk in enumerate(plan.prefill):
             state = chunk.request
             stop = chunk.start + chunk.num_tokens
-            got = self.prefetcher.take(self._key(state, chunk.start, stop), state.tokens(0, stop), chunk.start, stop)
+            got = self.prefetcher.take(
+                self._key(state, chunk.start, stop), state.tokens(0, stop), chunk.start, stop
+            )
             out[:, i, : chunk.num_tokens] = got
         return out
 
@@ -77,7 +81,9 @@ def memory_engine_config(config: EngineConfig) -> EngineConfig:
     """What an engine with an n-gram memory runs: one decode step per dispatch (the next token's rows
     need the token), no speculation and no structured-output programs (not supported yet)."""
     if config.spec != "none":
-        raise ValueError("speculative decoding with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+        raise ValueError(
+            "speculative decoding with an n-gram memory is not supported yet (docs/ngram_memory.md)"
+        )
     return config.replace(decode_steps_per_dispatch=1, structured_output=False)
 
 
@@ -92,7 +98,9 @@ def build_ngram_feeder(
     """
     if cfg.ngram_memory is None:
         if table is not None or config.ngram_volume:
-            raise ValueError("an n-gram volume was given but this model has no ngram_memory in its config.json")
+            raise ValueError(
+                "an n-gram volume was given but this model has no ngram_memory in its config.json"
+            )
         return None, config
     if table is None:
         if not config.ngram_volume:
@@ -103,5 +111,7 @@ def build_ngram_feeder(
         from infernix_jax.cache.capacity import parse_bytes
 
         cache = config.ngram_cache_mem
-        table = table_from_volume(cfg, config.ngram_volume, parse_bytes(cache) if isinstance(cache, str) else int(cache))
+        table = table_from_volume(
+            cfg, config.ngram_volume, parse_bytes(cache) if isinstance(cache, str) else int(cache)
+        )
     return NgramFeeder(table, config), memory_engine_config(config)

@@ -78,9 +78,9 @@ class NgramHasher:
         self.total_rows = int(flat.sum())
         self.multipliers = np.stack(
             [
-                np.random.default_rng(spec.seed + 10007 * layer).integers(
-                    0, 2**62, size=spec.max_order, dtype=np.int64
-                ).astype(np.uint64)
+                np.random.default_rng(spec.seed + 10007 * layer)
+                .integers(0, 2**62, size=spec.max_order, dtype=np.int64)
+                .astype(np.uint64)
                 * np.uint64(2)
                 + np.uint64(1)
                 for layer in spec.layers

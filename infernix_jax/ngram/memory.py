@@ -30,7 +30,9 @@ class NgramTable:
         self.hasher = NgramHasher(self.spec, cfg.vocab_size)
         want = (self.hasher.total_rows, self.spec.row_width)
         if tuple(source.shape) != want:
-            raise NgramVolumeError(f"the n-gram table is {list(source.shape)} but this model addresses {list(want)}")
+            raise NgramVolumeError(
+                f"the n-gram table is {list(source.shape)} but this model addresses {list(want)}"
+            )
         row_bytes = self.spec.row_width * np.dtype(source.dtype).itemsize
         self.cache = RowCache(source, cache_bytes // row_bytes)
         self.dtype = source.dtype
@@ -49,9 +51,13 @@ class NgramTable:
         return np.zeros((self.num_layers, *shape, self.spec.num_heads, self.spec.row_width), self.dtype)
 
 
-def table_in_memory(cfg: ModelConfig, table: np.ndarray, cache_bytes: int = DEFAULT_CACHE_BYTES) -> NgramTable:
+def table_in_memory(
+    cfg: ModelConfig, table: np.ndarray, cache_bytes: int = DEFAULT_CACHE_BYTES
+) -> NgramTable:
     """An NgramTable over a table held in RAM (tests, benchmarks, small models)."""
-    return NgramTable(cfg, ArrayRows(np.asarray(table).astype(table_dtype(cfg.ngram_memory.table_dtype))), cache_bytes)
+    return NgramTable(
+        cfg, ArrayRows(np.asarray(table).astype(table_dtype(cfg.ngram_memory.table_dtype))), cache_bytes
+    )
 
 
 def table_from_volume(

@@ -163,7 +163,9 @@ def write_volume(
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     file = Path(path) / MANIFEST
     if not file.exists():
-        raise NgramVolumeError(f"{path} is not an n-gram table volume (no {MANIFEST}; was it written completely?)")
+        raise NgramVolumeError(
+            f"{path} is not an n-gram table volume (no {MANIFEST}; was it written completely?)"
+        )
     manifest = json.loads(file.read_text())
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise NgramVolumeError(
@@ -189,7 +191,9 @@ def check_manifest(manifest: dict[str, Any], cfg: ModelConfig, where: str = "the
         if manifest["hash"].get(key) != value:
             problems.append(f"hash {key} {manifest['hash'].get(key)!r} but the model has {value!r}")
     if spec.table_sha256 and manifest.get("sha256") != spec.table_sha256:
-        problems.append(f"sha256 {manifest.get('sha256')} but the model's table_sha256 is {spec.table_sha256}")
+        problems.append(
+            f"sha256 {manifest.get('sha256')} but the model's table_sha256 is {spec.table_sha256}"
+        )
     if problems:
         raise NgramVolumeError(f"{where} does not match this model's n-gram memory: " + "; ".join(problems))
 
@@ -206,7 +210,9 @@ class VolumeRows:
         self.shape = tuple(int(d) for d in self.store.shape)
         self.dtype = table_dtype(manifest["dtype"])
         if list(self.shape) != manifest["shape"]:
-            raise NgramVolumeError(f"{path}: the table is {list(self.shape)}, its manifest says {manifest['shape']}")
+            raise NgramVolumeError(
+                f"{path}: the table is {list(self.shape)}, its manifest says {manifest['shape']}"
+            )
 
     def read(self, ids: np.ndarray) -> np.ndarray:
         if len(ids) == 0:

@@ -32,22 +32,22 @@ def tiny_raw_config(**memory_changes) -> dict:
     }
     memory.update(memory_changes)
     return {
-            "architectures": ["Qwen3_5ForCausalLM"],
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "max_position_embeddings": 512,
-            "ngram_memory": memory,
-        }
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "max_position_embeddings": 512,
+        "ngram_memory": memory,
+    }
 
 
 @pytest.fixture(scope="session")

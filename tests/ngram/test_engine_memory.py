@@ -10,7 +10,6 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,7 +27,7 @@ NEW_TOKENS = 6
 
 def engine_config(**changes) -> EngineConfig:
     """Chunks of at most 16 tokens (a 40-token prompt is fed in three), the prefix cache on."""
-    base = dict(
+    base = dict(  # noqa: C408 - EngineConfig's keyword names
         max_concurrency=4,
         max_context=128,
         kv_capacity=24,
@@ -69,7 +68,12 @@ def reference_greedy(cfg, params, table, prompt: list[int], n: int) -> list[int]
 def run(core: EngineCore, prompts: list[list[int]], prefix: str) -> dict[str, list[int]]:
     out = {f"{prefix}{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        assert core.add_request(GenerationRequest(f"{prefix}{i}", p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))) == []
+        assert (
+            core.add_request(
+                GenerationRequest(f"{prefix}{i}", p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+            )
+            == []
+        )
     while core.has_work():
         for e in core.step():
             assert e.error is None, e.error

@@ -55,7 +55,9 @@ def test_the_cache_returns_the_table_rows_while_evicting_from_many_threads(tiny_
     rng = np.random.default_rng(4)
     hot = rng.integers(0, tiny_table.shape[0], 40)
     batches = [
-        np.concatenate([hot[rng.integers(0, 40, 20)], rng.integers(0, tiny_table.shape[0], int(rng.integers(1, 80)))]).reshape(-1, 1)
+        np.concatenate(
+            [hot[rng.integers(0, 40, 20)], rng.integers(0, tiny_table.shape[0], int(rng.integers(1, 80)))]
+        ).reshape(-1, 1)
         for _ in range(60)
     ]
     with ThreadPoolExecutor(4) as pool:
@@ -86,7 +88,11 @@ def test_every_head_has_its_own_prime_slice(tiny_cfg):
     hasher = NgramHasher(tiny_cfg.ngram_memory, tiny_cfg.vocab_size)
     primes = hasher.primes.reshape(-1)
     assert len(set(primes.tolist())) == len(primes)
-    assert hasher.total_rows == primes.sum() <= tiny_cfg.ngram_memory.table_rows * len(tiny_cfg.ngram_memory.layers)
+    assert (
+        hasher.total_rows
+        == primes.sum()
+        <= tiny_cfg.ngram_memory.table_rows * len(tiny_cfg.ngram_memory.layers)
+    )
     ids = hasher.ids(hasher.context(np.arange(200) % VOCAB, 0, 200))  # [L, T, heads]
     lo = hasher.offsets.reshape(len(tiny_cfg.ngram_memory.layers), -1)[:, None, :]
     assert ((ids >= lo) & (ids < lo + hasher.primes.reshape(lo.shape))).all()

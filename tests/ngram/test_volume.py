@@ -38,11 +38,15 @@ def tokens():
     return np.random.default_rng(5).integers(0, VOCAB, T).tolist()
 
 
-def test_volume_on_disk_gives_the_logits_of_the_table_in_memory(tmp_path, tiny_cfg, tiny_params, tiny_table, tokens):
+def test_volume_on_disk_gives_the_logits_of_the_table_in_memory(
+    tmp_path, tiny_cfg, tiny_params, tiny_table, tokens
+):
     write_volume(tmp_path / "vol", tiny_cfg, tiny_table)
     disk = table_from_volume(tiny_cfg, tmp_path / "vol", cache_bytes=4 << 10)  # smaller than the rows read
     ram = table_in_memory(tiny_cfg, tiny_table)
-    np.testing.assert_array_equal(logits_with(disk, tiny_params, tiny_cfg, tokens), logits_with(ram, tiny_params, tiny_cfg, tokens))
+    np.testing.assert_array_equal(
+        logits_with(disk, tiny_params, tiny_cfg, tokens), logits_with(ram, tiny_params, tiny_cfg, tokens)
+    )
     assert disk.cache.stats.misses > 0  # the rows really came from disk
 
 
@@ -67,7 +71,9 @@ def test_only_the_needed_rows_are_read(tmp_path, tiny_cfg, tiny_table, tokens):
         ({"table_dtype": "bfloat16"}, "dtype"),
     ],
 )
-def test_a_volume_of_another_memory_is_refused_naming_the_difference(tmp_path, tiny_cfg, tiny_table, change, message):
+def test_a_volume_of_another_memory_is_refused_naming_the_difference(
+    tmp_path, tiny_cfg, tiny_table, change, message
+):
     write_volume(tmp_path / "vol", tiny_cfg, tiny_table)
     with pytest.raises(NgramVolumeError, match=f"does not match this model's n-gram memory: .*{message}"):
         open_volume(tmp_path / "vol", tiny_config(**change))
@@ -106,13 +112,35 @@ def test_conversion_writes_volumes_from_npy_and_safetensors(tmp_path, tiny_cfg, 
     (config / "config.json").write_text(json.dumps(tiny_raw_config()))
     np.save(tmp_path / "table.npy", tiny_table)
     save_file({"ngram.table": tiny_table}, tmp_path / "ckpt.safetensors")
-    assert convert_main(["--config", str(config), "--npy", str(tmp_path / "table.npy"), "--out", str(tmp_path / "a")]) == 0
-    assert convert_main(
-        ["--config", str(config), "--safetensors", str(tmp_path / "ckpt.safetensors"), "--tensor", "ngram.table", "--out", str(tmp_path / "b")]
-    ) == 0
+    assert (
+        convert_main(
+            ["--config", str(config), "--npy", str(tmp_path / "table.npy"), "--out", str(tmp_path / "a")]
+        )
+        == 0
+    )
+    assert (
+        convert_main(
+            [
+                "--config",
+                str(config),
+                "--safetensors",
+                str(tmp_path / "ckpt.safetensors"),
+                "--tensor",
+                "ngram.table",
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 0
+    )
     assert convert_main(["--config", str(config), "--verify", str(tmp_path / "b")]) == 0
     for name in ("a", "b"):
         rows = open_volume(tmp_path / name, tiny_cfg).read_range(0, tiny_table.shape[0])
         np.testing.assert_array_equal(rows, tiny_table)
     np.save(tmp_path / "short.npy", tiny_table[:100])
-    assert convert_main(["--config", str(config), "--npy", str(tmp_path / "short.npy"), "--out", str(tmp_path / "c")]) == 2
+    assert (
+        convert_main(
+            ["--config", str(config), "--npy", str(tmp_path / "short.npy"), "--out", str(tmp_path / "c")]
+        )
+        == 2
+    )
