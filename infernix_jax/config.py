@@ -70,6 +70,77 @@ class RopeConfig:
         return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
 
 
+NGRAM_GATINGS = ("engram_scalar",)
+
+
+@dataclass(frozen=True)
+class NgramMemoryConfig:
+    """Engram-style conditional memory (our own config.json schema, key "ngram_memory"; docs/ngram_memory.md).
+
+    At each configured layer, hashed n-grams of the input tokens (every order in `orders`, with
+    `heads_per_order` hash heads each) index rows of a big table that lives apart from the weights;
+    the rows, gated by the hidden state, are added to the residual stream before the mixer.
+    """
+
+    orders: tuple[int, ...]  # n-gram orders, each >= 2 (the n-gram ending at the current token)
+    heads_per_order: int  # hash heads per order; each head has its own prime-sized slice of rows
+    table_rows: int  # row budget of one layer's table, split evenly between its heads
+    row_width: int  # values per row (one head's embedding width)
+    layers: tuple[int, ...]  # decoder layers that read the memory (before their mixer)
+    seed: int = 0  # seeds each layer's hash multipliers
+    gating: str = "engram_scalar"  # sigmoid(signed-sqrt(<norm(W_k e), norm(h)> / sqrt(D))) * W_v e
+    table_dtype: str = "bfloat16"  # dtype of the rows in the table volume
+    table_sha256: str | None = None  # when set, the volume's manifest must carry this checksum
+
+    @property
+    def num_heads(self) -> int:
+        """Rows fetched per token per layer (orders x heads)."""
+        return len(self.orders) * self.heads_per_order
+
+    @property
+    def memory_dim(self) -> int:
+        """Width of the concatenated memory vector e_t of one layer."""
+        return self.num_heads * self.row_width
+
+    @property
+    def max_order(self) -> int:
+        return max(self.orders)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], num_layers: int) -> NgramMemoryConfig:
+        """Parse and check config.json's "ngram_memory" object."""
+        try:
+            out = cls(
+                orders=tuple(int(n) for n in raw["orders"]),
+                heads_per_order=int(raw["heads_per_order"]),
+                table_rows=int(raw["table_rows"]),
+                row_width=int(raw["row_width"]),
+                layers=tuple(int(i) for i in raw["layers"]),
+                seed=int(raw.get("seed", 0)),
+                gating=str(raw.get("gating", "engram_scalar")),
+                table_dtype=str(raw.get("table_dtype", "bfloat16")),
+                table_sha256=raw.get("table_sha256"),
+            )
+        except KeyError as e:
+            raise UnsupportedModelError(f"ngram_memory lacks the field {e.args[0]!r}") from None
+        errors = []
+        if not out.orders or min(out.orders) < 2 or len(set(out.orders)) != len(out.orders):
+            errors.append(f"orders must be distinct and >= 2, got {list(out.orders)}")
+        if out.heads_per_order < 1 or out.row_width < 1:
+            errors.append("heads_per_order and row_width must be >= 1")
+        if out.table_rows < 4 * max(out.num_heads, 1):
+            errors.append(f"table_rows {out.table_rows} is too small for {out.num_heads} heads")
+        if not out.layers or any(not 0 <= i < num_layers for i in out.layers) or len(set(out.layers)) != len(out.layers):
+            errors.append(f"layers must be distinct layer indices in [0, {num_layers}), got {list(out.layers)}")
+        if out.gating not in NGRAM_GATINGS:
+            errors.append(f"gating must be one of {', '.join(NGRAM_GATINGS)}, got {out.gating!r}")
+        if out.table_dtype not in ("bfloat16", "float16", "float32"):
+            errors.append(f"table_dtype must be bfloat16, float16 or float32, got {out.table_dtype!r}")
+        if errors:
+            raise UnsupportedModelError("ngram_memory: " + "; ".join(errors))
+        return dataclasses.replace(out, layers=tuple(sorted(out.layers)))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the forward needs to know about a model, resolved from config.json."""
@@ -111,6 +182,8 @@ class ModelConfig:
     weight_prefix: str = "model."
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Engram-style n-gram memory (docs/ngram_memory.md); None: the model has none
+    ngram_memory: NgramMemoryConfig | None = None
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -356,5 +429,6 @@ def _build(architecture: str, family: str, raw: Mapping[str, Any], text: Mapping
         weight_prefix="model.language_model." if architecture in _CONDITIONAL else "model.",
         bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
         eos_token_ids=_eos_ids(raw, text),
+        ngram_memory=NgramMemoryConfig.from_dict(raw["ngram_memory"], num_layers) if raw.get("ngram_memory") else None,
         **linear,
     )

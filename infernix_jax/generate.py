@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-context", type=int, default=None, help="cache capacity in tokens")
+    p.add_argument("--ngram-volume", default=None, metavar="PATH",
+                   help="table volume of a model with an n-gram memory (docs/ngram_memory.md); generates "
+                        "through the engine and prints the text at the end")
     return p
 
 
@@ -43,13 +46,29 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = model.generate(prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=emit)
+    if args.ngram_volume or model.config.ngram_memory is not None:
+        result = _generate_with_memory(model, prompt, args)
+        emit(result.text)
+    else:
+        result = model.generate(prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stream=emit)
     if model.tokenizer is None:  # no text to stream: print the ids
         sys.stdout.write(" ".join(str(t) for t in result.token_ids))
     sys.stdout.write("\n")
     print(f"[{len(result.token_ids)} tokens, finish_reason={result.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _generate_with_memory(model, prompt, args):
+    """A model with an n-gram memory runs through the engine, which feeds the memory's rows."""
+    from infernix_jax.engine.llm import LLM
+    from infernix_jax.engine.protocol import SamplingParams
+
+    llm = LLM(model=model, ngram_volume=args.ngram_volume, compilation_cache_dir=None, progress=False,
+              max_concurrency=1, decode_batch_sizes=(1,), prefill_batch_sizes=(1,))
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed)
+    return llm.generate([prompt], sampling)[0]
 
 
 if __name__ == "__main__":

@@ -116,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="shortest context suffix the n-gram drafter may match (default: the engine's, 2)",
     )
 
+    ngram = parser.add_argument_group("n-gram memory (docs/ngram_memory.md)")
+    ngram.add_argument(
+        "--ngram-volume",
+        default=None,
+        metavar="PATH",
+        help="table volume of a model with an n-gram memory (written by python -m conversion.ngram_volume)",
+    )
+    ngram.add_argument(
+        "--ngram-cache-mem", default=None, help="host cache of hot table rows, e.g. 8GiB (default: the engine's, 1GiB)"
+    )
+
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -199,6 +210,11 @@ def build_engine(args: argparse.Namespace):
         value = getattr(args, name, None)
         if value is not None and not (name == "prefix_cache_save_mins" and value == 0):
             prefix[name] = value
+    memory = {
+        name: getattr(args, name)
+        for name in ("ngram_volume", "ngram_cache_mem")
+        if getattr(args, name, None) is not None
+    }
     return create_engine(
         args.model,
         max_concurrency=args.max_concurrency,
@@ -207,6 +223,7 @@ def build_engine(args: argparse.Namespace):
         prefill_chunk=args.prefill_chunk,
         **speculative,
         **prefix,
+        **memory,
     )
 
 

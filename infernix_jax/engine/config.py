@@ -50,6 +50,9 @@ class EngineConfig:
     draft_tokens: int = 3  # MTP draft chain length (tokens verified per step: up to this + 1)
     ngram_draft_tokens: int = 5  # most tokens the n-gram (prompt lookup) drafter proposes
     ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
+    # n-gram memory (Engram-style tables; docs/ngram_memory.md)
+    ngram_volume: str | None = None  # the table volume of a model with an n-gram memory
+    ngram_cache_mem: int | str = "1GiB"  # host cache of hot table rows
 
     def __post_init__(self) -> None:
         errors = []

@@ -28,6 +28,7 @@ from infernix_jax.cache import (
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
+from infernix_jax.engine.ngram_prefetch import build_ngram_feeder
 from infernix_jax.engine.prefix import build_prefix_cache, load_prefix_cache, save_prefix_cache
 from infernix_jax.engine.protocol import (
     FINISH_ABORT,
@@ -117,8 +118,12 @@ class EngineCore:
         config: EngineConfig,
         tokenizer=None,
         eos_token_ids: Sequence[int] = (),
+        ngram_table=None,
     ):
+        """ngram_table: an infernix_jax.ngram.memory.NgramTable for a model with an n-gram memory
+        (else the engine opens config.ngram_volume)."""
         enable_compilation_cache(config.compilation_cache_dir)
+        self.ngram, config = build_ngram_feeder(cfg, config, ngram_table)
         self.cfg = cfg
         self.config = config
         self.tokenizer = tokenizer
@@ -137,6 +142,7 @@ class EngineCore:
             # MTP drafting prefills through its own program, which takes no snapshots: those requests
             # are cached when they stop (finish or preemption) only
             snapshots_per_chunk=config.snapshots_per_chunk if config.prefix_cache and not config.spec_uses_mtp else 0,
+            ngram_table=self.ngram.table if self.ngram is not None else None,
         )
         blocks = BlockAllocator(num_blocks)
         self.prefix_cache = (
@@ -259,6 +265,8 @@ class EngineCore:
         if plan.empty:
             return events
         self.metrics.steps += 1
+        if self.ngram is not None:  # start the memory-row lookups now; they overlap what follows
+            self.ngram.prepare(plan)
         for state in self._newly_scheduled(plan):
             constrained = self.constraints.get(state.request_id)
             sampling = constrained.slot_sampling() if constrained else state.request.sampling
@@ -305,6 +313,8 @@ class EngineCore:
                 constrained.fill_mask(batch.mask[i])
             self.metrics.prefill_tokens += chunk.num_tokens
         try:
+            if self.ngram is not None:
+                batch.ngram_rows = self.ngram.prefill_rows(plan)
             if self.speculation is not None and self.speculation.uses_mtp:
                 out = self.speculation.prefill(batch, plan)
             else:
@@ -340,6 +350,8 @@ class EngineCore:
             batch.slots[i] = state.slot
             batch.max_steps[i] = row.max_steps
         try:
+            if self.ngram is not None:
+                batch.ngram_rows = self.ngram.decode_rows(plan)
             out = self.runner.decode(batch)
             t0 = time.perf_counter()
             sampled = self.runner.read_decode(out)

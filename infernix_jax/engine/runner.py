@@ -119,6 +119,7 @@ def prefill_program(
     snapshot_at: jax.Array | None = None,  # i32 [r, S]: recurrent-state snapshots after that many tokens
     snapshot_slots: jax.Array | None = None,  # i32 [r, S]: the state-pool slots they go to (0: none)
     mask: jax.Array | None = None,  # i32 [r, ceil(v / 32)]: packed allowed tokens (structured output)
+    ngram_rows: jax.Array | None = None,  # [L, r, t, heads, width]: n-gram memory rows (model with a memory)
     *,
     cfg: ModelConfig,
     num_top: int,
@@ -126,7 +127,14 @@ def prefill_program(
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
     last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0).astype(jnp.int32)
     logits, _, cache = forward(
-        params, tokens, positions, cache, cfg, logit_indices=last[:, None], snapshot_at=snapshot_at
+        params,
+        tokens,
+        positions,
+        cache,
+        cfg,
+        logit_indices=last[:, None],
+        snapshot_at=snapshot_at,
+        ngram_rows=ngram_rows,
     )
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     if snapshot_at is not None:
@@ -165,11 +173,14 @@ def decode_program(
     block_table: jax.Array,  # i32 [b, m]
     slots: jax.Array,  # i32 [b]
     max_steps: jax.Array,  # i32 [b]: tokens each row may generate (0 on padding rows)
+    ngram_rows: jax.Array | None = None,  # [L, b, 1, heads, width]: n-gram memory rows (then steps == 1)
     *,
     cfg: ModelConfig,
     steps: int,
     num_top: int,
 ):
+    if ngram_rows is not None and steps != 1:
+        raise ValueError("with an n-gram memory a decode dispatch runs one step (the next rows need the token)")
     b = tokens.shape[0]
     arrays, penalties = slot_sampling.rows(slots)
 
@@ -178,7 +189,7 @@ def decode_program(
         active = (i < max_steps) & ~done
         pos = jnp.where(active, positions + i, -1)
         cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
-        logits, _, cache = forward(params, current[:, None], pos[:, None], cache, cfg)
+        logits, _, cache = forward(params, current[:, None], pos[:, None], cache, cfg, ngram_rows=ngram_rows)
         kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
         sampled = sample(
             logits[:, 0],
@@ -327,6 +338,7 @@ class PrefillBatch:
     snapshot_at: np.ndarray | None = None  # i32 [r, S] or None (no snapshots in this engine)
     snapshot_slots: np.ndarray | None = None  # i32 [r, S]
     mask: np.ndarray | None = None  # i32 [r, mask_words]: packed allowed tokens; None: all
+    ngram_rows: np.ndarray | None = None  # [L, r, t, heads, width]: n-gram memory rows (engine/ngram_prefetch.py)
 
 
 @dataclass
@@ -339,6 +351,7 @@ class DecodeBatch:
     slots: np.ndarray  # i32 [b]
     max_steps: np.ndarray  # i32 [b]
     steps: int
+    ngram_rows: np.ndarray | None = None  # [L, b, 1, heads, width]: n-gram memory rows (steps == 1)
 
 
 class Runner:
@@ -354,8 +367,10 @@ class Runner:
         eos_token_ids: Sequence[int] = (),
         num_snapshot_slots: int = 0,
         snapshots_per_chunk: int = 0,
+        ngram_table=None,
     ):
         self.cfg = cfg
+        self.ngram_table = ngram_table  # infernix_jax.ngram.memory.NgramTable of a model with a memory
         self.params = params
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
@@ -431,6 +446,7 @@ class Runner:
             batch.snapshot_at,
             batch.snapshot_slots,
             batch.mask if batch.mask is not None else allow_all(len(batch.slots), self.mask_words),
+            batch.ngram_rows,
             cfg=self.cfg,
             num_top=self.num_top,
         )
@@ -440,6 +456,8 @@ class Runner:
         self, tokens: np.ndarray, positions: np.ndarray, block_table: np.ndarray, slots: np.ndarray
     ) -> jax.Array:
         """Dispatch one decode forward (returns at once); the logits stay on the device."""
+        if self.ngram_table is not None:
+            raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
         self.kv_pool, self.state_pool, logits = decode_forward_program(
             self.params, self.kv_pool, self.state_pool, tokens, positions, block_table, slots, cfg=self.cfg
         )
@@ -468,6 +486,7 @@ class Runner:
             batch.block_table,
             batch.slots,
             batch.max_steps,
+            batch.ngram_rows,
             cfg=self.cfg,
             steps=batch.steps,
             num_top=self.num_top,
@@ -499,6 +518,7 @@ class Runner:
             if self.snapshots_per_chunk
             else None,
             mask=allow_all(rows, self.mask_words),
+            ngram_rows=self.ngram_table.empty(rows, length) if self.ngram_table is not None else None,
         )
 
     def empty_decode(self, batch: int, steps: int) -> DecodeBatch:
@@ -509,6 +529,7 @@ class Runner:
             slots=np.full(batch, SCRATCH_SLOT, np.int32),
             max_steps=np.zeros(batch, np.int32),
             steps=steps,
+            ngram_rows=self.ngram_table.empty(batch, 1) if self.ngram_table is not None else None,
         )
 
     # ---- pool rows for the prefix cache (implements cache.prefix_cache.PoolDevice) --------------

@@ -15,6 +15,7 @@ from infernix_jax.config import FULL_ATTENTION, ModelConfig
 from infernix_jax.model.attention import attention
 from infernix_jax.model.gated_deltanet import gated_deltanet
 from infernix_jax.model.mlp import mlp, moe
+from infernix_jax.model.ngram_memory import ngram_memory
 from infernix_jax.model.norm import rms_norm
 from infernix_jax.model.params import LayerParams, Params
 from infernix_jax.weights.quant import matmul
@@ -28,13 +29,17 @@ def decoder_layer(
     cfg: ModelConfig,
     snapshot_at=None,
     keep_states: bool = False,
+    memory_rows=None,
 ):
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry),
     and for a linear-attention layer given `snapshot_at` also its state snapshots (see gated_deltanet).
 
     keep_states: a linear-attention layer returns its state after every position (see gated_deltanet).
+    memory_rows: [B, T, heads, width] n-gram memory rows for a layer with `p.ngram` (read before the mixer).
     """
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+    if getattr(p, "ngram", None) is not None:
+        x = ngram_memory(p.ngram, x, memory_rows, cfg)
     h = rms_norm(x, p.input_norm, eps, zc)
     snapshots = None
     if p.attn is not None:
@@ -72,6 +77,7 @@ def forward(
     logit_indices: jax.Array | None = None,
     snapshot_at: jax.Array | None = None,
     keep_states: bool = False,
+    ngram_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SequenceCache]:
     """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
 
@@ -82,19 +88,30 @@ def forward(
     keep_states (static; speculative verification of windows <= 16 tokens): every GDNState entry of
     the returned cache holds the state after each position, conv [B, T, C, K-1] and recurrent
     [B, T, Hv, Dk, Dv]; engine/speculative/rollback.py keeps the one at each row's accepted length.
+    ngram_rows [L, B, T, heads, width]: the n-gram memory rows of each memory layer (in
+    cfg.ngram_memory.layers order), gathered on the host (infernix_jax/ngram); required when the
+    model has an n-gram memory.
     """
+    memory_layers = cfg.ngram_memory.layers if cfg.ngram_memory is not None else ()
+    if memory_layers and ngram_rows is None:
+        raise ValueError("this model has an n-gram memory: forward needs ngram_rows (see docs/ngram_memory.md)")
     dtype = params.final_norm.dtype
     x = embed(params, tokens, dtype)
     entries = list(cache.layers)
     snapshots = []
     for i, layer in enumerate(params.layers):
         kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
+        rows = ngram_rows[memory_layers.index(i)] if i in memory_layers else None
         with jax.named_scope(f"layer{i}_{kind}"):
             if kind == "gdn" and snapshot_at is not None:
-                x, entries[i], taken = decoder_layer(layer, x, positions, entries[i], cfg, snapshot_at)
+                x, entries[i], taken = decoder_layer(
+                    layer, x, positions, entries[i], cfg, snapshot_at, memory_rows=rows
+                )
                 snapshots.append(taken)
             else:
-                x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg, keep_states=keep_states)
+                x, entries[i] = decoder_layer(
+                    layer, x, positions, entries[i], cfg, keep_states=keep_states, memory_rows=rows
+                )
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from infernix_jax.config import FULL_ATTENTION, MLP_MOE, ModelConfig
+from infernix_jax.model.ngram_memory import NgramMemoryParams
 
 
 def _pytree(cls):
@@ -86,6 +87,7 @@ class LayerParams:
     gdn: GDNParams | None = None
     mlp: MLPParams | None = None
     moe: MoEParams | None = None
+    ngram: NgramMemoryParams | None = None  # n-gram memory read before the mixer (model/ngram_memory.py)
 
 
 @_pytree
@@ -197,6 +199,12 @@ def declare_params(cfg: ModelConfig, with_mtp: bool = True) -> Params:
     """The declaration tree: same structure as `Params`, with a `Decl` at every leaf."""
     d, v = cfg.hidden_size, cfg.vocab_size
     layers = tuple(_layer_decl(cfg, cfg.layer_types[i], cfg.mlp_types[i]) for i in range(cfg.num_layers))
+    if cfg.ngram_memory is not None:
+        e = cfg.ngram_memory.memory_dim
+        for i in cfg.ngram_memory.layers:
+            layers[i].ngram = NgramMemoryParams(
+                key_proj=Decl((d, e)), value_proj=Decl((d, e)), key_norm=Decl((d,), "norm"), query_norm=Decl((d,), "norm")
+            )
     mtp = None
     if with_mtp and cfg.mtp_num_layers:
         mtp = MTPParams(
