@@ -141,6 +141,11 @@ LAYER_RULES: tuple[Rule, ...] = (
     Rule("moe.shared.up_proj", ("mlp.shared_expert.up_proj.weight",)),
     Rule("moe.shared.down_proj", ("mlp.shared_expert.down_proj.weight",)),
     Rule("moe.shared_gate", ("mlp.shared_expert_gate.weight",)),
+    # n-gram memory's dense parts (our own names; the table itself is a separate volume)
+    Rule("ngram.key_proj", ("ngram_memory.key_proj.weight",)),
+    Rule("ngram.value_proj", ("ngram_memory.value_proj.weight",)),
+    Rule("ngram.key_norm", ("ngram_memory.key_norm.weight",)),
+    Rule("ngram.query_norm", ("ngram_memory.query_norm.weight",)),
 )
 
 # Global tensors, relative to the text model's prefix (`model.` or `model.language_model.`)

@@ -92,6 +92,9 @@ def _layer(out: dict, prefix: str, p: LayerParams, cfg: ModelConfig, dtype) -> N
         _moe(out, prefix + "mlp.", p.moe, dtype)
     else:
         _mlp(out, prefix + "mlp.", p.mlp, dtype)
+    if p.ngram is not None:
+        for name in ("key_proj", "value_proj", "key_norm", "query_norm"):
+            out[f"{prefix}ngram_memory.{name}.weight"] = _np(getattr(p.ngram, name), dtype)
 
 
 def params_to_hf(params: Params, cfg: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:

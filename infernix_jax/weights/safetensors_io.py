@@ -123,6 +123,5 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str | os.PathLike, me
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for blob in blobs:
-            f.write(blob)
+        f.writelines(blobs)
     os.replace(tmp, path)
