@@ -27,9 +27,10 @@ prompt skips its prefill).
 Device programs for one score request: the prefill programs of its first P - 1 tokens (none
 beyond what the prefix cache already holds; one when the prompt fits a chunk; a one-token
 remainder runs as a decode step), then one `score_program` dispatch — more only when the rows
-exceed the largest score shape's row count or `QUERY_WIDTH` queries. `score_program` is compiled
-at warm-up for the shapes (rows, SCORE_LENGTH) of the prefill buckets, so scoring compiles nothing
-afterwards. A candidate may have at most SCORE_LENGTH - 1 tokens.
+exceed SCORE_ROWS (several requests ready in the same step share dispatches) or `QUERY_WIDTH`
+queries. `score_program` is compiled at warm-up for (rows, length) shapes at one prefill chunk
+length (see `score_shapes`), so scoring compiles nothing afterwards. A candidate may have at most
+length - 1 tokens (63 with the default buckets).
 
 Letters: r rows, t row length, m blocks per row, q queries, v vocabulary.
 """
@@ -66,6 +67,7 @@ from infernix_jax.model.params import Params
 
 QUERY_WIDTH = 1024  # (row, position, token) logprobs one scoring dispatch returns (a static shape)
 PREFERRED_SCORE_LENGTH = 64  # score rows use the smallest prefill chunk bucket of at least this
+SCORE_ROWS = 8  # rows of the widest scoring program (distinct multi-token option paths per dispatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,11 +135,13 @@ def _most_queries_in_a_row(candidates: Sequence[Sequence[int]]) -> int:
 
 
 def score_shapes(config: EngineConfig) -> tuple[tuple[int, int], ...]:
-    """(rows, length) of the scoring programs: prefill bucket shapes at one chunk length, the
-    smallest of at least PREFERRED_SCORE_LENGTH (or the longest there is)."""
+    """(rows, length) of the scoring programs: the prefill bucket shapes at one chunk length (the
+    smallest of at least PREFERRED_SCORE_LENGTH, or the longest there is), and SCORE_ROWS rows at
+    that length, so that a choice among several multi-token options still fits one dispatch."""
     lengths = sorted({t for _, t in config.prefill_shapes})
     length = next((t for t in lengths if t >= PREFERRED_SCORE_LENGTH), lengths[-1])
-    return tuple(sorted((r, t) for r, t in config.prefill_shapes if t == length))
+    rows = {r for r, t in config.prefill_shapes if t == length} | {SCORE_ROWS}
+    return tuple((r, length) for r in sorted(rows))
 
 
 @dataclass

@@ -7,12 +7,14 @@ forward) over the hybrid float32 fixture (qwen3_next: Gated DeltaNet and gated a
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import jax
 import numpy as np
 import pytest
 
 import infernix_jax
+from infernix_jax.cache.sequence import init_cache
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.engine import AsyncEngine
@@ -23,7 +25,8 @@ from infernix_jax.engine.protocol import (
     ScoreError,
     ScoreRequest,
 )
-from infernix_jax.engine.scoring import plan_rows, score_shapes
+from infernix_jax.engine.scoring import SCORE_ROWS, plan_rows, score_shapes
+from infernix_jax.model.forward import forward
 from tests.conftest import HF_FIXTURES
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -53,9 +56,23 @@ def core(reference):
     return EngineCore(reference.config, reference.params, CONFIG, None, reference.eos_token_ids())
 
 
+REFERENCE_LENGTH = 192  # every reference forward is padded to this (one compiled shape)
+
+
+@partial(jax.jit, static_argnums=3)
+def _reference_logits(params, tokens, positions, cfg):
+    cache = init_cache(cfg, 1, REFERENCE_LENGTH)
+    return forward(params, tokens, positions, cache, cfg)[0][0]
+
+
 def teacher_forced(reference, prompt: list[int], candidate: tuple[int, ...]) -> list[float]:
-    """log P(candidate[j] | prompt + candidate[:j]) from one causal forward over prompt + candidate."""
-    logits = np.asarray(reference.logits(prompt + list(candidate)), np.float64)
+    """log P(candidate[j] | prompt + candidate[:j]) from one causal forward over prompt + candidate
+    (a plain contiguous cache, no engine)."""
+    ids = prompt + list(candidate)
+    tokens = np.zeros((1, REFERENCE_LENGTH), np.int32)
+    positions = np.full((1, REFERENCE_LENGTH), -1, np.int32)
+    tokens[0, : len(ids)], positions[0, : len(ids)] = ids, np.arange(len(ids))
+    logits = np.asarray(_reference_logits(reference.params, tokens, positions, reference.config), np.float64)
     top = logits.max(-1, keepdims=True)
     logprobs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     return [float(logprobs[len(prompt) - 1 + j, t]) for j, t in enumerate(candidate)]
@@ -127,7 +144,7 @@ def test_one_scoring_dispatch_after_one_prefill_and_no_compilation(core, referen
 
     prompt = prompt_of(30, 7)
     yes_no = ((11,), (12,), (13,), (14,))
-    many = tuple((i, i + 1) for i in range(20, 25))  # five rows: more than a score shape holds (1)
+    many = tuple((i, i + 1) for i in range(20, 20 + SCORE_ROWS + 1))  # one row more than a dispatch holds
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         finals = run(core, [ScoreRequest("one", prompt, yes_no)])
@@ -139,12 +156,12 @@ def test_one_scoring_dispatch_after_one_prefill_and_no_compilation(core, referen
     assert finals["one"].score.score_dispatches == 1
     totals = finals["one"].score.totals()
     np.testing.assert_allclose(totals, [teacher_forced(reference, prompt, c)[0] for c in yes_no], atol=2e-4)
-    assert finals["many"].score.score_dispatches == len(many)  # one scoring step, a dispatch per row
+    assert finals["many"].score.score_dispatches == 2  # one scoring step, in two dispatches
 
 
 def test_scoring_batches_with_generation_and_preemption_keeps_results_exact(core, reference):
-    greedy = SamplingParams(max_tokens=100, ignore_eos=True)
-    generations = [GenerationRequest(f"g{i}", prompt_of(110 + 10 * i, 20 + i), greedy) for i in range(2)]
+    greedy = SamplingParams(max_tokens=70, ignore_eos=True)
+    generations = [GenerationRequest(f"g{i}", prompt_of(130 + 10 * i, 20 + i), greedy) for i in range(2)]
     alone: dict = {}
     for request in generations:
         run(core, [request], alone)
