@@ -88,8 +88,8 @@ class LLM:
 
     def score(self, prompt: Prompt, candidates: Sequence[Prompt]) -> ScoreResult:
         """The logprob of every token of each candidate continuation of `prompt` (text or token
-        ids), read in one scoring pass after the prompt's prefill (engine/scoring.py). Other queued
-        work is advanced meanwhile. Raises ScoreError when the request cannot be served."""
+        ids; candidates are tokenized on their own), read in one scoring pass after the prompt's
+        prefill (engine/scoring.py). Raises ScoreError when the request cannot be served."""
         request_id = f"llm-score-{self._next_id}"
         self._next_id += 1
         ids = [tuple(self.model.encode(c)) for c in candidates]

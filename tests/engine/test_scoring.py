@@ -210,3 +210,17 @@ def test_async_engine_scores_and_reports_errors(core, reference):
 
     prompt, result = asyncio.run(main())
     np.testing.assert_allclose(result.logprobs[1], teacher_forced(reference, prompt, (4, 5)), atol=2e-4)
+
+
+def test_llm_score_equals_the_engine_core(core, reference):
+    from infernix_jax.engine.llm import LLM
+
+    options = {f.name: getattr(CONFIG, f.name) for f in CONFIG.__dataclass_fields__.values()}
+    llm = LLM(model=reference, **{**options, "warmup": False})  # same shapes: the programs are compiled
+    prompt = prompt_of(20, 11)
+    result = llm.score(prompt, [[3], [3, 4]])
+    expected = run(core, [ScoreRequest("llm", prompt, ((3,), (3, 4)))])["llm"].score
+    for got, want in zip(result.logprobs, expected.logprobs):
+        assert got == pytest.approx(want, abs=1e-5)
+    with pytest.raises(ScoreError):
+        llm.score(prompt, [])
