@@ -187,11 +187,15 @@ async def _generate(state: ServerState, prompt_ids, arrival, request_id, pattern
         max_tokens=clamp_max_tokens(state, len(prompt_ids), max_tokens), logprobs=TOP_LOGPROBS
     )
     constraint = build_constraint(state, ConstraintSpec.regex(pattern), "type")
-    generation = await start_generation(state, request_id, prompt_ids, sampling, arrival, constraint=constraint)
+    generation = await start_generation(
+        state, request_id, prompt_ids, sampling, arrival, constraint=constraint
+    )
     return await generation.collect()
 
 
-async def _number(state: ServerState, prompt_ids: list[int], arrival: float, request_id: str, body: dict) -> dict:
+async def _number(
+    state: ServerState, prompt_ids: list[int], arrival: float, request_id: str, body: dict
+) -> dict:
     max_tokens = fields.get_int(body, "max_tokens", minimum=1) or 24
     outcome = await _generate(state, prompt_ids, arrival, request_id, NUMBER_PATTERN, max_tokens)
     match = _NUMBER.search(outcome.text)

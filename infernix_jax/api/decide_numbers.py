@@ -45,7 +45,7 @@ def integer_range_pattern(high: int) -> str:
 
 
 def coordinates_pattern(count: int, grid: Sequence[int]) -> str:
-    """"(a, b, ...)" with `count` integers; x values within 0..grid[0], y values within 0..grid[1]."""
+    """ "(a, b, ...)" with `count` integers; x values within 0..grid[0], y values within 0..grid[1]."""
     values = [integer_range_pattern(grid[i % 2]) for i in range(count)]
     return r"\(" + ", ".join(values) + r"\)"
 

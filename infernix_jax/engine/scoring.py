@@ -194,7 +194,9 @@ class Scorer:
             error = "the prompt is empty"
         elif not candidates or any(not c for c in candidates):
             error = "give at least one candidate, each of at least one token"
-        elif any(not 0 <= t < vocab for t in prompt) or any(not 0 <= t < vocab for c in candidates for t in c):
+        elif any(not 0 <= t < vocab for t in prompt) or any(
+            not 0 <= t < vocab for c in candidates for t in c
+        ):
             error = f"token ids must be in [0, {vocab})"
         elif longest > self.length - 1:
             error = f"a candidate has {longest} tokens; at most {self.length - 1} can be scored"
@@ -203,8 +205,16 @@ class Scorer:
         elif (queries := _most_queries_in_a_row(candidates)) > QUERY_WIDTH:
             error = f"the candidates need {queries} logprobs from one row, more than {QUERY_WIDTH}"
         if error:
-            return [TokenEvent(request.request_id, [], "", finish_reason=FINISH_ERROR, error=error,
-                               prompt_tokens=len(prompt))]
+            return [
+                TokenEvent(
+                    request.request_id,
+                    [],
+                    "",
+                    finish_reason=FINISH_ERROR,
+                    error=error,
+                    prompt_tokens=len(prompt),
+                )
+            ]
         head = GenerationRequest(
             request.request_id, prompt[:-1], SamplingParams(max_tokens=0), arrival_time=request.arrival_time
         )
@@ -326,15 +336,21 @@ class Scorer:
         core.scheduler.finish(state, cache=error is None)
         prompt = len(job.request.prompt_token_ids)
         if error is not None:
-            return TokenEvent(job.request.request_id, [], "", finish_reason=FINISH_ERROR, error=error,
-                              prompt_tokens=prompt)
+            return TokenEvent(
+                job.request.request_id, [], "", finish_reason=FINISH_ERROR, error=error, prompt_tokens=prompt
+            )
         values = tuple(
             tuple(job.values[start : start + len(c)]) for start, c in zip(job.offsets, job.request.candidates)
         )
         result = ScoreResult(job.request.request_id, values, prompt, state.cached_tokens, job.dispatches)
         return TokenEvent(
-            job.request.request_id, [], "", finish_reason=FINISH_STOP, prompt_tokens=prompt,
-            cached_tokens=state.cached_tokens, score=result,
+            job.request.request_id,
+            [],
+            "",
+            finish_reason=FINISH_STOP,
+            prompt_tokens=prompt,
+            cached_tokens=state.cached_tokens,
+            score=result,
         )
 
     # ---- warm-up -------------------------------------------------------------------------------

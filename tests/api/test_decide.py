@@ -92,7 +92,7 @@ async def test_number_is_read_from_greedy_output(tokenizer):
 
 
 async def test_point_and_box_return_coordinates_with_their_digit_distributions(tokenizer):
-    app, engine = build(tokenizer, "(512, 30)")
+    app, _ = build(tokenizer, "(512, 30)")
     status, data = await decide(app, type="point", prompt="Where is the cat?")
     assert status == 200 and data["decision"] == [512, 30] and data["grid"] == [1000, 1000]
     x = data["coordinates"][0]
@@ -155,7 +155,11 @@ def test_digit_distributions_give_the_expected_value():
     digits = {str(d): 100 + d for d in range(10)}  # token ids of "0".."9"
     decode = {**{v: k for k, v in digits.items()}, 1: "(", 2: ")"}.__getitem__
     # "(42)": the first digit is "4" (0.6) or "5" (0.2) or "(" (0.2, not a digit); the second is sure
-    first = TokenLogprob(digits["4"], math.log(0.6), ((digits["4"], math.log(0.6)), (digits["5"], math.log(0.2)), (1, math.log(0.2))))
+    first = TokenLogprob(
+        digits["4"],
+        math.log(0.6),
+        ((digits["4"], math.log(0.6)), (digits["5"], math.log(0.2)), (1, math.log(0.2))),
+    )
     second = TokenLogprob(digits["2"], 0.0, ((digits["2"], 0.0),))
     plain = TokenLogprob(1, 0.0)
     (reading,) = read_integers([1, digits["4"], digits["2"], 2], [plain, first, second, plain], decode)

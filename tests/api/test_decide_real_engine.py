@@ -138,8 +138,13 @@ def test_option_logprobs_equal_forced_completion_logprobs(server):
         request = urllib.request.Request(
             url + "/v1/completions",
             data=json.dumps(
-                {"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprobs": 1,
-                 "logit_bias": {str(token): 100}}
+                {
+                    "model": MODEL,
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "logprobs": 1,
+                    "logit_bias": {str(token): 100},
+                }
             ).encode(),
             headers={"Content-Type": "application/json"},
         )

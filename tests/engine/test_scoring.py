@@ -129,7 +129,11 @@ def test_scores_equal_teacher_forcing_each_candidate(core, reference, length):
 def test_one_scoring_dispatch_after_one_prefill_and_no_compilation(core, reference, monkeypatch):
     counts = {"prefill": 0, "decode": 0, "score": 0}
     runner, scorer = core.runner, core.scorer
-    for name, owner, attr in (("prefill", runner, "prefill"), ("decode", runner, "decode"), ("score", scorer, "_call")):
+    for name, owner, attr in (
+        ("prefill", runner, "prefill"),
+        ("decode", runner, "decode"),
+        ("score", scorer, "_call"),
+    ):
         original = getattr(owner, attr)
 
         def counted(*args, _original=original, _name=name):
