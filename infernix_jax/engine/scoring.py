@@ -22,7 +22,9 @@ Rows never write the pools: each row attends over a private copy of its prompt K
 gathered into a contiguous view, as paged attention does anyway) and its own new keys, and starts
 from a copy of the prompt's recurrent state. So candidates are independent and the prompt's blocks
 and slot are untouched; when the request ends they go to the prefix cache as usual (a repeated
-prompt skips its prefill).
+prompt skips its prefill). With an int8/fp8 KV pool the prompt's keys are dequantized
+into the copy and the rows' own keys stay in the model dtype (a prefill would store them
+quantized): the scores can differ from a generation's logprobs by that rounding.
 
 Device programs for one score request: the prefill programs of its first P - 1 tokens (none
 beyond what the prefix cache already holds; one when the prompt fits a chunk; a one-token
