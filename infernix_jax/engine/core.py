@@ -37,6 +37,7 @@ from infernix_jax.engine.protocol import (
     FINISH_STOP,
     EngineStats,
     GenerationRequest,
+    ScoreRequest,
     TokenEvent,
     TokenLogprob,
 )
@@ -44,6 +45,7 @@ from infernix_jax.engine.request_state import OutputTracker, RequestState, Statu
 from infernix_jax.engine.runner import Runner, Sampled, enable_compilation_cache
 from infernix_jax.engine.sampling import resolve_seed
 from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
+from infernix_jax.engine.scoring import Scorer
 from infernix_jax.engine.speculative.rollback import verify_state_bytes
 from infernix_jax.engine.speculative.step import Speculation
 from infernix_jax.model.params import Params
@@ -158,11 +160,15 @@ class EngineCore:
         self.constraints: dict[str, ConstrainedOutput] = {}  # request id -> its structured-output state
         self.metrics = EngineMetrics()
         self._arrivals = 0
+        self.scorer = Scorer(self)  # score requests (engine/scoring.py)
         self.speculation = None
         if config.spec != "none":
             self.speculation = Speculation(self)
         if config.warmup:
             self.metrics.warmup_s = self.runner.warmup(config.progress)
+            start = time.perf_counter()
+            self.scorer.warmup()
+            self.metrics.warmup_s += time.perf_counter() - start
             if self.speculation is not None:
                 start = time.perf_counter()
                 self.speculation.warmup()
@@ -208,8 +214,13 @@ class EngineCore:
         self.scheduler.add(state)
         return []
 
+    def add_score_request(self, request: ScoreRequest) -> list[TokenEvent]:
+        """Queue a score request (engine/scoring.py); its final event carries the ScoreResult."""
+        return self.scorer.add(request)
+
     def abort(self, request_id: str) -> list[TokenEvent]:
         """Cancel a request: its blocks and slot are freed now. Returns its final event (if it was live)."""
+        self.scorer.forget(request_id)
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
@@ -263,6 +274,7 @@ class EngineCore:
             )
         self.metrics.preemptions += len(plan.preempted)
         if plan.empty:
+            self.scorer.run(events)  # score requests whose prompt the prefix cache held whole
             return events
         self.metrics.steps += 1
         if self.ngram is not None:  # start the memory-row lookups now; they overlap what follows
@@ -280,6 +292,7 @@ class EngineCore:
                 wait += self.speculation.run(plan, events)
             else:
                 wait += self._run_decode(plan, events)
+        wait += self.scorer.run(events)
         if plan.decode and not plan.prefill:
             self.metrics.decode_dispatches += 1
             self.metrics.decode_wall_s += time.perf_counter() - start
@@ -494,8 +507,8 @@ class EngineCore:
         self, state: RequestState, sampled: Sampled, row: int, count: int, events: list[TokenEvent]
     ) -> None:
         """Feed a row's sampled tokens through the stop rules; emit one event; finish if stopped."""
-        if state.status != Status.RUNNING:
-            return
+        if state.status != Status.RUNNING or self.scorer.owns(state.request_id):
+            return  # a score request's prefill samples a token nobody reads
         tracker = state.tracker
         want = state.request.sampling.logprobs
         alive = True

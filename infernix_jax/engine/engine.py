@@ -20,7 +20,15 @@ import jax
 
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore, EngineMetrics
-from infernix_jax.engine.protocol import FINISH_ERROR, EngineStats, GenerationRequest, TokenEvent
+from infernix_jax.engine.protocol import (
+    FINISH_ERROR,
+    EngineStats,
+    GenerationRequest,
+    ScoreError,
+    ScoreRequest,
+    ScoreResult,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,18 @@ class AsyncEngine:
 
     # ---- the protocol --------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        return self._submit("add", request)
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Score candidate continuations (engine/scoring.py); a cancelled caller aborts the request."""
+        async for event in self._submit("score", request):
+            if event.finished:
+                if event.score is None:
+                    raise ScoreError(event.error or f"the score request ended: {event.finish_reason}")
+                return event.score
+        raise ScoreError("the score request ended without a result")
+
+    def _submit(self, kind: str, request: GenerationRequest | ScoreRequest) -> AsyncIterator[TokenEvent]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -66,7 +86,7 @@ class AsyncEngine:
                 )
                 return self._drain(request.request_id, events, owned=False)
             self._streams[request.request_id] = (loop, events)
-        self._inbox.put(("add", request))
+        self._inbox.put((kind, request))
         return self._drain(request.request_id, events, owned=True)
 
     async def abort(self, request_id: str) -> None:
@@ -114,6 +134,8 @@ class AsyncEngine:
             for kind, payload in commands:
                 if kind == "add":
                     events += core.add_request(payload)
+                elif kind == "score":
+                    events += core.add_score_request(payload)
                 elif kind == "abort":
                     events += core.abort(payload)
             if core.has_work():

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore, EngineMetrics
-from infernix_jax.engine.protocol import FINISH_ERROR, GenerationRequest, SamplingParams
+from infernix_jax.engine.protocol import (
+    FINISH_ERROR,
+    GenerationRequest,
+    SamplingParams,
+    ScoreError,
+    ScoreRequest,
+    ScoreResult,
+)
 from infernix_jax.loaded_model import GenerationResult, Model, load
 
 Prompt = str | Sequence[int]
@@ -78,6 +85,21 @@ class LLM:
             for event in self.core.step():
                 self._collect(results[event.request_id], event)
         return [results[i] for i in ids]
+
+    def score(self, prompt: Prompt, candidates: Sequence[Prompt]) -> ScoreResult:
+        """The logprob of every token of each candidate continuation of `prompt` (text or token
+        ids; candidates are tokenized on their own), read in one scoring pass after the prompt's
+        prefill (engine/scoring.py). Raises ScoreError when the request cannot be served."""
+        request_id = f"llm-score-{self._next_id}"
+        self._next_id += 1
+        ids = [tuple(self.model.encode(c)) for c in candidates]
+        request = ScoreRequest(request_id, self.model.encode(prompt), tuple(ids))
+        final = [e for e in self.core.add_score_request(request) if e.request_id == request_id]
+        while not final and self.core.has_work():
+            final = [e for e in self.core.step() if e.request_id == request_id and e.finished]
+        if not final or final[0].score is None:
+            raise ScoreError(final[0].error if final else "the score request ended without a result")
+        return final[0].score
 
     @staticmethod
     def _collect(result: GenerationResult, event) -> None:

@@ -76,6 +76,40 @@ class GenerationRequest:
     arrival_time: float = 0.0  # time.monotonic() when the server received it (for metrics)
 
 
+@dataclass
+class ScoreRequest:
+    """Score continuations of a prompt: the logprob of every token of every candidate.
+
+    Each candidate is a sequence of token ids that would follow the prompt; the engine reports
+    log P(candidate[j] | prompt + candidate[:j]) under the model's raw distribution (no sampling
+    settings apply). Candidates are alternatives: none of them sees another.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    candidates: tuple[tuple[int, ...], ...]
+    arrival_time: float = 0.0  # time.monotonic() when the server received it (for metrics)
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """What a `ScoreRequest` gives back."""
+
+    request_id: str
+    logprobs: tuple[tuple[float, ...], ...]  # per candidate, one logprob per token, in order
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    score_dispatches: int = 0  # scoring programs its candidate rows ran in (1 unless it had many rows)
+
+    def totals(self) -> list[float]:
+        """log P(candidate | prompt) of each candidate: the sum of its tokens' logprobs."""
+        return [sum(values) for values in self.logprobs]
+
+
+class ScoreError(ValueError):
+    """A score request the engine could not serve (bad candidates, too long, aborted, failed)."""
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The log-probability of one generated token, with the most likely alternatives."""
@@ -99,6 +133,7 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0  # generated so far, including this event
     error: str | None = None  # a readable message when finish_reason is FINISH_ERROR
+    score: ScoreResult | None = None  # the result, on the final event of a ScoreRequest
 
     @property
     def finished(self) -> bool:
@@ -134,6 +169,11 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks and state slot are freed at once; its stream ends with FINISH_ABORT."""
+        ...
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Score a prompt's candidate continuations (see ScoreRequest) through the scheduler, like
+        any request; raises ScoreError when the request cannot be served."""
         ...
 
     def stats(self) -> EngineStats: ...
