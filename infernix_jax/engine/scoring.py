@@ -175,6 +175,10 @@ class Scorer:
         self.length = self.shapes[0][1]
         self.jobs: dict[str, ScoreJob] = {}
         self.dispatches = 0  # score_program dispatches since start
+        # the scoring rows would need n-gram memory rows for their paths too: not built yet
+        self.unsupported = (
+            "scoring is not supported for a model with an n-gram memory" if core.cfg.ngram_memory else None
+        )
 
     def owns(self, request_id: str) -> bool:
         return request_id in self.jobs
@@ -189,8 +193,10 @@ class Scorer:
         prompt, candidates = list(request.prompt_token_ids), [tuple(c) for c in request.candidates]
         vocab = core.cfg.vocab_size
         longest = max((len(c) for c in candidates), default=0)
-        error = None
-        if request.request_id in core.requests:
+        error = self.unsupported
+        if error:
+            pass
+        elif request.request_id in core.requests:
             error = f"request id {request.request_id!r} is already running"
         elif not prompt:
             error = "the prompt is empty"
@@ -358,5 +364,7 @@ class Scorer:
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile every scoring shape on padding rows."""
+        if self.unsupported:
+            return
         for rows, _ in self.shapes:
             jax.block_until_ready(self._call(self.empty_batch(rows)))

@@ -152,3 +152,11 @@ def test_a_memory_model_without_a_table_says_which_flag_to_give(tiny_cfg, tiny_p
 def test_speculation_with_a_memory_is_refused_clearly(tiny_cfg, tiny_params, memory):
     with pytest.raises(ValueError, match="speculative decoding with an n-gram memory"):
         EngineCore(tiny_cfg, tiny_params, engine_config(spec="ngram"), ngram_table=memory)
+
+
+def test_score_requests_are_refused_with_a_reason(core):
+    """Scoring (the /v1/decide path) does not feed memory rows yet: a clear error, not a crash."""
+    from infernix_jax.engine.protocol import FINISH_ERROR, ScoreRequest
+
+    events = core.add_score_request(ScoreRequest("s", [1, 2, 3], [[4], [5]]))
+    assert events and events[0].finish_reason == FINISH_ERROR and "n-gram memory" in events[0].error
