@@ -1,6 +1,8 @@
 """python -m bench.readme_table: the README's performance table, generated from bench/results/*.json.
 
-Every row carries its ceiling and the fraction of it, as the records do.
+Every row carries its ceiling and the fraction of it, as the records do. The files named in `FILES`
+come first, in that order; any other result file follows in name order, so a new benchmark shows
+up without an edit here.
 """
 
 from __future__ import annotations
@@ -11,23 +13,34 @@ from pathlib import Path
 from bench.record import RESULTS_DIR, read_records
 
 FILES = ("ceilings-nvidia-h200.json", "decode-nvidia-h200.json", "kernels-nvidia-h200.json",
-         "mtp-acceptance-cpu.json")
+         "speculative-nvidia-h200.json", "structured-nvidia-h200.json", "mtp-acceptance-cpu.json",
+         "prefix-replay-cpu.json")  # fmt: skip
+
+
+def result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """The result files of the table: those in `FILES` that exist, then the others by name."""
+    known = [results_dir / name for name in FILES if (results_dir / name).exists()]
+    others = sorted(p for p in results_dir.glob("*.json") if p.name not in FILES)
+    return known + others
 
 
 def table(results_dir: Path = RESULTS_DIR, kernel_rows: int = 4) -> str:
     lines = ["| measured | machine | figure | ceiling | fraction | commit |", "|---|---|---|---|---|---|"]
-    for name in FILES:
-        path = results_dir / name
-        if not path.exists():
+    for path in result_files(results_dir):
+        try:
+            records = read_records(path)
+        except (ValueError, KeyError, TypeError) as exc:  # not a records file: leave it out, say so
+            sys.stderr.write(f"readme_table: skipping {path.name}: {exc}\n")
             continue
-        records = read_records(path)
-        if name.startswith("kernels"):  # the largest matrices only; the file has every shape
+        if path.name.startswith("kernels"):  # the largest matrices only; the file has every shape
             records = [r for r in records if "gate_up" in r["name"]][:kernel_rows]
         for r in records:
             ceiling = f"{r['ceiling']:.4g} {r['ceiling_unit']}" if r.get("ceiling") else "-"
             fraction = f"{r['fraction']:.1%}" if r.get("fraction") is not None else "-"
-            lines.append(f"| {r['name']} | {r['machine']} | {r['figure']:.4g} {r['unit']} | {ceiling} | "
-                         f"{fraction} | {str(r['commit'])[:8]} |")
+            lines.append(
+                f"| {r['name']} | {r['machine']} | {r['figure']:.4g} {r['unit']} | {ceiling} | "
+                f"{fraction} | {str(r['commit'])[:8]} |"
+            )
     return "\n".join(lines)
 
 

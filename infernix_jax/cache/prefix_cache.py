@@ -106,7 +106,7 @@ class PrefixCache:
         """The longest usable hit for a prompt (at least one token is left to feed)."""
         found = self.index.match(tokens, len(tokens) - 1)
         if self.stateful and found.snapshot is None:
-            return Match()
+            return Match(shared=found.shared)
         return found
 
     def blocks_needed(self, match: Match) -> int:

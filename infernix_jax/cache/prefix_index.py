@@ -96,6 +96,7 @@ class Match:
     length: int = 0  # tokens served from the cache
     blocks: list[BlockEntry] = field(default_factory=list)  # full blocks of the prefix, in order
     snapshot: SnapshotEntry | None = None  # the state at `length` (None: fresh, or a stateless model)
+    shared: int = 0  # tokens the prompt shares with indexed content (>= length): where it diverges
 
 
 class PrefixIndex:
@@ -144,7 +145,25 @@ class PrefixIndex:
                 break
             chain.append(entry)
             parent, depth = key, depth + 1
+        best.shared = max(best.length, start + self._shared_after(parent, tokens[start:limit]))
         return best
+
+    def _shared_after(self, node: bytes, rest: Sequence[int]) -> int:
+        """How many leading tokens of `rest` (the prompt after the full blocks named `node`) an indexed
+        block or snapshot tail after `node` also starts with. With the blocks before, that is where
+        the prompt leaves the indexed prefixes: the recurrent state there is what a later prompt with
+        the same divergence (another session on the same system prompt) needs."""
+        longest = 0
+        candidates = [self.blocks[k].tokens for k in self.children.get(node, ()) if k in self.blocks]
+        candidates += list(self.snapshots.get(node, {}))
+        for tokens in candidates:
+            n = 0
+            for a, b in zip(tokens, rest):
+                if a != b:
+                    break
+                n += 1
+            longest = max(longest, n)
+        return longest
 
     def snapshot_at(self, tokens: Sequence[int], position: int) -> SnapshotEntry | None:
         """The snapshot of exactly tokens[:position], if indexed."""

@@ -38,6 +38,7 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     fresh_slot: bool = False  # admitted (or resumed) and its slot's sampling state not yet installed
     cacheable_state: bool = True  # its slot's state is exactly that after num_computed tokens
+    snapshot_hints: list[int] = field(default_factory=list)  # where its prompt leaves other prompts
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     tracker: OutputTracker | None = None

@@ -31,8 +31,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from infernix_jax.cache.allocators import BLOCK_SIZE, BlockAllocator, SlotAllocator
 from infernix_jax.cache.prefix_cache import PrefixCache
+from infernix_jax.cache.prefix_index import Match
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.request_state import RequestState, Status
 
@@ -135,10 +138,15 @@ class Scheduler:
         return out
 
     def _plan_snapshots(self, out: SchedulerOutput) -> None:
-        """Choose where each prefill chunk snapshots the recurrent state: just before the prompt's
-        last token (a repeat or an extension of the prompt hits there), the prompt's last block
-        boundary, and every `prefix_cache_snapshot_blocks` blocks (latest first), skipping positions
-        already cached; at most `snapshots_per_chunk` a chunk."""
+        """Choose where each prefill chunk snapshots the recurrent state, in this order of preference
+        (skipping positions already cached; at most `snapshots_per_chunk` a chunk):
+
+        1. just before the prompt's last token: a repeat or an extension of the prompt hits there;
+        2. `RequestState.snapshot_hints` (set at admission): where the prompt leaves other prompts
+           (the end of a shared system prompt, which the next session on it then hits), then just
+           after its first end-of-message token (the end of the system message);
+        3. the prompt's last block boundary;
+        4. every `prefix_cache_snapshot_blocks` blocks (latest first)."""
         cache = self.prefix_cache
         if cache is None:
             return
@@ -148,7 +156,7 @@ class Scheduler:
             state = chunk.request
             start, end = chunk.start, chunk.start + chunk.num_tokens
             last = len(state.prompt) - 1
-            wanted = [last, last // BLOCK_SIZE * BLOCK_SIZE]
+            wanted = [last, *state.snapshot_hints, last // BLOCK_SIZE * BLOCK_SIZE]
             if interval:
                 wanted += range(end // interval * interval, start, -interval)
             tokens = state.tokens(0, end)
@@ -163,6 +171,28 @@ class Scheduler:
                 if cache.stateful and slot is None:
                     break
                 chunk.snapshots.append((p, slot))
+
+    def _note_divergence(self, state: RequestState, match: Match, hit: int) -> None:
+        """Record where a newly admitted prompt leaves the prompts before it: the end of the indexed
+        prefix it shares (`match.shared`), and the prefix it shares with each running request still
+        in prefill (admitted together, neither is indexed yet; that request snapshots there too).
+        Without a snapshot at such a point a hybrid model cannot reuse the shared part; with one,
+        every later prompt that shares it does (a third session on the same system prompt). Then the
+        end of the prompt's first message, so that even the second session on a system prompt hits."""
+        last = len(state.prompt) - 1
+        points = {match.shared}
+        for other in self.running:
+            if other is state or other.num_computed >= len(other.prompt):
+                continue
+            shared = _common_prefix(state.prompt, other.prompt)
+            points.add(shared)
+            if other.num_computed < shared < len(other.prompt) - 1 and shared not in other.snapshot_hints:
+                other.snapshot_hints.append(shared)
+        hints = sorted((p for p in points if hit < p < last), reverse=True)
+        turn_end = _first_turn_end(state)
+        if hit < turn_end < last and turn_end not in hints:
+            hints.append(turn_end)
+        state.snapshot_hints = hints
 
     def _admit(self, out: SchedulerOutput) -> None:
         while self.waiting and len(self.running) < self.config.max_concurrency and self.slots.num_free:
@@ -188,6 +218,7 @@ class Scheduler:
                 if owned is None:  # no room to restore after all: prefill from the start
                     owned, hit = [], 0
                 state.blocks, state.num_computed = owned, hit
+                self._note_divergence(state, match, hit)
                 if state.preemptions == 0:
                     state.cached_tokens = hit
                     cache.record_query(state.num_tokens, hit)
@@ -279,3 +310,20 @@ class Scheduler:
         self.waiting.appendleft(state)
         if out is not None:
             out.preempted.append(state)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def _first_turn_end(state: RequestState) -> int:
+    """The position just after the prompt's first end-of-message (stop) token, or -1: the end of the
+    system message in a chat template, which every session and every compaction on it shares."""
+    stops = state.tracker.stop_token_ids if state.tracker is not None else ()
+    if not stops:
+        return -1
+    found = np.flatnonzero(np.isin(np.asarray(state.prompt), list(stops)))
+    return int(found[0]) + 1 if found.size else -1

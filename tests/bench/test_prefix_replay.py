@@ -64,3 +64,14 @@ def test_time_to_first_token_is_reported_for_both_runs(replay):
         off["median_s"] / on["median_s"]
     )
     assert on["median_s"] <= on["p90_s"]
+
+
+def test_a_dry_run_measures_the_workload_without_a_model():
+    shape = main(["--dry-run", "--quick", "--seeds", "2"])["dry_run"]
+    kinds = shape["by_kind"]
+    assert sum(k["requests"] for k in kinds.values()) == shape["requests"]
+    assert sum(k["prompt_tokens"] for k in kinds.values()) == shape["prompt_tokens"]
+    assert all(0.0 <= k["reusable_share"] < 1.0 for k in kinds.values())
+    # a resent prompt can reuse everything but its last token; a first session's first prompt nothing
+    assert kinds["retry"]["reusable_share"] > 0.99
+    assert 0.0 < shape["reusable_share"] < 1.0

@@ -120,3 +120,16 @@ def test_without_host_room_evicted_entries_and_their_descendants_are_dropped():
     cache._demote_block(first)  # dropping the first block drops everything chained after it
     assert not cache.index.blocks and not list(cache.index.all_snapshots())
     assert blocks.num_free == blocks.num_total
+
+
+def test_a_lookup_reports_where_the_prompt_leaves_the_cached_prefixes():
+    cache, blocks, device = make()
+    system = tokens(100, 4)
+    first = system + tokens(60, 5)
+    finish(cache, blocks, device, first)
+    other = system + tokens(70, 6)
+    found = cache.match(other)
+    assert found.length == 0, "no snapshot inside the shared system prompt yet"
+    assert found.shared == 100, "one full block and 36 tokens of the next are the first prompt's"
+    assert cache.match(first[:130] + [1, 2]).shared == 130  # past the indexed blocks, inside the tail
+    assert cache.match(tokens(80, 7)).shared == 0

@@ -184,3 +184,53 @@ def test_the_cache_file_survives_a_restart_and_bad_files_are_ignored(core, tmp_p
         caplog.clear()
         assert not fresh.prefix_cache.index.blocks
         assert run(fresh, tokens)[2] == 0
+
+
+def test_a_third_prompt_on_a_shared_system_prompt_hits_at_its_end(core):
+    """The second prompt on a system prompt misses it (no state was saved where the two diverge) but
+    snapshots there, so the third hits all of it."""
+    cache = core.prefix_cache
+    system = prompt(100, 20)  # ends inside the second block: no block boundary or interval snapshot there
+    third = system + prompt(50, 23)
+    cache.clear()
+    cold = run(core, third)
+    cache.clear()
+    run(core, system + prompt(60, 21), rid="a")
+    second = run(core, system + prompt(70, 22), rid="b")
+    assert second[2] < len(system)
+    hit = run(core, third, rid="c")
+    assert hit[2] == len(system)
+    assert_same(hit, cold)
+
+
+def test_prompts_admitted_together_snapshot_where_they_diverge(core):
+    cache = core.prefix_cache
+    system = prompt(100, 30)
+    third = system + prompt(40, 33)
+    cache.clear()
+    cold = run(core, third)
+    cache.clear()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for rid, seed in (("a", 31), ("b", 32)):  # neither is indexed when the other is admitted
+        core.add_request(GenerationRequest(rid, system + prompt(60, seed), params))
+    while core.has_work():
+        core.step()
+    hit = run(core, third, rid="c")
+    assert hit[2] == len(system)
+    assert_same(hit, cold)
+
+
+def test_the_second_prompt_on_a_system_message_hits_at_its_end(core):
+    """A snapshot is taken just after a prompt's first end-of-message token: the end of the system
+    message, which the next session on it shares."""
+    cache = core.prefix_cache
+    end = 501  # the end-of-message (stop) token; prompt() never draws it
+    system = prompt(90, 40) + [end]
+    second = system + prompt(50, 42)
+    cache.clear()
+    cold = run(core, second, stop_ids=(end,))
+    cache.clear()
+    run(core, system + prompt(60, 41), stop_ids=(end,), rid="a")
+    hit = run(core, second, stop_ids=(end,), rid="b")
+    assert hit[2] == len(system)
+    assert_same(hit, cold)

@@ -1,0 +1,21 @@
+"""The README table: known result files first in their order, others after them, bad files skipped."""
+
+from __future__ import annotations
+
+from bench.readme_table import table
+from bench.record import make_record, write_records
+
+
+def record(name: str):
+    return make_record(name, 2.0, "tok/s", 4.0, "tok/s", machine="m", commit="abcdef123")
+
+
+def test_known_files_come_first_and_unknown_ones_are_listed_after(tmp_path):
+    write_records([record("zz new benchmark")], tmp_path / "aaa-new.json")
+    write_records([record("prefix replay share")], tmp_path / "prefix-replay-cpu.json")
+    write_records([record("decode 27b")], tmp_path / "decode-27b.json")
+    (tmp_path / "broken.json").write_text("{not json")
+    rows = table(tmp_path).splitlines()[2:]
+    names = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert names == ["decode 27b", "prefix replay share", "zz new benchmark"]
+    assert rows[0].endswith("| 2 tok/s | 4 tok/s | 50.0% | abcdef12 |")
