@@ -28,19 +28,23 @@ def decoder_layer(
     cfg: ModelConfig,
     snapshot_at=None,
     keep_states: bool = False,
+    tree_parents=None,
 ):
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry),
     and for a linear-attention layer given `snapshot_at` also its state snapshots (see gated_deltanet).
 
     keep_states: a linear-attention layer returns its state after every position (see gated_deltanet).
+    tree_parents: a tree-shaped verify window (see attention.py and gated_deltanet.py).
     """
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     h = rms_norm(x, p.input_norm, eps, zc)
     snapshots = None
     if p.attn is not None:
-        h, entry = attention(p.attn, h, positions, entry, cfg)
+        h, entry = attention(p.attn, h, positions, entry, cfg, tree_parents=tree_parents)
     elif snapshot_at is None:
-        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg, keep_states=keep_states)
+        h, entry = gated_deltanet(
+            p.gdn, h, positions, entry, cfg, keep_states=keep_states, tree_parents=tree_parents
+        )
     else:
         h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at)
     x = x + h
@@ -72,6 +76,7 @@ def forward(
     logit_indices: jax.Array | None = None,
     snapshot_at: jax.Array | None = None,
     keep_states: bool = False,
+    tree_parents: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SequenceCache]:
     """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
 
@@ -82,6 +87,10 @@ def forward(
     keep_states (static; speculative verification of windows <= 16 tokens): every GDNState entry of
     the returned cache holds the state after each position, conv [B, T, C, K-1] and recurrent
     [B, T, Hv, Dk, Dv]; engine/speculative/rollback.py keeps the one at each row's accepted length.
+    tree_parents i32 [B, T] (speculative tree verification): the window is a tree, node i's parent
+    is window index tree_parents[b, i] (-1 for the root, index 0); positions are start + depth.
+    Attention nodes see only their ancestors (keys stored at slot start + node index), and GDN
+    layers return every node's state as with keep_states, each node continuing its parent's.
     """
     dtype = params.final_norm.dtype
     x = embed(params, tokens, dtype)
@@ -94,7 +103,9 @@ def forward(
                 x, entries[i], taken = decoder_layer(layer, x, positions, entries[i], cfg, snapshot_at)
                 snapshots.append(taken)
             else:
-                x, entries[i] = decoder_layer(layer, x, positions, entries[i], cfg, keep_states=keep_states)
+                x, entries[i] = decoder_layer(
+                    layer, x, positions, entries[i], cfg, keep_states=keep_states, tree_parents=tree_parents
+                )
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:
