@@ -155,6 +155,7 @@ class Speculation:
             return 0.0
         sampled = Sampled(tokens, counts, logprobs, top_ids, top_logprobs)
         metrics = core.metrics
+        metrics.spec_dispatches += 1
         for i, row in enumerate(plan.decode):
             state, count = row.request, int(counts[i])
             state.num_computed += count
