@@ -96,7 +96,9 @@ class ServerMetrics:
             "infernix_spec_decode_verify_steps", "Speculative verify dispatches", registry=r
         )
         self.spec_rows = Gauge(
-            "infernix_spec_decode_verified_rows", "Request-steps verified (one per request per dispatch)", registry=r
+            "infernix_spec_decode_verified_rows",
+            "Request-steps verified (one per request per dispatch)",
+            registry=r,
         )
         self.spec_drafted_tokens = Gauge(
             "infernix_spec_decode_draft_tokens", "Draft tokens (tree nodes) verified", registry=r

@@ -50,7 +50,7 @@ class EngineConfig:
     draft_tokens: int = 3  # MTP draft chain length (tokens verified per step: up to this + 1)
     ngram_draft_tokens: int = 5  # most tokens the n-gram (prompt lookup) drafter proposes
     ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
-    spec_tree_width: int = 1  # candidate branches per verify window (1: one linear draft; docs/speculative.md)
+    spec_tree_width: int = 1  # candidate branches per verify window, as one tree (1: a linear window)
     spec_tree_nodes: int = 0  # most draft nodes of a tree window (0: what the branches need, <= 15)
 
     def __post_init__(self) -> None:

@@ -64,7 +64,7 @@ def tree_causal_conv(
     the conv state). Returns (out [B, T, C], the conv state after every node [B, T, C, K-1]).
     With parents = i - 1 this is causal_conv with keep_states.
     """
-    b, t, c = x.shape
+    b, t, _ = x.shape
     k = weight.shape[-1]
     ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     # the predecessor of every entry of ext: conv-state entry j follows j - 1, node i follows its
@@ -93,9 +93,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, state, parents):
 
     def step(states, inputs):
         i, parent, q_t, k_t, v_t, g_t, b_t = inputs
-        previous = jnp.where(
-            (parent >= 0)[:, None, None, None], states[rows, jnp.maximum(parent, 0)], state
-        )
+        previous = jnp.where((parent >= 0)[:, None, None, None], states[rows, jnp.maximum(parent, 0)], state)
         s = previous * jnp.exp(g_t)[..., None, None]
         kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
         delta = (v_t - kv_mem) * b_t[..., None]

@@ -24,8 +24,8 @@ from infernix_jax.engine.speculative.tree import build_tree, verify_tree
 from tests.engine.test_speculative_verify import (
     ALPHA,
     LOGITS,
-    N,
     PARAMS,
+    N,
     V,
     batch_state,
     cell_counts,

@@ -29,6 +29,7 @@ from infernix_jax.engine.speculative.tree import build_tree
 
 log = logging.getLogger("infernix_jax.engine")
 
+
 @dataclass
 class VerifyBatch:
     """Host arrays of one verify dispatch."""
@@ -175,7 +176,9 @@ class Speculation:
         """Row i of a tree window: the drafter's branches merged into at most `limit` nodes (the
         scheduler reserved blocks for that many slots past the pending token). Returns the node count."""
         branches = self.drafter.propose_branches(context, device_drafts, limit, self.tree_width)
-        branches = [list(b[: next((j for j, t in enumerate(b) if not 0 <= t < vocab), len(b))]) for b in branches]
+        branches = [
+            list(b[: next((j for j, t in enumerate(b) if not 0 <= t < vocab), len(b))]) for b in branches
+        ]
         tree = build_tree(branches, max_nodes=limit, max_depth=limit)
         n = len(tree.tokens)
         depth = [0]

@@ -233,7 +233,9 @@ def _move(entry, source: jax.Array, target: jax.Array):
     return entry
 
 
-def compact_path_kv(cache: SequenceCache, start: jax.Array, path: jax.Array, accepted: jax.Array) -> SequenceCache:
+def compact_path_kv(
+    cache: SequenceCache, start: jax.Array, path: jax.Array, accepted: jax.Array
+) -> SequenceCache:
     """Move the accepted path's keys/values from slots start + path[d] to start + d (d <= accepted)
     in every attention layer, so the committed tokens sit at consecutive positions.
 
