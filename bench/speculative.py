@@ -4,6 +4,7 @@
     python -m bench.speculative --shapes 27b --batches 1 --draft-tokens 4 --contexts 8192
     python -m bench.speculative --quick               # tiny shape, few tokens, any machine
     python -m bench.speculative --quick --accepted-length 1.5,3 --dtype bfloat16   # replay only
+    python -m bench.speculative --batches 1 --tree-width 3   # GPU: linear and tree rows, batch 1
 
 Two measurements:
 
@@ -38,6 +39,12 @@ Two measurements:
    and reads). The replay stops while every row still has a whole window of continuation left.
    `--dtype bfloat16` reproduces the GPU's dtype on the CPU; `--accepted-length 1.5,3` skips (1)
    and replays each listed length after one plain run.
+
+Tree rows (`--tree-width W`, default 3; 1 for none): (1) also runs the engine with
+spec_tree_width = W (up to W different n-gram continuations per window, merged into a tree), and
+(2) replays the tree's accepted length with tree windows of the same size (the right branch among
+W - 1 wrong ones of full depth, so the verify step pays for every node a real tree has).
+`--tree-accepted-length` replays given lengths with trees when (1) is skipped.
 
 Records go to bench/results/speculative-<machine>.json.
 """
@@ -91,7 +98,7 @@ def run_engine(model, config: EngineConfig, prompts: list, new_tokens: int) -> t
     return core.metrics.generated_tokens / (time.perf_counter() - start), core
 
 
-def measure_acceptance(args, machine: str, commit: str):
+def measure_acceptance(args, machine: str, commit: str) -> list:
     from infernix_jax.demo.data import heldout_token_ids
     from infernix_jax.loaded_model import load
 
@@ -107,19 +114,25 @@ def measure_acceptance(args, machine: str, commit: str):
     )  # fmt: skip
     plain_rate, _ = run_engine(model, base, prompts, args.new_tokens)  # compiles, then measures
     plain_rate, _ = run_engine(model, base, prompts, args.new_tokens)
-    spec = base.replace(spec="ngram", ngram_draft_tokens=args.draft_tokens, ngram_min_match=args.min_match)
-    spec_rate, core = run_engine(model, spec, prompts, args.new_tokens)
-    spec_rate, core = run_engine(model, spec, prompts, args.new_tokens)
-    m = core.metrics
-    name = f"speculative ngram acceptance demo quoting {args.draft_tokens} draft tokens"
-    return make_record(
-        name, m.mean_accepted_length, "tokens/step", args.draft_tokens + 1, "tokens/step",
-        machine=machine, commit=commit,
-        details={"acceptance_rate": m.acceptance_rate, "drafted": m.drafted_tokens, "accepted": m.accepted_tokens,
-                 "verify_rows": m.spec_rows, "prompts": len(prompts), "passage_tokens": args.passage,
-                 "new_tokens": args.new_tokens, "min_match": args.min_match, "plain_tok_s": plain_rate,
-                 "speculative_tok_s": spec_rate, "speedup_demo_model": spec_rate / plain_rate},
-    )  # fmt: skip
+    records = []
+    for width in sorted({1, args.tree_width}):
+        spec = base.replace(spec="ngram", ngram_draft_tokens=args.draft_tokens, ngram_min_match=args.min_match,
+                            spec_tree_width=width)  # fmt: skip
+        spec_rate, core = run_engine(model, spec, prompts, args.new_tokens)
+        spec_rate, core = run_engine(model, spec, prompts, args.new_tokens)
+        m = core.metrics
+        tree = f" tree width {width}" if width > 1 else ""
+        name = f"speculative ngram acceptance demo quoting {args.draft_tokens} draft tokens{tree}"
+        records.append(make_record(
+            name, m.mean_accepted_length, "tokens/step", args.draft_tokens + 1, "tokens/step",
+            machine=machine, commit=commit,
+            details={"acceptance_rate": m.acceptance_rate, "drafted": m.drafted_tokens, "accepted": m.accepted_tokens,
+                     "verify_rows": m.spec_rows, "prompts": len(prompts), "passage_tokens": args.passage,
+                     "new_tokens": args.new_tokens, "min_match": args.min_match, "plain_tok_s": plain_rate,
+                     "speculative_tok_s": spec_rate, "speedup_demo_model": spec_rate / plain_rate,
+                     "tree_width": width, "verify_window": spec.spec_window},
+        ))  # fmt: skip
+    return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +168,18 @@ class ReplayDrafter:
     continuation: dict  # prompt's first 8 tokens -> the greedy output of the plain run
     accepted_length: float
     vocab: int
+    depth: int = 0  # tree windows: tokens per branch (0: the window's limit)
     uses_mtp: bool = False
     owed: dict = field(default_factory=dict)
+
+    def propose_branches(self, tokens, device_drafts, limit, width):
+        """The replayed branch first, then width - 1 branches wrong from their first token, each as
+        deep as the replayed one may be (so a tree window holds as many nodes as a real one)."""
+        depth = min(limit, self.depth or limit)
+        right = self.propose(tokens, device_drafts, depth)
+        out = self.continuation[tuple(tokens[:8])][len(tokens) - self.context :][:depth]
+        wrong = [[(t + 1 + k) % self.vocab for t in out] for k in range(1, width)]
+        return [right] + [w for w in wrong if w]
 
     def propose(self, tokens, device_drafts, limit):
         key = tuple(tokens[:8])
@@ -212,7 +235,7 @@ def timed_steps(core: EngineCore, dispatches: int, until_generated: int | None =
 
 
 def measure_shape(cfg, params, shape, batch, context, args, accepted_lengths, machine, commit) -> list:
-    """One plain run, then one speculative replay per accepted length; a record per replay.
+    """One plain run, then one speculative replay per (accepted length, tree width); a record per replay.
 
     `params` should be `decisive_params(...)` (see the module docstring)."""
     plain = EngineCore(cfg, params, shape_config(batch, context, args.steps, args.draft_tokens))
@@ -227,11 +250,13 @@ def measure_shape(cfg, params, shape, batch, context, args, accepted_lengths, ma
     gc.collect()
     plain_step_ms = base.ms_per_dispatch / args.steps  # one token per row per step
     records = []
-    for accepted_length in accepted_lengths:
+    for accepted_length, width in accepted_lengths:
         config = shape_config(batch, context, args.steps, args.draft_tokens, spec="ngram",
-                              ngram_draft_tokens=args.draft_tokens)  # fmt: skip
+                              ngram_draft_tokens=args.draft_tokens, spec_tree_width=width)  # fmt: skip
         core = EngineCore(cfg, params, config)
-        core.speculation.drafter = ReplayDrafter(context, continuation, accepted_length, cfg.vocab_size)
+        core.speculation.drafter = ReplayDrafter(
+            context, continuation, accepted_length, cfg.vocab_size, depth=args.draft_tokens
+        )
         place_prompts_without_compute(core, batch, context)
         # Stop while every row still has a whole window of continuation left to replay (a window
         # past its end would have no drafts and pull the accepted length down).
@@ -240,7 +265,8 @@ def measure_shape(cfg, params, shape, batch, context, args, accepted_lengths, ma
             core, 10 * args.dispatches * args.steps, until_generated=generated - window * batch
         )
         m = core.metrics
-        name = f"speculative ngram {shape} batch{batch} {context_label(context)} {args.draft_tokens} draft tokens"
+        tree = f" tree width {width}" if width > 1 else ""
+        name = f"speculative ngram {shape} batch{batch} {context_label(context)} {args.draft_tokens} draft tokens{tree}"
         verify_step_ms = spec.ms_per_dispatch  # one verify step per dispatch
         row_tokens_per_verify = spec.tokens / (spec.dispatches * batch)
         records.append(make_record(
@@ -257,7 +283,8 @@ def measure_shape(cfg, params, shape, batch, context, args, accepted_lengths, ma
                      "replay_continuation_decisive": float(repeats),
                      "draft_tokens": args.draft_tokens, "batch": batch, "context": context,
                      "plain_steps_per_dispatch": args.steps, "params_dtype": str(params.final_norm.dtype),
-                     "verify_state_MiB": core.speculation.state_bytes(batch) / 2**20},
+                     "verify_state_MiB": core.speculation.state_bytes(batch) / 2**20,
+                     "tree_width": width, "verify_window": config.spec_window},
         ))  # fmt: skip
         del core
         gc.collect()
@@ -286,6 +313,13 @@ def main(argv: list[str] | None = None):
         default=None,
         help="skip (1) and replay these accepted lengths (comma-separated) on the shapes",
     )
+    parser.add_argument("--tree-width", type=int, default=3,
+                        help="also measure tree windows of this many n-gram branches (1: none)")  # fmt: skip
+    parser.add_argument(
+        "--tree-accepted-length",
+        default=None,
+        help="with --accepted-length: also replay these accepted lengths with tree windows",
+    )
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="shape weights (auto: float32 on the CPU, bfloat16 elsewhere)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny shape and sizes (any machine)")
@@ -301,13 +335,16 @@ def main(argv: list[str] | None = None):
     machine, commit = machine_name(), git_commit()
     records = []
     if args.accepted_length is not None:
-        accepted_lengths = [float(a) for a in args.accepted_length.split(",")]
+        accepted_lengths = [(float(a), 1) for a in args.accepted_length.split(",")]
+        if args.tree_accepted_length and args.tree_width > 1:
+            accepted_lengths += [(float(a), args.tree_width) for a in args.tree_accepted_length.split(",")]
     else:
-        record = measure_acceptance(args, machine, commit)
-        print(f"{record.name}: {record.figure:.2f} tokens/step (acceptance {record.details['acceptance_rate']:.2f}, "
-              f"demo-model speed-up {record.details['speedup_demo_model']:.2f}x)", flush=True)  # fmt: skip
-        records.append(record)
-        accepted_lengths = [record.figure]
+        accepted_lengths = []
+        for record in measure_acceptance(args, machine, commit):
+            print(f"{record.name}: {record.figure:.2f} tokens/step (acceptance {record.details['acceptance_rate']:.2f}, "
+                  f"demo-model speed-up {record.details['speedup_demo_model']:.2f}x)", flush=True)  # fmt: skip
+            records.append(record)
+            accepted_lengths.append((record.figure, record.details["tree_width"]))
     if args.dtype == "auto":
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     else:

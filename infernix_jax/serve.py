@@ -115,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="shortest context suffix the n-gram drafter may match (default: the engine's, 2)",
     )
+    spec.add_argument(
+        "--spec-tree-width",
+        type=int,
+        default=None,
+        help="verify a tree of up to N candidate branches per step (several n-gram matches, MTP top-N "
+        "first tokens); 1 for one linear draft (default: the engine's, 1)",
+    )
+    spec.add_argument(
+        "--spec-tree-nodes",
+        type=int,
+        default=None,
+        help="most draft nodes of a tree (<= 15; default: what the branches need)",
+    )
 
     ngram = parser.add_argument_group("n-gram memory (docs/ngram_memory.md)")
     ngram.add_argument(
@@ -202,6 +215,8 @@ def build_engine(args: argparse.Namespace):
             "draft_tokens": args.draft_tokens,
             "ngram_draft_tokens": args.ngram_draft_tokens,
             "ngram_min_match": args.ngram_min_match,
+            "spec_tree_width": getattr(args, "spec_tree_width", None),
+            "spec_tree_nodes": getattr(args, "spec_tree_nodes", None),
         }
     prefix = {}
     if not getattr(args, "prefix_cache", True):

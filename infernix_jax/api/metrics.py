@@ -1,4 +1,4 @@
-"""Prometheus metrics for /metrics: requests, tokens, latency, queue depth, KV usage.
+"""Prometheus metrics for /metrics: requests, tokens, latency, queue depth, KV usage, speculation.
 
 Each app owns its own registry, so several apps (tests, several servers in a process) never clash.
 Gauges that mirror the engine are read from `engine.stats()` at scrape time.
@@ -91,6 +91,26 @@ class ServerMetrics:
             "Prefix-cache entries moved from the GPU to host memory",
             registry=r,
         )
+        # speculative decoding's cumulative figures (0 without it), mirrored at scrape time
+        self.spec_verify_steps = Gauge(
+            "infernix_spec_decode_verify_steps", "Speculative verify dispatches", registry=r
+        )
+        self.spec_rows = Gauge(
+            "infernix_spec_decode_verified_rows",
+            "Request-steps verified (one per request per dispatch)",
+            registry=r,
+        )
+        self.spec_drafted_tokens = Gauge(
+            "infernix_spec_decode_draft_tokens", "Draft tokens (tree nodes) verified", registry=r
+        )
+        self.spec_accepted_tokens = Gauge(
+            "infernix_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "infernix_spec_decode_mean_accepted_length",
+            "Tokens emitted per request per verify step (accepted drafts + 1)",
+            registry=r,
+        )
 
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.running)
@@ -107,6 +127,12 @@ class ServerMetrics:
                 self.prefix_hit_tokens.labels(tier=tier).set(tokens)
             self.prefix_hit_rate.set(cache.hit_rate)
             self.prefix_evicted.set(cache.evicted_to_host)
+        self.spec_verify_steps.set(stats.spec_verify_steps)
+        self.spec_rows.set(stats.spec_rows)
+        self.spec_drafted_tokens.set(stats.spec_drafted_tokens)
+        self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
+        rows = stats.spec_rows
+        self.spec_mean_accepted_length.set((stats.spec_accepted_tokens + rows) / rows if rows else 0.0)
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the engine gauges refreshed first."""

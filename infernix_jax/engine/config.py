@@ -50,6 +50,8 @@ class EngineConfig:
     draft_tokens: int = 3  # MTP draft chain length (tokens verified per step: up to this + 1)
     ngram_draft_tokens: int = 5  # most tokens the n-gram (prompt lookup) drafter proposes
     ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
+    spec_tree_width: int = 1  # candidate branches per verify window, as one tree (1: a linear window)
+    spec_tree_nodes: int = 0  # most draft nodes of a tree window (0: what the branches need, <= 15)
     # n-gram memory (Engram-style tables; docs/ngram_memory.md)
     ngram_volume: str | None = None  # the table volume of a model with an n-gram memory
     ngram_cache_mem: int | str = "1GiB"  # host cache of hot table rows
@@ -91,6 +93,12 @@ class EngineConfig:
             errors.append(f"spec must be none, ngram, mtp or mtp+ngram, got {self.spec!r}")
         if self.spec != "none" and not 1 <= self.spec_window - 1 <= 15:
             errors.append(f"draft tokens must be in [1, 15] (verify windows <= 16), got {self.spec_window - 1}")
+        if self.spec_tree_width < 1:
+            errors.append(f"spec_tree_width must be >= 1, got {self.spec_tree_width}")
+        if not 0 <= self.spec_tree_nodes <= 15:
+            errors.append(
+                f"spec_tree_nodes must be in [0, 15] (verify windows <= 16), got {self.spec_tree_nodes}"
+            )
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         if errors:
@@ -143,7 +151,19 @@ class EngineConfig:
         drafts = {"none": 0, "ngram": self.ngram_draft_tokens, "mtp": self.draft_tokens}.get(
             self.spec, max(self.draft_tokens, self.ngram_draft_tokens)
         )
+        if self.spec_tree and self.spec != "none":  # draft nodes of a tree window
+            if self.spec_tree_nodes:
+                return self.spec_tree_nodes + 1
+            width, ngram, mtp = self.spec_tree_width, self.ngram_draft_tokens, self.draft_tokens
+            branches = {"ngram": width * ngram, "mtp": mtp + width - 1}
+            nodes = branches.get(self.spec, width * ngram + mtp + width - 1)
+            return min(nodes, 15) + 1
         return drafts + 1
+
+    @property
+    def spec_tree(self) -> bool:
+        """Verify windows are trees of candidate branches (tree verification)."""
+        return self.spec_tree_width > 1
 
     @property
     def spec_uses_mtp(self) -> bool:

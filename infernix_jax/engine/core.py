@@ -66,6 +66,7 @@ class EngineMetrics:
     spec_rows: int = 0  # speculative: row-steps verified (one per row per verify dispatch)
     drafted_tokens: int = 0  # speculative: draft tokens proposed and verified
     accepted_tokens: int = 0  # speculative: draft tokens accepted
+    spec_dispatches: int = 0  # speculative: verify dispatches (steps)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -255,6 +256,10 @@ class EngineCore:
             max_context=self.config.max_context,
             kv_blocks_cached=cached,
             prefix_cache=self.prefix_cache.stats if self.prefix_cache is not None else None,
+            spec_verify_steps=self.metrics.spec_dispatches,
+            spec_rows=self.metrics.spec_rows,
+            spec_drafted_tokens=self.metrics.drafted_tokens,
+            spec_accepted_tokens=self.metrics.accepted_tokens,
         )
 
     # ---- one step ------------------------------------------------------------------------------

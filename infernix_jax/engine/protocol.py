@@ -151,6 +151,11 @@ class EngineStats:
     max_context: int = 0
     kv_blocks_cached: int = 0  # held only by the prefix cache (evictable)
     prefix_cache: object | None = None  # PrefixCacheStats (hits per tier) when the cache is on
+    # speculative decoding, cumulative (all 0 without it; docs/speculative.md)
+    spec_verify_steps: int = 0  # verify dispatches
+    spec_rows: int = 0  # row-steps verified (one per row per verify dispatch)
+    spec_drafted_tokens: int = 0  # draft tokens (tree nodes) verified
+    spec_accepted_tokens: int = 0  # draft tokens accepted
 
 
 class Engine(Protocol):

@@ -30,12 +30,14 @@ def decoder_layer(
     snapshot_at=None,
     keep_states: bool = False,
     memory_rows=None,
+    tree_parents=None,
 ):
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). Returns (x, cache entry),
     and for a linear-attention layer given `snapshot_at` also its state snapshots (see gated_deltanet).
 
     keep_states: a linear-attention layer returns its state after every position (see gated_deltanet).
     memory_rows: [B, T, heads, width] n-gram memory rows for a layer with `p.ngram` (read before the mixer).
+    tree_parents: a tree-shaped verify window (see attention.py and gated_deltanet.py).
     """
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     if getattr(p, "ngram", None) is not None:
@@ -43,9 +45,11 @@ def decoder_layer(
     h = rms_norm(x, p.input_norm, eps, zc)
     snapshots = None
     if p.attn is not None:
-        h, entry = attention(p.attn, h, positions, entry, cfg)
+        h, entry = attention(p.attn, h, positions, entry, cfg, tree_parents=tree_parents)
     elif snapshot_at is None:
-        h, entry = gated_deltanet(p.gdn, h, positions, entry, cfg, keep_states=keep_states)
+        h, entry = gated_deltanet(
+            p.gdn, h, positions, entry, cfg, keep_states=keep_states, tree_parents=tree_parents
+        )
     else:
         h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at)
     x = x + h
@@ -78,6 +82,7 @@ def forward(
     snapshot_at: jax.Array | None = None,
     keep_states: bool = False,
     ngram_rows: jax.Array | None = None,
+    tree_parents: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, SequenceCache]:
     """Run the model on tokens [B, T] at positions [B, T] (-1 marks padding after a row's tokens).
 
@@ -91,6 +96,10 @@ def forward(
     ngram_rows [L, B, T, heads, width]: the n-gram memory rows of each memory layer (in
     cfg.ngram_memory.layers order), gathered on the host (infernix_jax/ngram); required when the
     model has an n-gram memory.
+    tree_parents i32 [B, T] (speculative tree verification): the window is a tree, node i's parent
+    is window index tree_parents[b, i] (-1 for the root, index 0); positions are start + depth.
+    Attention nodes see only their ancestors (keys stored at slot start + node index), and GDN
+    layers return every node's state as with keep_states, each node continuing its parent's.
     """
     memory_layers = cfg.ngram_memory.layers if cfg.ngram_memory is not None else ()
     if memory_layers and ngram_rows is None:
@@ -110,7 +119,14 @@ def forward(
                 snapshots.append(taken)
             else:
                 x, entries[i] = decoder_layer(
-                    layer, x, positions, entries[i], cfg, keep_states=keep_states, memory_rows=rows
+                    layer,
+                    x,
+                    positions,
+                    entries[i],
+                    cfg,
+                    keep_states=keep_states,
+                    memory_rows=rows,
+                    tree_parents=tree_parents,
                 )
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden

@@ -5,6 +5,11 @@ rule with an fp32 recurrent state per value head: the chunked form (chunks of 64
 kernels and transformers' reference compute it) for multi-token input, the per-token recurrence
 for short windows. Padding tokens (position -1) must come after a row's valid tokens; they get
 beta = 0 and decay 1, so they leave the state untouched.
+
+Tree-shaped verify windows (speculative decoding, `tree_parents`): node i continues its parent's
+state rather than node i-1's. The recurrence walks the nodes in order (parents come first) and
+gathers the previous state by parent index; the conv window of a node is its ancestor path's raw
+inputs. Every node's state is returned, so the caller keeps the one after the last accepted node.
 """
 
 from __future__ import annotations
@@ -47,6 +52,59 @@ def causal_conv(
         return jax.nn.silu(out), jnp.swapaxes(states, 2, 3).astype(conv_state.dtype)
     new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, k - 1, axis=0))(ext, n_valid)
     return jax.nn.silu(out), jnp.swapaxes(new_state, 1, 2).astype(conv_state.dtype)
+
+
+def tree_causal_conv(
+    x: jax.Array, conv_state: jax.Array, weight: jax.Array, parents: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv + SiLU over a tree of nodes: each node's window is the raw inputs of its
+    ancestor path (then the conv state before the root).
+
+    x [B, T, C], conv_state [B, C, K-1], weight [C, K], parents i32 [B, T] (-1: the root continues
+    the conv state). Returns (out [B, T, C], the conv state after every node [B, T, C, K-1]).
+    With parents = i - 1 this is causal_conv with keep_states.
+    """
+    b, t, _ = x.shape
+    k = weight.shape[-1]
+    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    # the predecessor of every entry of ext: conv-state entry j follows j - 1, node i follows its
+    # parent (the last conv-state entry for the root)
+    state_prev = jnp.broadcast_to(jnp.maximum(jnp.arange(k - 1) - 1, 0)[None, :], (b, k - 1))
+    node_prev = jnp.where(parents >= 0, parents + k - 1, k - 2).astype(jnp.int32)
+    prev = jnp.concatenate([state_prev, node_prev], axis=1)  # [B, K-1+T]
+    index = jnp.broadcast_to(jnp.arange(k - 1, k - 1 + t)[None, :], (b, t))
+    path = [index]  # path[j]: the entry j steps up from each node
+    for _ in range(k - 1):
+        path.append(jnp.take_along_axis(prev, path[-1], axis=1))
+    take = lambda idx: jnp.take_along_axis(ext, idx[..., None], axis=1)  # [B, T, C]
+    inputs = [take(idx) for idx in reversed(path)]  # oldest first, the node itself last
+    w = weight.astype(x.dtype)
+    out = sum(inputs[j] * w[:, j] for j in range(k))
+    states = jnp.stack(inputs[1:], axis=-1)  # [B, T, C, K-1]
+    return jax.nn.silu(out), states.astype(conv_state.dtype)
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, state, parents):
+    """The per-token recurrence over tree nodes: node i starts from the state after parents[b, i]
+    (the initial state for -1). Shapes as recurrent_gated_delta_rule; parents i32 [B, T].
+    Returns (out [B, T, H, Dv], the state after every node [B, T, H, Dk, Dv])."""
+    b, t = parents.shape
+    rows = jnp.arange(b)
+
+    def step(states, inputs):
+        i, parent, q_t, k_t, v_t, g_t, b_t = inputs
+        previous = jnp.where((parent >= 0)[:, None, None, None], states[rows, jnp.maximum(parent, 0)], state)
+        s = previous * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
+        out_t = jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return states.at[:, i].set(s), out_t
+
+    xs = (jnp.arange(t), parents.T) + tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))
+    states = jnp.zeros((b, t) + state.shape[1:], state.dtype)
+    states, out = jax.lax.scan(step, states, xs)
+    return jnp.swapaxes(out, 0, 1), states
 
 
 def _capture(buffer: jax.Array, wanted: jax.Array, index, state: jax.Array) -> jax.Array:
@@ -197,6 +255,7 @@ def gated_deltanet(
     cfg: ModelConfig,
     snapshot_at: jax.Array | None = None,
     keep_states: bool = False,
+    tree_parents: jax.Array | None = None,
 ):
     """x [B, T, D] at positions [B, T] -> (out [B, T, D], new state). A row starting at position 0 starts fresh.
 
@@ -209,7 +268,11 @@ def gated_deltanet(
     position instead of the final one, conv [B, T, C, K-1] and recurrent [B, T, Hv, Dk, Dv], so that
     the caller keeps the one at the accepted length without recomputing (windows of at most
     RECURRENT_MAX_TOKENS tokens; positions past a row's valid tokens repeat its last state).
+
+    tree_parents i32 [B, T] (a tree-shaped verify window; each node's parent index, -1 for the
+    root): as keep_states, the state after every node, each node continuing its parent's state.
     """
+    keep_states = keep_states or tree_parents is not None
     if keep_states and x.shape[1] > RECURRENT_MAX_TOKENS:
         raise ValueError(f"keep_states needs a window of <= {RECURRENT_MAX_TOKENS} tokens, got {x.shape[1]}")
     b, t, _ = x.shape
@@ -227,7 +290,10 @@ def gated_deltanet(
     a_in = matmul(x, p.in_proj_a)
 
     raw = mixed
-    mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid, keep_states)
+    if tree_parents is None:
+        mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid, keep_states)
+    else:
+        mixed, new_conv = tree_causal_conv(mixed, conv_state, p.conv_weight, tree_parents)
     key_dim = cfg.linear_key_dim
     q = mixed[..., :key_dim].reshape(b, t, hk, dk)
     k = mixed[..., key_dim : 2 * key_dim].reshape(b, t, hk, dk)
@@ -245,7 +311,9 @@ def gated_deltanet(
     q = l2_normalize(q.astype(jnp.float32)) * (dk**-0.5)
     k = l2_normalize(k.astype(jnp.float32))
     v = v.astype(jnp.float32)
-    if keep_states:
+    if tree_parents is not None:
+        out, new_rec = tree_gated_delta_rule(q, k, v, g, beta, rec_state, tree_parents)
+    elif keep_states:
         out, new_rec = recurrent_gated_delta_rule(q, k, v, g, beta, rec_state, keep_states=True)
     elif snapshot_at is None:
         rule = recurrent_gated_delta_rule if t <= RECURRENT_MAX_TOKENS else chunk_gated_delta_rule

@@ -46,3 +46,20 @@ def test_unknown_drafter_and_oversized_windows_are_rejected():
     with pytest.raises(ValueError, match="draft tokens"):
         EngineConfig(spec="mtp", draft_tokens=16)
     assert EngineConfig(spec="ngram", ngram_draft_tokens=15).spec_window == 16
+
+
+def test_tree_flags_are_passed_and_size_the_window(monkeypatch, tmp_path):
+    options = captured_options(
+        monkeypatch, tmp_path, ["--spec", "ngram", "--ngram-draft-tokens", "4", "--spec-tree-width", "3"]
+    )
+    assert options["spec_tree_width"] == 3 and options["spec_tree_nodes"] is None
+    config = EngineConfig(spec="ngram", ngram_draft_tokens=4, spec_tree_width=3)
+    assert config.spec_tree and config.spec_window == 13  # three branches of 4, and the pending token
+    assert EngineConfig(spec="mtp", draft_tokens=3, spec_tree_width=3).spec_window == 6  # chain + 2 siblings
+    assert EngineConfig(spec="ngram", spec_tree_width=4, spec_tree_nodes=6).spec_window == 7
+    assert EngineConfig(spec="ngram", ngram_draft_tokens=8, spec_tree_width=4).spec_window == 16  # capped
+    assert not EngineConfig(spec="ngram").spec_tree
+    with pytest.raises(ValueError, match="spec_tree_nodes"):
+        EngineConfig(spec="ngram", spec_tree_width=2, spec_tree_nodes=16)
+    with pytest.raises(ValueError, match="spec_tree_width"):
+        EngineConfig(spec="ngram", spec_tree_width=0)

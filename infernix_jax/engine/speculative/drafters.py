@@ -14,6 +14,12 @@ most tokens wanted. It returns up to `limit` token ids (possibly none).
 
 All three are deterministic proposers (the proposal distribution q is a point mass), which is what
 the exact rejection rule in verify.py assumes by default.
+
+For tree verification (`spec_tree_width` > 1) a drafter also proposes several candidate branches,
+`propose_branches(tokens, device_drafts, limit, width)`, which tree.build_tree merges into a trie:
+the n-gram drafter the continuations of up to `width` earlier matches that differ, the MTP drafter
+its chain plus the next most likely first tokens (the device returns them after the chain), the
+combined drafter the n-gram branches and then the MTP ones.
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ class Drafter(Protocol):
     uses_mtp: bool  # the device programs must run the MTP chain for this drafter
 
     def propose(self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int) -> list[int]: ...
+
+    def propose_branches(
+        self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int, width: int
+    ) -> list[list[int]]:
+        """Up to `width` candidate continuations of up to `limit` tokens, best first."""
+        ...
 
 
 def ngram_lookup(tokens: Sequence[int], limit: int, min_match: int, max_match: int) -> list[int]:
@@ -58,6 +70,31 @@ def ngram_lookup(tokens: Sequence[int], limit: int, min_match: int, max_match: i
     return []
 
 
+def ngram_branches(
+    tokens: Sequence[int], limit: int, min_match: int, max_match: int, width: int, scan: int = 64
+) -> list[list[int]]:
+    """Up to `width` different continuations of earlier matches of the tokens' suffix: longer
+    suffixes first, later occurrences first within a length (the first one is ngram_lookup's).
+    A continuation that is a prefix of one already taken adds nothing and is skipped; at most the
+    latest `scan` occurrences of each length are looked at."""
+    if limit <= 0 or min_match < 1 or width < 1:
+        return []
+    seq = np.asarray(tokens, np.int64)
+    size = len(seq)
+    found: list[list[int]] = []
+    for n in range(min(max_match, size - 1), min_match - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: size - 1], n)
+        hits = np.flatnonzero(np.all(windows == seq[size - n :], axis=1))
+        for hit in hits[::-1][:scan]:
+            start = int(hit) + n
+            branch = seq[start : start + limit].tolist()
+            if branch and not any(other[: len(branch)] == branch for other in found):
+                found.append(branch)
+                if len(found) == width:
+                    return found
+    return found
+
+
 @dataclass(frozen=True)
 class NgramDrafter:
     """Prompt lookup over prompt + output so far."""
@@ -70,6 +107,11 @@ class NgramDrafter:
     def propose(self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int) -> list[int]:
         return ngram_lookup(tokens, min(limit, self.max_tokens), self.min_match, self.max_match)
 
+    def propose_branches(
+        self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int, width: int
+    ) -> list[list[int]]:
+        return ngram_branches(tokens, min(limit, self.max_tokens), self.min_match, self.max_match, width)
+
 
 @dataclass(frozen=True)
 class MtpDrafter:
@@ -79,6 +121,17 @@ class MtpDrafter:
 
     def propose(self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int) -> list[int]:
         return list(device_drafts[:limit])
+
+    def propose_branches(
+        self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int, width: int
+    ) -> list[list[int]]:
+        """The chain, then width - 1 single-token branches: the device returns the chain followed
+        by the next most likely first tokens (chain_drafts with branches = width - 1)."""
+        if not device_drafts or limit <= 0:
+            return []
+        chain_length = len(device_drafts) - (width - 1)
+        chain = list(device_drafts[: min(chain_length, limit)])
+        return [chain] + [[int(t)] for t in device_drafts[chain_length:]]
 
 
 @dataclass(frozen=True)
@@ -92,6 +145,12 @@ class CombinedDrafter:
     def propose(self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int) -> list[int]:
         found = self.ngram.propose(tokens, device_drafts, limit)
         return found if found else self.mtp.propose(tokens, device_drafts, limit)
+
+    def propose_branches(
+        self, tokens: Sequence[int], device_drafts: Sequence[int], limit: int, width: int
+    ) -> list[list[int]]:
+        found = self.ngram.propose_branches(tokens, device_drafts, limit, width)
+        return found + self.mtp.propose_branches(tokens, device_drafts, limit, width)
 
 
 def make_drafter(

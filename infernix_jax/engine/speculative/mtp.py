@@ -48,13 +48,19 @@ def chain_drafts(
     cache: SequenceCache,
     cfg: ModelConfig,
     steps: int,
+    branches: int = 0,
 ) -> tuple[jax.Array, SequenceCache]:
     """Greedy MTP drafts i32 [b, steps]: the argmax of first_logits [b, V] (the MTP output at the
     newest committed position, position [b]), then steps - 1 chained MTP steps at position + j.
-    Rows with active [b] False feed padding (no KV writes)."""
+    Rows with active [b] False feed padding (no KV writes).
+
+    branches > 0 (tree drafting): the result is [b, steps + branches], the chain followed by the
+    next `branches` most likely first tokens (the chain's first token is the most likely one);
+    they become siblings of the chain's first node."""
     first = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)
+    alternatives = jax.lax.top_k(first_logits, branches + 1)[1][:, 1:].astype(jnp.int32)
     if steps == 1:
-        return first[:, None], cache
+        return jnp.concatenate([first[:, None], alternatives], axis=1), cache
 
     def step(carry, j):
         token, hidden, cache = carry
@@ -64,4 +70,4 @@ def chain_drafts(
         return (nxt, out[:, 0], cache), nxt
 
     (_, _, cache), rest = jax.lax.scan(step, (first, first_hidden, cache), jnp.arange(1, steps))
-    return jnp.concatenate([first[:, None], rest.T], axis=1), cache
+    return jnp.concatenate([first[:, None], rest.T, alternatives], axis=1), cache

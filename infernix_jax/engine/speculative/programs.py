@@ -4,6 +4,9 @@
   GDN states, exact acceptance (verify.py), the GDN state kept at the accepted length (rollback.py),
   penalty state advanced by the emitted tokens; with `mtp_steps` > 0 the MTP pass over the
   committed part of the window and the next draft chain (mtp.py).
+- `tree_verify_program`: the same over a tree-shaped window (tree.py): tree attention mask and
+  per-node GDN states, the accepted path's KV compacted to consecutive positions, the state after
+  its last node kept, the MTP pass over the path.
 - `mtp_prefill_program`: the engine's prefill (forward over a chunk, sample from the last token
   where the chunk ends the pending tokens) plus the MTP pass over the chunk and, where a token was
   sampled, the first draft chain.
@@ -24,6 +27,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.engine.sampling import row_keys, sample, update_penalty_state
 from infernix_jax.engine.speculative.mtp import chain_drafts, shifted_mtp_pass
 from infernix_jax.engine.speculative.rollback import keep_accepted_states
+from infernix_jax.engine.speculative.tree import compact_path_kv, verify_tree
 from infernix_jax.engine.speculative.verify import verify_window
 from infernix_jax.jit import jit
 from infernix_jax.model.forward import forward
@@ -79,7 +83,61 @@ def verify_program(
     )
 
 
-@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps"), donate_argnames=_DONATED)
+@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "mtp_branches"), donate_argnames=_DONATED)
+def tree_verify_program(
+    params: Params,
+    kv_pool: KVPool,
+    state_pool: StatePool,
+    slot_sampling,
+    tokens: jax.Array,  # i32 [b, w]: pending token (node 0), then the draft nodes
+    positions: jax.Array,  # i32 [b, w]: P + depth of each node, -1 past num_nodes
+    parents: jax.Array,  # i32 [b, w]: each node's parent window index (-1 for node 0 and padding)
+    block_table: jax.Array,  # i32 [b, m]
+    slots: jax.Array,  # i32 [b]
+    num_nodes: jax.Array,  # i32 [b]: valid nodes, the pending token included
+    *,
+    cfg: ModelConfig,
+    num_top: int,
+    mtp_steps: int,
+    mtp_branches: int,
+):
+    active = positions[:, 0] >= 0
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    logits, hidden, cache = forward(params, tokens, positions, cache, cfg, tree_parents=parents)
+    arrays, penalties = slot_sampling.rows(slots)
+    verified = verify_tree(
+        logits, tokens, parents, num_nodes, arrays, penalties, active, num_top_logprobs=num_top
+    )
+    out, path = verified.out, verified.path
+    last_node = jnp.take_along_axis(path, out.accepted[:, None], axis=1)[:, 0]
+    cache = keep_accepted_states(cache, last_node)
+    cache = compact_path_kv(cache, jnp.where(active, positions[:, 0], -1), path, out.accepted)
+    b, w = tokens.shape
+    drafts = jnp.zeros((b, max(mtp_steps, 1) + mtp_branches), jnp.int32)
+    if mtp_steps:
+        depth = jnp.arange(w)[None, :]
+        committed = active[:, None] & (depth <= out.accepted[:, None])
+        mtp_positions = jnp.where(committed, positions[:, :1] + depth, -1)
+        path_hidden = jnp.take_along_axis(hidden, path[:, :, None], axis=1)
+        # the node at depth d is followed by emitted token d (accepted nodes, then the correction)
+        first_logits, first_hidden, cache = shifted_mtp_pass(
+            params, out.tokens.T, path_hidden, mtp_positions, out.accepted, cache, cfg
+        )
+        last_position = positions[:, 0] + out.accepted
+        drafts, cache = chain_drafts(
+            params, first_logits, first_hidden, last_position, active, cache, cfg, mtp_steps, mtp_branches
+        )
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    slot_sampling = slot_sampling.with_penalties(slots, out.penalties)
+    return (
+        kv_pool,
+        state_pool,
+        slot_sampling,
+        (out.counts, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, drafts),
+    )
+
+
+@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "mtp_branches"), donate_argnames=_DONATED)
 def mtp_prefill_program(
     params: Params,
     kv_pool: KVPool,
@@ -95,6 +153,7 @@ def mtp_prefill_program(
     cfg: ModelConfig,
     num_top: int,
     mtp_steps: int,
+    mtp_branches: int = 0,
 ):
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
     last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0).astype(jnp.int32)
@@ -121,6 +180,7 @@ def mtp_prefill_program(
         cache,
         cfg,
         mtp_steps,
+        mtp_branches,
     )
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     sampled = (out.tokens[None], out.logprobs[None], out.top_ids[None], out.top_logprobs[None])

@@ -6,6 +6,9 @@ remaining budget), the drafter proposes drafts on the host, one `verify_program`
 accepts them, and the core takes 1..k+1 tokens per row (each row its own count). With an MTP drafter
 the prefill runs `mtp_prefill_program` (the MTP KV of the prompt and the first draft chain) and
 each verify returns the next chain, which the host keeps per request until its next step.
+
+With `spec_tree_width` > 1 the drafter proposes several branches, merged into a draft tree of up to
+window - 1 nodes, and `tree_verify_program` verifies it (tree.py).
 """
 
 from __future__ import annotations
@@ -20,20 +23,23 @@ import numpy as np
 from infernix_jax.cache import NULL_BLOCK, SCRATCH_SLOT
 from infernix_jax.engine.runner import PrefillBatch, Sampled
 from infernix_jax.engine.speculative.drafters import make_drafter
-from infernix_jax.engine.speculative.programs import mtp_prefill_program, verify_program
+from infernix_jax.engine.speculative.programs import mtp_prefill_program, tree_verify_program, verify_program
 from infernix_jax.engine.speculative.rollback import verify_state_bytes
+from infernix_jax.engine.speculative.tree import build_tree
 
 log = logging.getLogger("infernix_jax.engine")
+
 
 @dataclass
 class VerifyBatch:
     """Host arrays of one verify dispatch."""
 
-    tokens: np.ndarray  # i32 [b, w]: pending token, then drafts
-    positions: np.ndarray  # i32 [b, w]: -1 past the row's drafts and on padding rows
+    tokens: np.ndarray  # i32 [b, w]: pending token, then drafts (tree: draft nodes)
+    positions: np.ndarray  # i32 [b, w]: -1 past the row's drafts and on padding rows (tree: P + depth)
     block_table: np.ndarray  # i32 [b, m]
     slots: np.ndarray  # i32 [b]
     num_drafts: np.ndarray  # i32 [b]
+    parents: np.ndarray  # i32 [b, w]: tree windows: each node's parent index (-1: root, padding)
 
 
 class Speculation:
@@ -45,18 +51,25 @@ class Speculation:
         self.window = config.spec_window
         self.drafter = make_drafter(config.spec, config.ngram_draft_tokens, config.ngram_min_match)
         self.mtp_steps = config.draft_tokens if config.spec_uses_mtp else 0
+        self.tree_width = config.spec_tree_width if config.spec_tree else 1
+        self.mtp_branches = self.tree_width - 1 if self.mtp_steps else 0
         if self.mtp_steps and core.runner.params.mtp is None:
             raise ValueError(f"spec={config.spec!r} needs a checkpoint with MTP weights; this one has none")
         self.device_drafts: dict[str, list[int]] = {}  # request id -> MTP chain for its next window
         log.info(
-            "speculative decoding: %s, verify window %d, per-position GDN states %.1f MiB at batch %d",
-            config.spec, self.window, self.state_bytes(max(config.decode_buckets)) / 2**20,
+            "speculative decoding: %s, verify %s %d, per-position GDN states %.1f MiB at batch %d",
+            config.spec, f"tree of {self.tree_width} branches," if self.tree else "window", self.window,
+            self.state_bytes(max(config.decode_buckets)) / 2**20,
             max(config.decode_buckets),
         )  # fmt: skip
 
     @property
     def uses_mtp(self) -> bool:
         return self.mtp_steps > 0
+
+    @property
+    def tree(self) -> bool:
+        return self.tree_width > 1
 
     def state_bytes(self, batch: int) -> int:
         """Transient bytes of the per-position GDN states of a verify dispatch of `batch` rows."""
@@ -74,7 +87,7 @@ class Speculation:
         runner.kv_pool, runner.state_pool, runner.slot_sampling, out, drafts = mtp_prefill_program(
             runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
             batch.tokens, batch.positions, next_tokens, batch.block_table, batch.slots, batch.sample_rows,
-            cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
+            cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps, mtp_branches=self.mtp_branches,
         )  # fmt: skip
         drafts = np.asarray(jax.device_get(drafts))
         for i, chunk in enumerate(plan.prefill):
@@ -91,10 +104,19 @@ class Speculation:
             block_table=np.full((batch, runner.max_blocks), NULL_BLOCK, np.int32),
             slots=np.full(batch, SCRATCH_SLOT, np.int32),
             num_drafts=np.zeros(batch, np.int32),
+            parents=np.full((batch, self.window), -1, np.int32),
         )
 
     def dispatch(self, batch: VerifyBatch):
         runner = self.core.runner
+        if self.tree:
+            runner.kv_pool, runner.state_pool, runner.slot_sampling, out = tree_verify_program(
+                runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
+                batch.tokens, batch.positions, batch.parents, batch.block_table, batch.slots,
+                batch.num_drafts + 1, cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
+                mtp_branches=self.mtp_branches,
+            )  # fmt: skip
+            return out
         runner.kv_pool, runner.state_pool, runner.slot_sampling, out = verify_program(
             runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
             batch.tokens, batch.positions, batch.block_table, batch.slots, batch.num_drafts,
@@ -111,12 +133,16 @@ class Speculation:
             state = row.request
             limit = min(self.window, row.max_steps) - 1
             context = state.prompt + state.output
-            drafts = self.drafter.propose(context, self.device_drafts.get(state.request_id, ()), limit)
-            drafts = [t for t in drafts[:limit] if 0 <= t < vocab][:limit]
-            n = len(drafts)
+            device_drafts = self.device_drafts.get(state.request_id, ())
             batch.tokens[i, 0] = state.token_at(row.position)
-            batch.tokens[i, 1 : 1 + n] = drafts
-            batch.positions[i, : 1 + n] = np.arange(row.position, row.position + 1 + n)
+            if self.tree:
+                n = self._fill_tree(batch, i, row.position, context, device_drafts, limit, vocab)
+            else:
+                drafts = self.drafter.propose(context, device_drafts, limit)
+                drafts = [t for t in drafts[:limit] if 0 <= t < vocab][:limit]
+                n = len(drafts)
+                batch.tokens[i, 1 : 1 + n] = drafts
+                batch.positions[i, : 1 + n] = np.arange(row.position, row.position + 1 + n)
             batch.block_table[i, : len(state.blocks)] = state.blocks
             batch.slots[i] = state.slot
             batch.num_drafts[i] = n
@@ -130,6 +156,7 @@ class Speculation:
             return 0.0
         sampled = Sampled(tokens, counts, logprobs, top_ids, top_logprobs)
         metrics = core.metrics
+        metrics.spec_dispatches += 1
         for i, row in enumerate(plan.decode):
             state, count = row.request, int(counts[i])
             state.num_computed += count
@@ -142,6 +169,25 @@ class Speculation:
         for request_id in [r for r in self.device_drafts if r not in core.requests]:
             del self.device_drafts[request_id]
         return wait
+
+    def _fill_tree(
+        self, batch: VerifyBatch, i: int, position: int, context, device_drafts, limit: int, vocab: int
+    ) -> int:
+        """Row i of a tree window: the drafter's branches merged into at most `limit` nodes (the
+        scheduler reserved blocks for that many slots past the pending token). Returns the node count."""
+        branches = self.drafter.propose_branches(context, device_drafts, limit, self.tree_width)
+        branches = [
+            list(b[: next((j for j, t in enumerate(b) if not 0 <= t < vocab), len(b))]) for b in branches
+        ]
+        tree = build_tree(branches, max_nodes=limit, max_depth=limit)
+        n = len(tree.tokens)
+        depth = [0]
+        for parent in tree.parents:
+            depth.append(depth[parent] + 1)
+        batch.tokens[i, 1 : 1 + n] = tree.tokens
+        batch.parents[i, 1 : 1 + n] = tree.parents
+        batch.positions[i, : 1 + n] = position + np.asarray(depth)
+        return n
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -156,6 +202,6 @@ class Speculation:
                     runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
                     batch.tokens, batch.positions, np.zeros_like(batch.tokens), batch.block_table,
                     batch.slots, batch.sample_rows, cfg=runner.cfg, num_top=runner.num_top,
-                    mtp_steps=self.mtp_steps,
+                    mtp_steps=self.mtp_steps, mtp_branches=self.mtp_branches,
                 )  # fmt: skip
                 jax.block_until_ready((out, drafts))
