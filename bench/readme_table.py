@@ -14,7 +14,7 @@ from bench.record import RESULTS_DIR, read_records
 
 FILES = ("ceilings-nvidia-h200.json", "decode-nvidia-h200.json", "kernels-nvidia-h200.json",
          "speculative-nvidia-h200.json", "structured-nvidia-h200.json", "mtp-acceptance-cpu.json",
-         "prefix-replay-cpu.json")  # fmt: skip
+         "prefix-replay-cpu-default.json", "prefix-replay-cpu.json")  # fmt: skip
 
 
 def result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
