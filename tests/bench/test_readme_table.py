@@ -13,7 +13,7 @@ def record(name: str):
 def test_known_files_come_first_and_unknown_ones_are_listed_after(tmp_path):
     write_records([record("zz new benchmark")], tmp_path / "aaa-new.json")
     write_records([record("prefix replay share")], tmp_path / "prefix-replay-cpu.json")
-    write_records([record("decode 27b")], tmp_path / "decode-27b.json")
+    write_records([record("decode 27b")], tmp_path / "decode-nvidia-h200.json")
     (tmp_path / "broken.json").write_text("{not json")
     rows = table(tmp_path).splitlines()[2:]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
