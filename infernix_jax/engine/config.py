@@ -23,6 +23,7 @@ class EngineConfig:
     prefill_chunk: int = 4096  # most prompt tokens fed in one step (the largest prefill bucket)
     gpu_memory_utilization: float = 0.9  # share of device memory the weights + pools may take ("auto")
     decode_steps_per_dispatch: int = 8  # decode steps run on the device per host round trip
+    async_decode: bool = True  # dispatch the next decode before reading the last one back (core.py)
     prefill_buckets: tuple[int, ...] = (16, 64, 256, 1024, 4096)  # chunk lengths (capped at prefill_chunk)
     prefill_batch_sizes: tuple[int, ...] = (
         1,

@@ -26,6 +26,7 @@ from infernix_jax.cache import (
     state_bytes_per_slot,
 )
 from infernix_jax.config import ModelConfig
+from infernix_jax.engine.async_decode import AsyncDecode, InFlight, runs_on
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
 from infernix_jax.engine.ngram_prefetch import build_ngram_feeder
@@ -63,6 +64,7 @@ class EngineMetrics:
     decode_wall_s: float = 0.0  # wall time of steps that ran only a decode dispatch
     decode_device_wait_s: float = 0.0  # of which the host waited for the device's results
     warmup_s: float = 0.0  # compile time at start
+    async_dispatches: int = 0  # decode dispatches enqueued before the last one was read back
     spec_rows: int = 0  # speculative: row-steps verified (one per row per verify dispatch)
     drafted_tokens: int = 0  # speculative: draft tokens proposed and verified
     accepted_tokens: int = 0  # speculative: draft tokens accepted
@@ -165,6 +167,8 @@ class EngineCore:
         self.speculation = None
         if config.spec != "none":
             self.speculation = Speculation(self)
+        self.async_decode = AsyncDecode(self)  # engine/async_decode.py
+        self.ahead: InFlight | None = None  # a decode dispatch enqueued before the last was read back
         if config.warmup:
             self.metrics.warmup_s = self.runner.warmup(config.progress)
             start = time.perf_counter()
@@ -225,6 +229,8 @@ class EngineCore:
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
+        if self.ahead is not None and any(row.request is state for row in self.ahead.rows):
+            state.cacheable_state = False  # the dispatch in flight may move its state past its end
         self.scheduler.finish(state)
         state.finish_reason = FINISH_ABORT
         return [self._final_event(state)]
@@ -266,6 +272,8 @@ class EngineCore:
     def step(self) -> list[TokenEvent]:
         """Advance every scheduled request once; returns the events produced."""
         start = time.perf_counter()
+        if self.ahead is not None:
+            return self._step_ahead(start)
         plan = self.scheduler.schedule()
         events: list[TokenEvent] = []
         for state in plan.rejected:
@@ -367,22 +375,61 @@ class EngineCore:
             batch.block_table[i, : len(state.blocks)] = state.blocks
             batch.slots[i] = state.slot
             batch.max_steps[i] = row.max_steps
+        budget = np.zeros(plan.decode_batch, np.int32)  # tokens each row may still generate
+        for i, row in enumerate(plan.decode):
+            budget[i] = row.request.remaining
         try:
             if self.ngram is not None:
                 batch.ngram_rows = self.ngram.decode_rows(plan)
             out = self.runner.decode(batch)
-            t0 = time.perf_counter()
-            sampled = self.runner.read_decode(out)
-            wait = time.perf_counter() - t0
+            flight = InFlight(plan.decode, batch, out, self.runner.last_feed, budget, budget)
         except Exception as exc:  # noqa: BLE001
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
-        for i, row in enumerate(plan.decode):
+        return self._read_decode(flight, events)
+
+    def _step_ahead(self, start: float) -> list[TokenEvent]:
+        """A step while a decode dispatch is in flight (asynchronous decode): enqueue the next one
+        if the batch is still steady, then read this one back."""
+        events: list[TokenEvent] = []
+        flight, self.ahead = self.ahead, None
+        self.metrics.steps += 1
+        wait = self._read_decode(flight, events)
+        self.metrics.decode_dispatches += 1
+        self.metrics.decode_wall_s += time.perf_counter() - start
+        self.metrics.decode_device_wait_s += wait
+        return events
+
+    def _read_decode(self, flight: InFlight, events: list[TokenEvent]) -> float:
+        """Enqueue the dispatch after `flight` when the batch is steady, then read `flight` back and
+        feed each row's tokens through its constraint and stop rules. Returns the device wait."""
+        try:
+            ahead = self.async_decode.follow(flight)
+            t0 = time.perf_counter()
+            sampled = self.runner.read_decode(flight.out)
+            runs = runs_on(ahead)
+            wait = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - one failed dispatch fails its requests, not the engine
+            self.ahead = None
+            self._fail_step([r.request for r in flight.rows], exc, events)
+            return 0.0
+        self.ahead = ahead
+        self.metrics.async_dispatches += ahead is not None
+        for i, row in enumerate(flight.rows):
+            state = row.request
+            if state.status != Status.RUNNING:  # ended (aborted) while the dispatch ran
+                continue
             count = int(sampled.counts[i])
-            row.request.num_computed += count
-            status, count = self._follow_constraint(row.request, sampled.tokens[:count, i])
-            self._accept(row.request, sampled, i, count, events)
-            self._settle_constraint(row.request, status, events)
+            state.num_computed += count
+            if runs is not None and runs[i]:  # the next dispatch moves its state on: if the host
+                state.cacheable_state = False  # ends it now (a stop string), that state is not its own
+            status, count = self._follow_constraint(state, sampled.tokens[:count, i])
+            self._accept(state, sampled, i, count, events)
+            self._settle_constraint(state, status, events)
+            if state.status == Status.RUNNING:
+                state.cacheable_state = True
+        if ahead is not None and all(row.request.status != Status.RUNNING for row in ahead.rows):
+            self.ahead = None  # all its rows stopped (on stop tokens): nothing to read; it runs inert
         return wait
 
     # ---- structured output ---------------------------------------------------------------------

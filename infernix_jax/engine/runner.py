@@ -23,6 +23,7 @@ k top logprobs, n steps.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -214,9 +215,27 @@ def decode_program(
         jnp.zeros((steps, b, num_top), jnp.float32),
     )
     carry = (kv_pool, state_pool, penalties, tokens, jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), out)
-    kv_pool, state_pool, penalties, _, _, count, out = jax.lax.fori_loop(0, steps, step, carry)
+    kv_pool, state_pool, penalties, current, done, count, out = jax.lax.fori_loop(0, steps, step, carry)
     slot_sampling = slot_sampling.with_penalties(slots, penalties)
-    return kv_pool, state_pool, slot_sampling, (count, *out)
+    return kv_pool, state_pool, slot_sampling, (count, *out), (current, done)
+
+
+@partial(jit, static_argnames=("steps",))
+def next_decode_inputs(
+    current: jax.Array,  # i32 [b]: each row's last sampled token (what it feeds next)
+    done: jax.Array,  # bool [b]: the row sampled a stop token
+    count: jax.Array,  # i32 [b]: tokens it generated in the dispatch
+    positions: jax.Array,  # i32 [b]: where that dispatch started
+    budget: jax.Array,  # i32 [b]: tokens the row could still generate when that dispatch started
+    *,
+    steps: int,
+):
+    """The inputs of the decode dispatch that follows one still running on the device: (tokens,
+    positions, max_steps, budget). A row that stopped or used up its budget gets max_steps 0, so the
+    next dispatch leaves its KV and state untouched (asynchronous decode, core.py)."""
+    budget = budget - count
+    max_steps = jnp.where(done, 0, jnp.clip(budget, 0, steps)).astype(jnp.int32)
+    return current, positions + count, max_steps, budget
 
 
 @partial(jit, static_argnames=("cfg",), donate_argnames=("kv_pool", "state_pool"))
@@ -343,7 +362,8 @@ class PrefillBatch:
 
 @dataclass
 class DecodeBatch:
-    """Host arrays of one decode dispatch."""
+    """Host arrays of one decode dispatch (tokens, positions and max_steps are device arrays when
+    the dispatch is fed from the one before it: asynchronous decode)."""
 
     tokens: np.ndarray  # i32 [b]
     positions: np.ndarray  # i32 [b]
@@ -476,7 +496,9 @@ class Runner:
         return jax.device_get(out)
 
     def decode(self, batch: DecodeBatch):
-        self.kv_pool, self.state_pool, self.slot_sampling, out = decode_program(
+        """Dispatch a decode; returns its outputs (read with read_decode). `last_feed` keeps, on the
+        device, each row's last sampled token and whether it stopped, for next_decode_inputs."""
+        self.kv_pool, self.state_pool, self.slot_sampling, out, self.last_feed = decode_program(
             self.params,
             self.kv_pool,
             self.state_pool,
@@ -608,7 +630,16 @@ class Runner:
                     logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
                 )
             else:
-                out = self.decode(self.empty_decode(a, b))
+                empty = self.empty_decode(a, b)
+                out = self.decode(empty)
+                if self.config.async_decode and self.ngram_table is None:  # fed from the last one's outputs
+                    count = jnp.zeros(a, jnp.int32)
+                    tokens, positions, max_steps, _ = next_decode_inputs(
+                        *self.last_feed, count, empty.positions, count, steps=b
+                    )
+                    out = self.decode(
+                        dataclasses.replace(empty, tokens=tokens, positions=positions, max_steps=max_steps)
+                    )
             jax.block_until_ready(out)
             bar.update(1)
         bar.close()
