@@ -116,6 +116,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="shortest context suffix the n-gram drafter may match (default: the engine's, 2)",
     )
 
+    experts = parser.add_argument_group("experts beyond GPU memory (docs/experts.md)")
+    experts.add_argument(
+        "--gpu-expert-budget",
+        default=None,
+        metavar="SIZE",
+        help="device memory for routed experts, e.g. 16GiB; the rest live in host RAM or on disk "
+        "(default: every expert on the GPU)",
+    )
+    experts.add_argument(
+        "--host-expert-budget",
+        default=None,
+        metavar="SIZE",
+        help="host RAM for experts without a GPU slot, e.g. 48GiB; beyond it they are read from "
+        "--expert-artifact (default: all of them)",
+    )
+    experts.add_argument(
+        "--expert-artifact", default=None, metavar="DIR", help="converted artifact the disk tier reads experts from"
+    )
+    experts.add_argument(
+        "--expert-profile",
+        default=None,
+        metavar="PATH",
+        help="routing profile for the placement at start (python -m infernix_jax.experts.profile)",
+    )
+
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -199,6 +224,11 @@ def build_engine(args: argparse.Namespace):
         value = getattr(args, name, None)
         if value is not None and not (name == "prefix_cache_save_mins" and value == 0):
             prefix[name] = value
+    experts = {
+        name: getattr(args, name)
+        for name in ("gpu_expert_budget", "host_expert_budget", "expert_artifact", "expert_profile")
+        if getattr(args, name, None) is not None
+    }
     return create_engine(
         args.model,
         max_concurrency=args.max_concurrency,
@@ -207,6 +237,7 @@ def build_engine(args: argparse.Namespace):
         prefill_chunk=args.prefill_chunk,
         **speculative,
         **prefix,
+        **experts,
     )
 
 

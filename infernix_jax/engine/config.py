@@ -50,6 +50,11 @@ class EngineConfig:
     draft_tokens: int = 3  # MTP draft chain length (tokens verified per step: up to this + 1)
     ngram_draft_tokens: int = 5  # most tokens the n-gram (prompt lookup) drafter proposes
     ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
+    # experts beyond device memory (docs/experts.md); gpu_expert_budget None: every expert resident, no slots
+    gpu_expert_budget: int | str | None = None  # device bytes for routed experts ("16GiB", "all")
+    host_expert_budget: int | str | None = "all"  # host RAM for experts without a slot; beyond it: the artifact
+    expert_artifact: str | None = None  # converted artifact the disk tier reads experts from
+    expert_profile: str | None = None  # routing profile (python -m infernix_jax.experts.profile) for placement
 
     def __post_init__(self) -> None:
         errors = []
