@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
-    parser.add_argument("--dispatches", type=int, default=4)
+    parser.add_argument("--dispatches", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model (32 experts, top-4), any machine")
+    parser.add_argument("--shares", default="0.19,0.37,0.74",
+                        help="--quick: budgets as shares of all experts (those of 8/16/32 GiB of the 80B model)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     machine, commit = machine_name(), git_commit()
@@ -136,12 +138,14 @@ def main(argv: list[str] | None = None):
     expert_bytes = sum(x.nbytes for x in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj))) // cfg.num_experts
     full_model_experts = expert_bytes * cfg.num_experts * (layers if args.quick else FULL_LAYERS)
     if args.quick:  # budgets as shares of the tiny model's experts: the same shares as 8/16/32 GiB of 80B's
-        budgets = {f"{share:.0%}": int(share * full_model_experts) for share in (0.19, 0.37, 0.74)}
+        budgets = {f"{float(x):.0%}": int(float(x) * full_model_experts) for x in args.shares.split(",")}
     else:
         budgets = {f"{b}GiB": int(float(b) * GiB * layers / FULL_LAYERS) for b in args.budgets.split(",")}
     bandwidth = measure_host_to_device(QUICK if args.quick else Sizes()).rate
     shape = "tiny-moe32" if args.quick else f"qwen3-next-80b-a3b {layers}of{FULL_LAYERS}layers"
     batches = [int(b) for b in args.batches.split(",")]
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
     for label, budget in [*budgets.items(), ("all-resident", None)]:
         core = make_core(cfg, params, context=args.context, steps=args.steps, gpu_budget=budget)
@@ -168,11 +172,11 @@ def main(argv: list[str] | None = None):
             bound = f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
             print(f"{record.name}: {r['tok_s']:.2f} tok/s{bound}{hit}", flush=True)
             records.append(record)
+            write_records(records, out)  # after every point: a run cut short keeps what it measured
         if core.experts is not None:
             core.experts.close()
         del core
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    print("wrote", write_records(records, args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"))
+    print("wrote", write_records(records, out))
     return records
 
 

@@ -136,12 +136,12 @@ def register_expert_source(source: Any) -> int:
 
 
 def fetch_buckets(max_missed: int) -> tuple[int, ...]:
-    """Static sizes of the fetch callback's result (0, 1, 2, 4, ... up to max_missed): a step moves
-    at most twice the bytes of the experts it misses, with a handful of compiled branches."""
+    """Static sizes of the fetch callback's result (0, 1, 2, 3, 4, 6, 8, 12, ... up to max_missed):
+    a step moves at most 1.5x the bytes of the experts it misses, with a few compiled branches."""
     sizes, m = [0], 1
     while m < max_missed:
         sizes.append(m)
-        m *= 2
+        m = m + 1 if m < 2 else (m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3)
     return (*sizes, max_missed) if max_missed else (0,)
 
 

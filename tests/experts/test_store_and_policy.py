@@ -140,11 +140,13 @@ def test_policy_promotes_hot_experts_with_hysteresis(model):
 
 
 def test_fetch_buckets_bound_the_bytes_moved():
-    assert fetch_buckets(40) == (0, 1, 2, 4, 8, 16, 32, 40)
+    assert fetch_buckets(40) == (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40)
     assert fetch_buckets(1) == (0, 1)
-    for missed in range(41):  # the smallest bucket holding `missed` is less than twice its size
-        size = min(b for b in fetch_buckets(40) if b >= missed)
-        assert size <= max(1, 2 * missed)
+    for top in (1, 7, 40, 512):
+        buckets = fetch_buckets(top)
+        assert buckets[0] == 0 and buckets[-1] == top and list(buckets) == sorted(set(buckets))
+        for missed in range(top + 1):  # the smallest bucket holding `missed` wastes at most half of it
+            assert min(b for b in buckets if b >= missed) <= 1.5 * missed
 
 
 def test_placement_follows_the_routing_profile(model, tmp_path):
