@@ -117,16 +117,25 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
 
 
 def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12, help="layers of the 48 kept (budgets scale by layers / 48)")
-    parser.add_argument("--budgets", default="8,16,32", help="GPU expert budgets in GiB for the full 48-layer model")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layers", type=int, default=12, help="layers of the 48 kept (budgets scale by layers / 48)"
+    )
+    parser.add_argument(
+        "--budgets", default="8,16,32", help="GPU expert budgets in GiB for the full 48-layer model"
+    )
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
     parser.add_argument("--dispatches", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model (32 experts, top-4), any machine")
-    parser.add_argument("--shares", default="0.19,0.37,0.74",
-                        help="--quick: budgets as shares of all experts (those of 8/16/32 GiB of the 80B model)")
+    parser.add_argument(
+        "--shares",
+        default="0.19,0.37,0.74",
+        help="--quick: budgets as shares of all experts (those of 8/16/32 GiB of the 80B model)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     machine, commit = machine_name(), git_commit()
@@ -135,7 +144,9 @@ def main(argv: list[str] | None = None):
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     params = random_params(cfg, dtype)
     moe = params.layers[0].moe
-    expert_bytes = sum(x.nbytes for x in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj))) // cfg.num_experts
+    expert_bytes = (
+        sum(x.nbytes for x in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj))) // cfg.num_experts
+    )
     full_model_experts = expert_bytes * cfg.num_experts * (layers if args.quick else FULL_LAYERS)
     if args.quick:  # budgets as shares of the tiny model's experts: the same shares as 8/16/32 GiB of 80B's
         budgets = {f"{float(x):.0%}": int(float(x) * full_model_experts) for x in args.shares.split(",")}
@@ -168,8 +179,14 @@ def main(argv: list[str] | None = None):
                 record = make_record(f"{name}{suffix} vs pcie bound", r["tok_s"], "tok/s", ceiling,
                                      "tok/s (pcie bound)" if ceiling else None, machine=machine, commit=commit,
                                      details=details)  # fmt: skip
-            hit = f", hit rate {r['hit_rate']:.1%}, host callbacks {r['callback_seconds'] / r['seconds']:.0%} of the time" if "hit_rate" in r else ""
-            bound = f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
+            hit = (
+                f", hit rate {r['hit_rate']:.1%}, host callbacks {r['callback_seconds'] / r['seconds']:.0%} of the time"
+                if "hit_rate" in r
+                else ""
+            )
+            bound = (
+                f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
+            )
             print(f"{record.name}: {r['tok_s']:.2f} tok/s{bound}{hit}", flush=True)
             records.append(record)
             write_records(records, out)  # after every point: a run cut short keeps what it measured

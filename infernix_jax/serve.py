@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-artifact (default: all of them)",
     )
     experts.add_argument(
-        "--expert-artifact", default=None, metavar="DIR", help="converted artifact the disk tier reads experts from"
+        "--expert-artifact",
+        default=None,
+        metavar="DIR",
+        help="converted artifact the disk tier reads experts from",
     )
     experts.add_argument(
         "--expert-profile",

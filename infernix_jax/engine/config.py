@@ -52,9 +52,9 @@ class EngineConfig:
     ngram_min_match: int = 2  # shortest suffix the n-gram drafter may match (it tries up to 8 first)
     # experts beyond device memory (docs/experts.md); gpu_expert_budget None: every expert resident, no slots
     gpu_expert_budget: int | str | None = None  # device bytes for routed experts ("16GiB", "all")
-    host_expert_budget: int | str | None = "all"  # host RAM for experts without a slot; beyond it: the artifact
+    host_expert_budget: int | str | None = "all"  # host RAM for experts without a slot; then: the artifact
     expert_artifact: str | None = None  # converted artifact the disk tier reads experts from
-    expert_profile: str | None = None  # routing profile (python -m infernix_jax.experts.profile) for placement
+    expert_profile: str | None = None  # routing profile for the placement (infernix_jax.experts.profile)
 
     def __post_init__(self) -> None:
         errors = []

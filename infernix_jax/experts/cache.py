@@ -138,7 +138,9 @@ class ExpertCache:
             previous_next = self.last_missed.get(layer + 1, [])
             self.last_missed[layer] = wanted
         if previous_next and self.store.has_disk:  # the next layer will likely miss what it missed last step
-            self.store.read_ahead(layer + 1, [e for e in previous_next if self.store.tier_of(layer + 1, e) == DISK])
+            self.store.read_ahead(
+                layer + 1, [e for e in previous_next if self.store.tier_of(layer + 1, e) == DISK]
+            )
         try:
             experts = self.store.read_many(layer, wanted)
         except ExpertReadError as e:

@@ -54,7 +54,9 @@ def layout_of(cfg: ModelConfig, params: Params) -> ExpertLayout:
     leaves, treedef = jax.tree.flatten(projections(params.layers[layers[0]].moe))
     for leaf in leaves:
         if leaf.shape[0] != cfg.num_experts:
-            raise ValueError(f"expected expert stacks [E={cfg.num_experts}, ...]; got a leaf of shape {leaf.shape}")
+            raise ValueError(
+                f"expected expert stacks [E={cfg.num_experts}, ...]; got a leaf of shape {leaf.shape}"
+            )
     return ExpertLayout(
         moe_layers=layers,
         num_experts=cfg.num_experts,

@@ -84,7 +84,18 @@ class Placement:
         ids = np.full(WRITE_WIDTH, -1, np.int32)
         jax.block_until_ready(read_slots_program(slots, ids))
         data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
-        self._set_slotted(0, dataclasses.replace(slotted, **dict(zip(("gate_proj", "up_proj", "down_proj"), write_slots_program(slots, jnp.asarray(ids), data)))))
+        self._set_slotted(
+            0,
+            dataclasses.replace(
+                slotted,
+                **dict(
+                    zip(
+                        ("gate_proj", "up_proj", "down_proj"),
+                        write_slots_program(slots, jnp.asarray(ids), data),
+                    )
+                ),
+            ),
+        )
 
     def describe(self) -> str:
         gib = lambda n: n * self.expert_bytes * self.num_layers / 2**30
@@ -239,7 +250,11 @@ class ExpertOffload:
         self._set_slotted(
             rank,
             dataclasses.replace(
-                slotted, gate_proj=slots[0], up_proj=slots[1], down_proj=slots[2], slot_map=jnp.asarray(cache.slot_map[rank])
+                slotted,
+                gate_proj=slots[0],
+                up_proj=slots[1],
+                down_proj=slots[2],
+                slot_map=jnp.asarray(cache.slot_map[rank]),
             ),
         )
 
@@ -250,7 +265,18 @@ class ExpertOffload:
         ids = np.full(WRITE_WIDTH, -1, np.int32)
         jax.block_until_ready(read_slots_program(slots, ids))
         data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
-        self._set_slotted(0, dataclasses.replace(slotted, **dict(zip(("gate_proj", "up_proj", "down_proj"), write_slots_program(slots, jnp.asarray(ids), data)))))
+        self._set_slotted(
+            0,
+            dataclasses.replace(
+                slotted,
+                **dict(
+                    zip(
+                        ("gate_proj", "up_proj", "down_proj"),
+                        write_slots_program(slots, jnp.asarray(ids), data),
+                    )
+                ),
+            ),
+        )
 
     def describe(self) -> str:
         s = self.stats
@@ -261,4 +287,3 @@ class ExpertOffload:
 
     def close(self) -> None:
         self.store.close()
-

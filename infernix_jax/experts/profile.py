@@ -35,7 +35,11 @@ class RoutingProfile:
             )
 
     def save(self, path: str | Path) -> None:
-        data = {"format": FORMAT_NAME, "num_experts": int(self.counts.shape[1]), "layers": self.counts.tolist()}
+        data = {
+            "format": FORMAT_NAME,
+            "num_experts": int(self.counts.shape[1]),
+            "layers": self.counts.tolist(),
+        }
         Path(path).write_text(json.dumps(data))
 
     @classmethod
@@ -47,19 +51,25 @@ class RoutingProfile:
 
 
 def record_profile(llm, prompts: list, max_tokens: int = 32) -> RoutingProfile:
-    """Run `prompts` through an `LLM` built with gpu_expert_budget="all" and return its routing counts."""
+    """Run `prompts` through an `LLM` with expert offload on (the command uses gpu_expert_budget="all")
+    and return the routing counts of that run.
+
+    The counts include the padding rows of the engine's fixed-shape programs (the MoE block does
+    not see positions), which route like any token; long prompts and many of them dilute that."""
     from infernix_jax.engine.protocol import SamplingParams
 
     experts = llm.core.experts
     if experts is None:
-        raise ValueError("record_profile needs an engine with expert offload on (gpu_expert_budget='all')")
+        raise ValueError("record_profile needs an engine with expert offload on (a gpu_expert_budget)")
     experts.cache.reset_stats()
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return RoutingProfile(experts.cache.routing_counts.copy())
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m infernix_jax.experts.profile", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m infernix_jax.experts.profile", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", required=True, help="model folder (HF checkpoint or artifact)")
     parser.add_argument("--prompts", required=True, help="text file, one prompt per line")
     parser.add_argument("--out", required=True, help="profile JSON to write")

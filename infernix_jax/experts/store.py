@@ -17,7 +17,6 @@ import threading
 import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import jax
 import numpy as np
@@ -63,7 +62,9 @@ class ExpertStore:
         self._ahead_limit = read_cache_experts
         self._faults: dict[tuple[int, int], str] = {}
         self._lock = threading.Lock()
-        self.verify_host_reads = verify_host_reads  # CRC32 every host read (~4 GB/s of CPU time; off: see docs)
+        self.verify_host_reads = (
+            verify_host_reads  # CRC32 every host read (~4 GB/s of CPU time; off: see docs)
+        )
 
     # ---- tiers ---------------------------------------------------------------------------------
     @property
@@ -120,7 +121,8 @@ class ExpertStore:
         """Several experts of one layer; disk reads run in parallel."""
         futures = {e: self._disk_future(layer, e) for e in experts if (layer, e) not in self._host}
         return [
-            self._read_host(layer, e) if e not in futures else self._wait(layer, e, futures[e]) for e in experts
+            self._read_host(layer, e) if e not in futures else self._wait(layer, e, futures[e])
+            for e in experts
         ]
 
     def read_ahead(self, layer: int, experts: list[int]) -> None:
@@ -133,7 +135,9 @@ class ExpertStore:
         leaves, crc = self._host[(layer, expert)]
         fault = self._take_fault(layer, expert)
         if fault == "io":
-            raise ExpertReadError(f"expert {expert} of MoE layer {layer}: host read failed (injected I/O error)")
+            raise ExpertReadError(
+                f"expert {expert} of MoE layer {layer}: host read failed (injected I/O error)"
+            )
         if fault == "checksum":
             leaves = [a.copy() for a in leaves]
             leaves[0].view(np.uint8).reshape(-1)[0] ^= 0xFF
@@ -141,35 +145,46 @@ class ExpertStore:
             raise ExpertReadError(f"expert {expert} of MoE layer {layer}: checksum mismatch in host memory")
         return leaves
 
-    def _disk_future(self, layer: int, expert: int, keep: bool = False) -> Future:
+    def _disk_future(self, layer: int, expert: int, keep: bool = False) -> tuple[Future, bool]:
+        """(a read of the expert, whether it was started earlier by read_ahead)."""
         with self._lock:
             future = self._ahead.pop((layer, expert), None)
+            early = future is not None
             if future is None:
                 future = self._pool.submit(self._read_disk, layer, expert)
             if keep:
                 self._ahead[(layer, expert)] = future
                 while len(self._ahead) > self._ahead_limit:
                     self._ahead.popitem(last=False)
-            return future
+            return future, early
 
-    def _wait(self, layer: int, expert: int, future: Future) -> Leaves:
+    def _wait(self, layer: int, expert: int, read: tuple[Future, bool]) -> Leaves:
+        future, early = read
         try:
             return future.result()
-        except ExpertReadError:
-            raise
-        except Exception as e:  # tensorstore / OS errors
+        except Exception as e:
+            if early:  # a read-ahead that failed is read again: its failure must not outlive its step
+                return self._wait(layer, expert, (self._pool.submit(self._read_disk, layer, expert), False))
+            if isinstance(e, ExpertReadError):
+                raise
             raise ExpertReadError(f"expert {expert} of MoE layer {layer}: disk read failed: {e}") from e
 
     def _read_disk(self, layer: int, expert: int) -> Leaves:
         if self.artifact is None:
-            raise ExpertReadError(f"expert {expert} of MoE layer {layer} has no home: no host copy and no artifact")
+            raise ExpertReadError(
+                f"expert {expert} of MoE layer {layer} has no home: no host copy and no artifact"
+            )
         fault = self._take_fault(layer, expert)
         if fault == "io":
-            raise ExpertReadError(f"expert {expert} of MoE layer {layer}: disk read failed (injected I/O error)")
+            raise ExpertReadError(
+                f"expert {expert} of MoE layer {layer}: disk read failed (injected I/O error)"
+            )
         values = tuple(self.artifact.read_expert(path, expert) for path in self.artifact_paths[layer])
         leaves = [np.asarray(a) for a in jax.tree.leaves(values)]
         if fault == "checksum":
-            raise ExpertReadError(f"expert {expert} of MoE layer {layer}: checksum mismatch on disk (injected)")
+            raise ExpertReadError(
+                f"expert {expert} of MoE layer {layer}: checksum mismatch on disk (injected)"
+            )
         want = zip(self.layout.leaf_shapes, self.layout.leaf_dtypes)
         if [(a.shape, a.dtype) for a in leaves] != [(tuple(s), np.dtype(d)) for s, d in want]:
             raise ExpertReadError(

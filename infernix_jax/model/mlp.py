@@ -120,7 +120,9 @@ class SlottedExperts:
 
 
 jax.tree_util.register_dataclass(
-    SlottedExperts, data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id"], meta_fields=["layer"]
+    SlottedExperts,
+    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id"],
+    meta_fields=["layer"],
 )
 
 # id -> the host object serving missed experts: fetch(layer, counts i32 [E], missed i32 [m]) -> leaves [m, ...]
@@ -161,7 +163,12 @@ def _fetch_missed(se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_
 
         def run(counts, missed):
             out = io_callback(
-                functools.partial(_call_fetch, se.layer, shapes), shapes, se.source_id, counts, missed[:m], ordered=False
+                functools.partial(_call_fetch, se.layer, shapes),
+                shapes,
+                se.source_id,
+                counts,
+                missed[:m],
+                ordered=False,
             )
             return [jnp.pad(a, [(0, max_missed - m)] + [(0, 0)] * (a.ndim - 1)) for a in out]
 
@@ -180,7 +187,9 @@ def _call_fetch(layer: int, shapes, source_id, counts, missed):
     out = source.fetch(layer, np.asarray(counts), np.asarray(missed))
     if len(out) != len(shapes) or any(a.shape != s.shape or a.dtype != s.dtype for a, s in zip(out, shapes)):
         got = [(a.shape, a.dtype.name) for a in out]
-        raise ValueError(f"expert source returned {got} for layer {layer}; expected {[(s.shape, s.dtype.name) for s in shapes]}")
+        raise ValueError(
+            f"expert source returned {got} for layer {layer}; expected {[(s.shape, s.dtype.name) for s in shapes]}"
+        )
     return out
 
 

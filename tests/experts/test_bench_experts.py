@@ -11,7 +11,21 @@ from bench.record import read_records
 @pytest.mark.slow  # ~1-2 min on 2 CPU cores, mostly compiling two engines
 def test_quick_run_writes_pcie_bound_records(tmp_path):
     out = tmp_path / "experts.json"
-    main(["--quick", "--shares", "0.37", "--batches", "1", "--dispatches", "1", "--steps", "4", "--out", str(out)])
+    main(
+        [
+            "--quick",
+            "--shares",
+            "0.37",
+            "--batches",
+            "1",
+            "--dispatches",
+            "1",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     records = {r["name"]: r for r in read_records(out)}
     offloaded = [r for n, r in records.items() if "37%" in n]
     assert len(offloaded) == 2 and {r["details"]["policy"] for r in offloaded} == {"dynamic", "static"}

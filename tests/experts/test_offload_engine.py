@@ -3,6 +3,8 @@ no compiles after warm-up, and a failed expert read that fails only its step's r
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ def model():
 @pytest.fixture(scope="module")
 def artifact(model, tmp_path_factory):
     """The expert stacks in our artifact format (one chunk per expert): the disk tier's source."""
-    cfg, params = model
+    _cfg, params = model
     path = tmp_path_factory.mktemp("artifact")
     writer = ArtifactWriter(path, num_experts=NUM_EXPERTS)
     for i, layer in enumerate(params.layers):
@@ -59,7 +61,11 @@ def budget(params, experts_per_layer: int) -> int:
 def requests(seed: int = 0, lengths=PROMPT_LENGTHS, prefix: str = "r") -> list[GenerationRequest]:
     rng = np.random.default_rng(seed)
     return [
-        GenerationRequest(f"{prefix}{i}", rng.integers(0, 512, size=n).tolist(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        GenerationRequest(
+            f"{prefix}{i}",
+            rng.integers(0, 512, size=n).tolist(),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        )
         for i, n in enumerate(lengths)
     ]
 
@@ -110,7 +116,9 @@ def test_greedy_output_equals_all_resident_with_misses_every_step(tier, model, a
     )
     core = EngineCore(cfg, params, config)
     steps_without_miss = []
-    out = drive(core, requests(), lambda c, before: steps_without_miss.append(c.experts.stats.misses == before))
+    out = drive(
+        core, requests(), lambda c, before: steps_without_miss.append(c.experts.stats.misses == before)
+    )
     assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
     assert all(v["finish"] != FINISH_ERROR for v in out.values())
     assert not any(steps_without_miss), "the budget should force misses on every step"
@@ -197,3 +205,28 @@ def test_failed_expert_read_fails_only_that_steps_requests(tier, model, artifact
     out = drive(core, reqs[1:])
     assert {k: v["tokens"] for k, v in out.items()} == {k: resident[k]["tokens"] for k in out}
     assert all(v["finish"] != FINISH_ERROR for v in out.values())
+
+
+def test_a_recorded_profile_places_the_most_routed_experts_in_slots(model, tmp_path):
+    from infernix_jax.engine.llm import LLM
+    from infernix_jax.experts import ExpertOffload, RoutingProfile
+    from infernix_jax.experts.profile import record_profile
+    from infernix_jax.loaded_model import Model
+
+    cfg, params = model
+    options = {f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(CONFIG)}
+    llm = LLM(
+        model=Model(cfg, params, None, CONFIG.max_context),
+        **{**options, "gpu_expert_budget": budget(params, SLOTS)},
+    )
+    prompts = [r.prompt_token_ids for r in requests(seed=7)]
+    profile = record_profile(llm, prompts, max_tokens=4)
+    np.testing.assert_array_equal(profile.counts, llm.core.experts.cache.routing_counts)
+    assert (profile.counts.sum(axis=1) % cfg.num_experts_per_tok == 0).all() and profile.counts.sum() > 0
+    profile.save(tmp_path / "profile.json")
+    placed = ExpertOffload.build(cfg, params, budget(params, SLOTS), profile=str(tmp_path / "profile.json"))
+    for layer in range(MOE_LAYERS):
+        hottest = set(
+            np.argsort(-RoutingProfile.load(tmp_path / "profile.json").counts[layer], kind="stable")[:SLOTS]
+        )
+        assert set(placed.cache.slot_owner[layer].tolist()) == hottest

@@ -9,7 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from infernix_jax.experts import ExpertCache, ExpertReadError, ExpertStore, RoutingProfile, experts_in_budget, layout_of
+from infernix_jax.experts import (
+    ExpertCache,
+    ExpertReadError,
+    ExpertStore,
+    RoutingProfile,
+    experts_in_budget,
+    layout_of,
+)
 from infernix_jax.experts.offload import ExpertOffload
 from infernix_jax.model.mlp import fetch_buckets
 from infernix_jax.weights.artifact import Artifact, ArtifactWriter
@@ -24,7 +31,7 @@ def model():
 
 @pytest.fixture()
 def artifact_dir(model, tmp_path):
-    cfg, params = model
+    _cfg, params = model
     writer = ArtifactWriter(tmp_path, num_experts=NUM_EXPERTS)
     for i, layer in enumerate(params.layers):
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -45,7 +52,10 @@ def expert_of(params, layer: int, expert: int) -> list[np.ndarray]:
 def disk_store(model, artifact_dir) -> ExpertStore:
     cfg, params = model
     layout = layout_of(cfg, params)
-    paths = {i: tuple(f"layers.{i}.moe.{n}" for n in ("gate_proj", "up_proj", "down_proj")) for i in range(cfg.num_layers)}
+    paths = {
+        i: tuple(f"layers.{i}.moe.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
+        for i in range(cfg.num_layers)
+    }
     return ExpertStore(layout, Artifact(artifact_dir), paths)
 
 
@@ -62,7 +72,7 @@ def test_budgets_count_packed_bytes_per_layer(model):
 
 
 def test_disk_tier_reads_one_expert_exactly_and_reads_ahead(model, artifact_dir):
-    cfg, params = model
+    _cfg, params = model
     store = disk_store(model, artifact_dir)
     for got, want in zip(store.read(2, 17), expert_of(params, 2, 17)):
         np.testing.assert_array_equal(as_bytes(got), as_bytes(want))
@@ -154,12 +164,18 @@ def test_placement_follows_the_routing_profile(model, tmp_path):
     counts = np.zeros((cfg.num_layers, NUM_EXPERTS), np.int64)
     counts[:, [30, 5, 17]] = [300, 200, 100]
     RoutingProfile(counts).save(tmp_path / "profile.json")
-    offload = ExpertOffload.build(cfg, params, gpu_budget=None, host_budget="all", profile=str(tmp_path / "profile.json"))
+    offload = ExpertOffload.build(
+        cfg, params, gpu_budget=None, host_budget="all", profile=str(tmp_path / "profile.json")
+    )
     assert offload.placement.slots_per_layer == NUM_EXPERTS
     layout = offload.layout
     small = ExpertOffload.build(
-        cfg, params, gpu_budget=3 * layout.expert_bytes * cfg.num_layers, host_budget=4 * layout.expert_bytes * cfg.num_layers,
-        profile=RoutingProfile.load(tmp_path / "profile.json"), artifact=_artifact_stub(cfg, params, tmp_path),
+        cfg,
+        params,
+        gpu_budget=3 * layout.expert_bytes * cfg.num_layers,
+        host_budget=4 * layout.expert_bytes * cfg.num_layers,
+        profile=RoutingProfile.load(tmp_path / "profile.json"),
+        artifact=_artifact_stub(cfg, params, tmp_path),
     )
     assert sorted(small.cache.slot_owner[2].tolist()) == [5, 17, 30]
     assert small.store.host_count(2) == 4 and small.store.in_host(2, 0) and not small.store.in_host(2, 5)
@@ -182,7 +198,16 @@ def test_serve_flags_reach_the_engine_options():
     from infernix_jax.serve import build_parser
 
     args = build_parser().parse_args(
-        ["--gpu-expert-budget", "16GiB", "--host-expert-budget", "48GiB", "--expert-artifact", "/a", "--expert-profile", "/p.json"]
+        [
+            "--gpu-expert-budget",
+            "16GiB",
+            "--host-expert-budget",
+            "48GiB",
+            "--expert-artifact",
+            "/a",
+            "--expert-profile",
+            "/p.json",
+        ]
     )
     assert (args.gpu_expert_budget, args.host_expert_budget, args.expert_artifact, args.expert_profile) == (
         "16GiB",
@@ -191,3 +216,16 @@ def test_serve_flags_reach_the_engine_options():
         "/p.json",
     )
     assert build_parser().parse_args([]).gpu_expert_budget is None
+
+
+def test_a_failed_read_ahead_does_not_fail_a_later_step(model, artifact_dir):
+    _, params = model
+    store = disk_store(model, artifact_dir)
+    store.inject_fault(3, 4, "io")
+    store.read_ahead(3, [4])  # this early read meets the fault
+    for a, b in zip(store.read(3, 4), expert_of(params, 3, 4)):  # the step's own read succeeds
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    store.inject_fault(3, 5, "io")
+    with pytest.raises(ExpertReadError, match="expert 5 of MoE layer 3"):  # a direct read fails its step
+        store.read_many(3, [4, 5])
+    store.close()

@@ -45,4 +45,7 @@ def tiny_params(cfg: ModelConfig, seed: int = 0) -> Params:
 
 def expert_bytes(params: Params) -> int:
     moe = params.layers[0].moe
-    return sum(np.asarray(a).nbytes for a in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj))) // NUM_EXPERTS
+    return (
+        sum(np.asarray(a).nbytes for a in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj)))
+        // NUM_EXPERTS
+    )
