@@ -140,6 +140,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--ngram-cache-mem", default=None, help="host cache of hot table rows, e.g. 8GiB (default: the engine's, 1GiB)"
     )
 
+    experts = parser.add_argument_group("experts beyond GPU memory (docs/experts.md)")
+    experts.add_argument(
+        "--gpu-expert-budget",
+        default=None,
+        metavar="SIZE",
+        help="device memory for routed experts, e.g. 16GiB; the rest live in host RAM or on disk "
+        "(default: every expert on the GPU)",
+    )
+    experts.add_argument(
+        "--host-expert-budget",
+        default=None,
+        metavar="SIZE",
+        help="host RAM for experts without a GPU slot, e.g. 48GiB; beyond it they are read from "
+        "--expert-artifact (default: all of them)",
+    )
+    experts.add_argument(
+        "--expert-artifact",
+        default=None,
+        metavar="DIR",
+        help="converted artifact the disk tier reads experts from",
+    )
+    experts.add_argument(
+        "--expert-profile",
+        default=None,
+        metavar="PATH",
+        help="routing profile for the placement at start (python -m infernix_jax.experts.profile)",
+    )
+
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -230,6 +258,11 @@ def build_engine(args: argparse.Namespace):
         for name in ("ngram_volume", "ngram_cache_mem")
         if getattr(args, name, None) is not None
     }
+    experts = {
+        name: getattr(args, name)
+        for name in ("gpu_expert_budget", "host_expert_budget", "expert_artifact", "expert_profile")
+        if getattr(args, name, None) is not None
+    }
     return create_engine(
         args.model,
         max_concurrency=args.max_concurrency,
@@ -239,6 +272,7 @@ def build_engine(args: argparse.Namespace):
         **speculative,
         **prefix,
         **memory,
+        **experts,
     )
 
 

@@ -56,6 +56,11 @@ class EngineConfig:
     # n-gram memory (Engram-style tables; docs/ngram_memory.md)
     ngram_volume: str | None = None  # the table volume of a model with an n-gram memory
     ngram_cache_mem: int | str = "1GiB"  # host cache of hot table rows
+    # experts beyond device memory (docs/experts.md); gpu_expert_budget None: every expert resident, no slots
+    gpu_expert_budget: int | str | None = None  # device bytes for routed experts ("16GiB", "all")
+    host_expert_budget: int | str | None = "all"  # host RAM for experts without a slot; then: the artifact
+    expert_artifact: str | None = None  # converted artifact the disk tier reads experts from
+    expert_profile: str | None = None  # routing profile for the placement (infernix_jax.experts.profile)
 
     def __post_init__(self) -> None:
         errors = []

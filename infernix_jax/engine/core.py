@@ -133,6 +133,19 @@ class EngineCore:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
+        self.experts = None  # ExpertOffload when routed experts live in device slots + host/disk tiers
+        if config.gpu_expert_budget is not None:
+            from infernix_jax.experts.offload import ExpertOffload
+
+            self.experts = ExpertOffload.build(
+                cfg,
+                params,
+                config.gpu_expert_budget,
+                config.host_expert_budget,
+                artifact=config.expert_artifact,
+                profile=config.expert_profile,
+            )
+            params = self.experts.params
         num_blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)
         num_slots = config.max_concurrency + 1
         stateful = bool(cfg.linear_attention_layers)
@@ -178,6 +191,10 @@ class EngineCore:
                 start = time.perf_counter()
                 self.speculation.warmup()
                 self.metrics.warmup_s += time.perf_counter() - start
+            if self.experts is not None:  # warm-up's padding rows routed arbitrary experts
+                self.experts.warmup()
+                self.runner.params = self.experts.params
+                self.experts.cache.reset_stats()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> list[TokenEvent]:
@@ -310,6 +327,8 @@ class EngineCore:
             self.metrics.decode_dispatches += 1
             self.metrics.decode_wall_s += time.perf_counter() - start
             self.metrics.decode_device_wait_s += wait
+        if self.experts is not None:  # no program runs now: move experts between slots and tiers
+            self.runner.params = self.experts.rebalance()
         return events
 
     def _newly_scheduled(self, plan: SchedulerOutput) -> list[RequestState]:

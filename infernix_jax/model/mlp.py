@@ -1,9 +1,23 @@
-"""SwiGLU MLP and the mixture-of-experts block (softmax router, top-k, optional shared expert)."""
+"""SwiGLU MLP and the mixture-of-experts block (softmax router, top-k, optional shared expert).
+
+Routed experts come either from full stacks in `MoEParams` ([E, ...] each) or, when experts do not
+fit in device memory, from a `SlottedExperts` held in `MoEParams.gate_proj`: a fixed number of
+device slots per layer, a slot map, and a host callback that supplies the experts a step needs
+but the slots lack (infernix_jax/experts/ builds and fills them; docs/experts.md).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
+import weakref
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.params import MLPParams, MoEParams
@@ -32,9 +46,15 @@ def route(router: jax.Array, x: jax.Array, top_k: int, renormalize: bool) -> tup
 def _experts_gathered(p: MoEParams, x: jax.Array, ids: jax.Array) -> jax.Array:
     """x [N, D], ids [N, k] -> per-pair expert outputs [N, k, D], reading only chosen experts
     (quantized experts: only their packed bytes, unpacked after the gather)."""
-    gate = dequantize(take(p.gate_proj, ids), x.dtype)  # [N, k, I, D]
-    up = dequantize(take(p.up_proj, ids), x.dtype)
-    down = dequantize(take(p.down_proj, ids), x.dtype)  # [N, k, D, I]
+    return _pair_outputs(x, take(p.gate_proj, ids), take(p.up_proj, ids), take(p.down_proj, ids))
+
+
+def _pair_outputs(x: jax.Array, gate: Any, up: Any, down: Any) -> jax.Array:
+    """x [N, D] and each pair's (packed) expert weights gate/up [N, k, I, D], down [N, k, D, I]
+    -> per-pair outputs [N, k, D]."""
+    gate = dequantize(gate, x.dtype)
+    up = dequantize(up, x.dtype)
+    down = dequantize(down, x.dtype)
     h = jax.nn.silu(jnp.einsum("nd,nkid->nki", x, gate)) * jnp.einsum("nd,nkid->nki", x, up)
     return jnp.einsum("nki,nkdi->nkd", h, down)
 
@@ -62,7 +82,9 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    if ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
+    if isinstance(p.gate_proj, SlottedExperts):
+        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts)
+    elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
         per_pair = _experts_gathered(p, xf, ids)
     else:
         per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
@@ -71,3 +93,138 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
         gate = jax.nn.sigmoid(matmul(xf, p.shared_gate))
         out = out + gate * mlp(p.shared, xf)
     return out.reshape(shape)
+
+
+# ---- experts in device slots ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SlottedExperts:
+    """One MoE layer's routed experts in a fixed number of device slots (placed in MoEParams.gate_proj;
+    up_proj and down_proj are then None).
+
+    The slot arrays and the slot map are ordinary inputs of the jitted programs: changing which
+    expert sits in which slot changes their contents, never their shapes, so nothing recompiles.
+    A step that routes a token to an expert without a slot asks its source (found by `source_id`
+    in `EXPERT_SOURCES`) for it through a host callback: its packed bytes, exactly as stored, so
+    the output equals the all-resident model's. The source is found by a number carried as data,
+    not held in the tree's static part, so that engines of the same shapes share compiled programs.
+    """
+
+    gate_proj: Any  # [S, I, D] plain or quantized (packed) slot arrays
+    up_proj: Any  # [S, I, D]
+    down_proj: Any  # [S, D, I]
+    slot_map: jax.Array  # i32 [E]: the slot holding each expert, -1 when it has none
+    source_id: jax.Array  # i32 []: key of the source in EXPERT_SOURCES
+    layer: int = 0  # static: the source's key for this layer
+
+
+jax.tree_util.register_dataclass(
+    SlottedExperts,
+    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id"],
+    meta_fields=["layer"],
+)
+
+# id -> the host object serving missed experts: fetch(layer, counts i32 [E], missed i32 [m]) -> leaves [m, ...]
+EXPERT_SOURCES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_next_source_id = itertools.count(1)
+
+
+def register_expert_source(source: Any) -> int:
+    """Make `source` reachable from programs; returns the id to put in SlottedExperts.source_id."""
+    source_id = next(_next_source_id)
+    EXPERT_SOURCES[source_id] = source
+    return source_id
+
+
+def fetch_buckets(max_missed: int) -> tuple[int, ...]:
+    """Static sizes of the fetch callback's result (0, 1, 2, 3, 4, 6, 8, 12, ... up to max_missed):
+    a step moves at most 1.5x the bytes of the experts it misses, with a few compiled branches."""
+    sizes, m = [0], 1
+    while m < max_missed:
+        sizes.append(m)
+        m = m + 1 if m < 2 else (m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3)
+    return (*sizes, max_missed) if max_missed else (0,)
+
+
+def _fetch_missed(se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_missed: jax.Array):
+    """The missed experts' weights (gate, up, down), each [len(missed), ...], from the host callback.
+
+    `missed` i32 [M] lists the missed expert ids first (ascending), then -1. The callback runs on
+    every call (it also records the layer's routing counts); its result size is the smallest bucket
+    that holds `num_missed` experts, padded to M on the device."""
+    projections = (se.gate_proj, se.up_proj, se.down_proj)
+    leaves, treedef = jax.tree.flatten(projections)
+    max_missed = missed.shape[0]
+    buckets = fetch_buckets(max_missed)
+
+    def branch(m: int):
+        shapes = [jax.ShapeDtypeStruct((m, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+
+        def run(counts, missed):
+            out = io_callback(
+                functools.partial(_call_fetch, se.layer, shapes),
+                shapes,
+                se.source_id,
+                counts,
+                missed[:m],
+                ordered=False,
+            )
+            return [jnp.pad(a, [(0, max_missed - m)] + [(0, 0)] * (a.ndim - 1)) for a in out]
+
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), num_missed.astype(jnp.int32), side="left")
+    out = jax.lax.switch(index, [branch(m) for m in buckets], counts, missed)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _call_fetch(layer: int, shapes, source_id, counts, missed):
+    """Host side of the fetch: the source's leaves, checked against the shapes the program expects."""
+    source = EXPERT_SOURCES.get(int(source_id))
+    if source is None:
+        raise RuntimeError(f"no expert source {int(source_id)} (its engine was closed)")
+    out = source.fetch(layer, np.asarray(counts), np.asarray(missed))
+    if len(out) != len(shapes) or any(a.shape != s.shape or a.dtype != s.dtype for a, s in zip(out, shapes)):
+        got = [(a.shape, a.dtype.name) for a in out]
+        raise ValueError(
+            f"expert source returned {got} for layer {layer}; expected {[(s.shape, s.dtype.name) for s in shapes]}"
+        )
+    return out
+
+
+def _experts_slotted(se: SlottedExperts, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+    """Per-pair outputs [N, k, D] with experts read from slots, the missing ones fetched for this step.
+
+    The weights each pair uses are the same packed bytes as in the full stacks and go through the
+    same functions (`_pair_outputs` or `_experts_grouped`) as the all-resident path, so the result
+    is bit for bit the same."""
+    n, k = ids.shape
+    counts = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)  # [E]
+    resident = se.slot_map >= 0  # [E]
+    missing = (counts > 0) & ~resident  # [E]
+    num_missed = jnp.sum(missing.astype(jnp.int32))
+    max_missed = min(n * k, num_experts)
+    order = jnp.argsort(~missing, stable=True)[:max_missed].astype(jnp.int32)  # missed ids first, ascending
+    missed = jnp.where(jnp.arange(max_missed) < num_missed, order, -1)
+    fetched = _fetch_missed(se, counts, missed, num_missed)  # (gate, up, down), each [M, ...]
+    fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
+    slot_of = jnp.maximum(se.slot_map, 0)
+    slots = (se.gate_proj, se.up_proj, se.down_proj)
+
+    def pick(expert_ids, from_slot):
+        """Each id's packed weights, from its slot or from the fetched set -> leaves [*ids.shape, ...]."""
+
+        def leaf(s, f):
+            a, b = s[slot_of[expert_ids]], f[fetch_pos[expert_ids]]
+            return jnp.where(from_slot.reshape(from_slot.shape + (1,) * (a.ndim - from_slot.ndim)), a, b)
+
+        return tuple(jax.tree.map(leaf, s, f) for s, f in zip(slots, fetched))
+
+    if ids.size <= max(GATHER_MIN_PAIRS, num_experts // 2):
+        gate, up, down = pick(ids, resident[ids])
+        return _pair_outputs(x, gate, up, down)
+    every = jnp.arange(num_experts, dtype=jnp.int32)
+    gate, up, down = pick(every, resident)
+    stacks = MoEParams(router=None, gate_proj=gate, up_proj=up, down_proj=down)
+    return _experts_grouped(stacks, x, ids, num_experts)

@@ -1,0 +1,201 @@
+"""Decode with experts beyond device memory, against the PCIe bound.
+
+    python -m bench.experts                      # GPU: Qwen3-Next-80B-A3B shape, 12 of 48 layers
+    python -m bench.experts --layers 48          # the full depth (needs ~44 GB of host RAM for experts)
+    python -m bench.experts --quick              # tiny model, any machine (the CPU in tests)
+
+The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
+NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
+N of the 48 layers; the GPU expert budgets (8, 16, 32 GiB) are budgets for the full 48-layer
+model and are scaled by N / 48, so each layer gets the slots it would have at full depth and the
+hit rates match. For each budget (and all-resident: the plain model with no slots) the engine
+decodes `--dispatches` dispatches of `--steps` steps at batch 1 and 4 over prompts placed in the
+cache without compute.
+
+Figure: generated tokens per second (the engine's own step loop, host work included).
+Ceiling (the PCIe bound): pinned-host -> device bandwidth measured in the same run divided by
+the expert bytes that crossed to the device per generated token (missed experts fetched into
+the steps plus experts promoted into slots). `fraction` = figure / ceiling. Each budget also runs
+once with the slots frozen (static placement, the same budget) at batch 1, for comparison.
+Records go to bench/results/experts-<machine>.json; names contain "expert" and "pcie".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.ceilings import QUICK, Sizes, measure_host_to_device
+from bench.engine_setup import QWEN3_NEXT_24_LAYERS, TINY, place_prompts_without_compute
+from bench.record import git_commit, machine_name, make_record, write_records
+from infernix_jax.cache import BLOCK_SIZE
+from infernix_jax.config import ModelConfig
+from infernix_jax.engine.config import EngineConfig
+from infernix_jax.engine.core import EngineCore
+from infernix_jax.model.params import Decl, declare_params, map_decls, param_dtype
+from infernix_jax.weights.quant import NVFP4Weight
+
+GiB = 1 << 30
+FULL_LAYERS = 48  # Qwen3-Next-80B-A3B's depth: budgets are given for it
+QUICK_SHAPE = dict(TINY, num_experts=32, num_experts_per_tok=4)
+
+
+def model_config(layers: int, quick: bool) -> ModelConfig:
+    shape = dict(QUICK_SHAPE) if quick else dict(QWEN3_NEXT_24_LAYERS, num_hidden_layers=layers)
+    return ModelConfig.from_hf_config(shape)
+
+
+def random_nvfp4(key: jax.Array, shape: tuple[int, ...]) -> NVFP4Weight:
+    """Random packed NVFP4 [E, N, K]: uniform codes, block scales in [0.5, 2), a scale per expert
+    of 1 / (6 * sqrt(K)) so activations stay of order one."""
+    k1, k2 = jax.random.split(key)
+    e, n, k = shape
+    packed = jax.random.bits(k1, (e, n, k // 2), jnp.uint8)
+    block = jax.random.uniform(k2, (e, n, k // 16), jnp.float32, 0.5, 2.0).astype(jnp.float8_e4m3fn)
+    scale = jnp.full((e,), 1.0 / (6.0 * np.sqrt(k)), jnp.float32)
+    return NVFP4Weight(packed=packed, block_scale=block, tensor_scale=scale)
+
+
+def random_params(cfg: ModelConfig, dtype, seed: int = 0):
+    """Random weights on the default device; routed experts straight in NVFP4 (never bf16)."""
+    key = jax.random.key(seed)
+
+    def make(path, decl: Decl):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        names = [getattr(p, "name", "") for p in path]
+        if "moe" in names and len(decl.shape) == 3:  # routed expert stacks [E, N, K]
+            return random_nvfp4(sub, decl.shape)
+        return decl.make(sub, param_dtype(decl, dtype), cfg.zero_centered_norm)
+
+    return map_decls(make, declare_params(cfg, with_mtp=False))
+
+
+def make_core(cfg, params, *, context: int, steps: int, gpu_budget, prefill_chunk: int = 16) -> EngineCore:
+    batch = 4
+    config = EngineConfig(
+        max_concurrency=batch, max_context=context + 64 * steps, kv_capacity=batch * -(-(context + 64 * steps) // BLOCK_SIZE),
+        prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(1, batch),
+        decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
+        structured_output=False, gpu_expert_budget=gpu_budget,
+    )  # fmt: skip
+    return EngineCore(cfg, params, config)
+
+
+def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed: int) -> dict:
+    """Tokens per second and expert traffic of `dispatches` decode steps at `batch`."""
+    for request_id in list(core.requests):
+        core.abort(request_id)
+    place_prompts_without_compute(core, batch, context, seed=seed)
+    core.step()  # the first dispatch of this batch warms caches and slots
+    experts = core.experts
+    before = dataclasses.replace(experts.stats) if experts else None
+    tokens0 = core.metrics.generated_tokens
+    start = time.perf_counter()
+    for _ in range(dispatches):
+        core.step()
+    wall = time.perf_counter() - start
+    tokens = core.metrics.generated_tokens - tokens0
+    out = {"tokens": tokens, "seconds": wall, "tok_s": tokens / wall}
+    if experts:
+        s = experts.stats
+        lookups = s.lookups - before.lookups
+        out.update(
+            hit_rate=(s.gpu_hits - before.gpu_hits) / lookups if lookups else 0.0,
+            fetched_bytes=s.fetched_bytes - before.fetched_bytes,
+            promoted_bytes=s.promoted_bytes - before.promoted_bytes,
+            callback_seconds=s.fetch_seconds - before.fetch_seconds,
+        )
+        out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
+    return out
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layers", type=int, default=12, help="layers of the 48 kept (budgets scale by layers / 48)"
+    )
+    parser.add_argument(
+        "--budgets", default="8,16,32", help="GPU expert budgets in GiB for the full 48-layer model"
+    )
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
+    parser.add_argument("--dispatches", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny model (32 experts, top-4), any machine")
+    parser.add_argument(
+        "--shares",
+        default="0.19,0.37,0.74",
+        help="--quick: budgets as shares of all experts (those of 8/16/32 GiB of the 80B model)",
+    )
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    machine, commit = machine_name(), git_commit()
+    cfg = model_config(args.layers, args.quick)
+    layers = cfg.num_layers
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    params = random_params(cfg, dtype)
+    moe = params.layers[0].moe
+    expert_bytes = (
+        sum(x.nbytes for x in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj))) // cfg.num_experts
+    )
+    full_model_experts = expert_bytes * cfg.num_experts * (layers if args.quick else FULL_LAYERS)
+    if args.quick:  # budgets as shares of the tiny model's experts: the same shares as 8/16/32 GiB of 80B's
+        budgets = {f"{float(x):.0%}": int(float(x) * full_model_experts) for x in args.shares.split(",")}
+    else:
+        budgets = {f"{b}GiB": int(float(b) * GiB * layers / FULL_LAYERS) for b in args.budgets.split(",")}
+    bandwidth = measure_host_to_device(QUICK if args.quick else Sizes()).rate
+    shape = "tiny-moe32" if args.quick else f"qwen3-next-80b-a3b {layers}of{FULL_LAYERS}layers"
+    batches = [int(b) for b in args.batches.split(",")]
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
+    records = []
+    for label, budget in [*budgets.items(), ("all-resident", None)]:
+        core = make_core(cfg, params, context=args.context, steps=args.steps, gpu_budget=budget)
+        runs = [(batch, "dynamic") for batch in batches] + ([(batches[0], "static")] if budget else [])
+        for batch, policy in runs:
+            if policy == "static":
+                core.experts.cache.swaps_per_layer = 0
+            r = run_decode(core, batch, args.context, args.dispatches, seed=batch)
+            details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
+                       "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
+                       "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps, **r}  # fmt: skip
+            name = f"experts decode {shape} nvfp4 gpu-expert-budget {label} batch{batch}"
+            if budget is None:
+                record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,
+                                     machine=machine, commit=commit, details=details)  # fmt: skip
+            else:
+                per_token = r["moved_bytes_per_token"]
+                ceiling = bandwidth / per_token if per_token else None
+                suffix = " static placement" if policy == "static" else ""
+                record = make_record(f"{name}{suffix} vs pcie bound", r["tok_s"], "tok/s", ceiling,
+                                     "tok/s (pcie bound)" if ceiling else None, machine=machine, commit=commit,
+                                     details=details)  # fmt: skip
+            hit = (
+                f", hit rate {r['hit_rate']:.1%}, host callbacks {r['callback_seconds'] / r['seconds']:.0%} of the time"
+                if "hit_rate" in r
+                else ""
+            )
+            bound = (
+                f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
+            )
+            print(f"{record.name}: {r['tok_s']:.2f} tok/s{bound}{hit}", flush=True)
+            records.append(record)
+            write_records(records, out)  # after every point: a run cut short keeps what it measured
+        if core.experts is not None:
+            core.experts.close()
+        del core
+    print("wrote", write_records(records, out))
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The host's view of the device expert cache: which expert sits in which slot, what each step
+routed, what it missed, and which experts deserve a slot next.
+
+`ExpertCache.fetch` is the callback a step's forward calls once per MoE layer (see
+`model.mlp.SlottedExperts`): it receives the layer's routing counts and the experts the slots
+lacked, records them, and returns those experts' packed bytes from the host or disk tier.
+Between steps `plan_swaps` proposes slot changes by a score that is both frequency and recency
+(an exponential moving average of routing counts per layer-step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infernix_jax.experts.layout import ExpertLayout
+from infernix_jax.experts.store import DISK, HOST, ExpertReadError, ExpertStore
+
+
+@dataclass
+class ExpertStats:
+    """Cumulative counters. Lookups are per (MoE layer, step, expert routed by any row of the
+    step), so gpu_hits + host_hits + disk_hits == lookups; bytes are packed expert bytes."""
+
+    layer_steps: int = 0  # MoE-layer forwards observed
+    lookups: int = 0  # distinct experts routed per layer-step
+    gpu_hits: int = 0  # ... that sat in a device slot
+    host_hits: int = 0  # ... missed and served from host RAM
+    disk_hits: int = 0  # ... missed and read from the artifact
+    fetched_bytes: int = 0  # bytes of missed experts moved into steps
+    promotions: int = 0  # experts copied into a slot between steps
+    promoted_bytes: int = 0
+    demoted_bytes: int = 0  # evicted slot contents copied back to host RAM
+    read_failures: int = 0  # fetches that raised (their step failed)
+    fetch_seconds: float = 0.0  # host time spent inside the step callbacks
+    per_layer_misses: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def misses(self) -> int:
+        return self.host_hits + self.disk_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of lookups served from a device slot (0 when idle)."""
+        return self.gpu_hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        """Host -> device expert bytes: fetched into steps plus promoted into slots."""
+        return self.fetched_bytes + self.promoted_bytes
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Put `expert` into `slot` of MoE layer `layer`, evicting `evicted` (-1: the slot was empty)."""
+
+    layer: int
+    slot: int
+    expert: int
+    evicted: int
+
+
+class ExpertCache:
+    """Slot tables, routing statistics and the replacement policy (all host-side)."""
+
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        store: ExpertStore,
+        slots_per_layer: int,
+        decay: float = 0.9,
+        margin: float = 0.25,
+        swaps_per_layer: int = 4,
+    ):
+        """decay: score kept per layer-step; margin: a candidate needs a score above the evicted
+        expert's by this factor (hysteresis against thrashing); swaps_per_layer: the most slot
+        changes per layer between two steps (bounds the bytes a step boundary moves)."""
+        num_layers, num_experts = len(layout.moe_layers), layout.num_experts
+        self.layout, self.store = layout, store
+        self.slots_per_layer = slots_per_layer
+        self.decay, self.margin, self.swaps_per_layer = decay, margin, swaps_per_layer
+        self.slot_map = np.full((num_layers, num_experts), -1, np.int32)  # expert -> slot
+        self.slot_owner = np.full((num_layers, slots_per_layer), -1, np.int32)  # slot -> expert
+        self.scores = np.zeros((num_layers, num_experts), np.float64)
+        self.routing_counts = np.zeros((num_layers, num_experts), np.int64)  # tokens routed (a profile)
+        self.last_missed: dict[int, list[int]] = {}
+        self.stats = ExpertStats()
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def num_layers(self) -> int:
+        return self.slot_map.shape[0]
+
+    def assign(self, layer: int, slot: int, expert: int) -> None:
+        """Record that `slot` of `layer` now holds `expert` (-1: empty)."""
+        old = self.slot_owner[layer, slot]
+        if old >= 0:
+            self.slot_map[layer, old] = -1
+        self.slot_owner[layer, slot] = expert
+        if expert >= 0:
+            self.slot_map[layer, expert] = slot
+
+    def reset_stats(self, scores: bool = True) -> None:
+        """Forget counters (after warm-up, whose padding rows route arbitrary experts)."""
+        self.stats = ExpertStats()
+        self.routing_counts[:] = 0
+        self.last_missed.clear()
+        if scores:
+            self.scores[:] = 0.0
+
+    # ---- the step's callback -------------------------------------------------------------------
+    def fetch(self, layer: int, counts: np.ndarray, missed: np.ndarray) -> list[np.ndarray]:
+        """Record one layer-step and return its missed experts' leaves stacked [len(missed), ...]
+        (rows for -1 entries are zeros). Raises ExpertReadError when a read fails."""
+        start = time.perf_counter()
+        counts = np.asarray(counts, np.int64)
+        wanted = [int(e) for e in np.asarray(missed) if e >= 0]
+        layout = self.layout
+        with self._lock:
+            stats = self.stats
+            routed = counts > 0
+            stats.layer_steps += 1
+            stats.lookups += int(routed.sum())
+            stats.gpu_hits += int((routed & (self.slot_map[layer] >= 0)).sum())
+            for e in wanted:
+                if self.store.tier_of(layer, e) == HOST:
+                    stats.host_hits += 1
+                else:
+                    stats.disk_hits += 1
+            stats.fetched_bytes += len(wanted) * layout.expert_bytes
+            stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(wanted)
+            self.routing_counts[layer] += counts
+            self.scores[layer] = self.scores[layer] * self.decay + counts
+            previous_next = self.last_missed.get(layer + 1, [])
+            self.last_missed[layer] = wanted
+        if previous_next and self.store.has_disk:  # the next layer will likely miss what it missed last step
+            self.store.read_ahead(
+                layer + 1, [e for e in previous_next if self.store.tier_of(layer + 1, e) == DISK]
+            )
+        try:
+            experts = self.store.read_many(layer, wanted)
+        except ExpertReadError as e:
+            with self._lock:
+                self.stats.read_failures += 1
+                self.last_error = str(e)
+            raise
+        out = [np.empty((len(missed), *s), d) for s, d in zip(layout.leaf_shapes, layout.leaf_dtypes)]
+        for dst, *rows in zip(out, *experts):
+            if rows:
+                np.stack(rows, out=dst[: len(rows)])
+            dst[len(rows) :] = 0  # padding rows (never selected; zeros keep them finite)
+        self.stats.fetch_seconds += time.perf_counter() - start
+        return out
+
+    # ---- policy --------------------------------------------------------------------------------
+    def plan_swaps(self) -> list[Swap]:
+        """Slot changes worth making now: per layer, the best-scored experts without a slot replace
+        the worst-scored residents (empty slots first) when they beat them by the margin."""
+        swaps = []
+        for layer in range(self.num_layers):
+            scores = self.scores[layer]
+            outside = np.flatnonzero((self.slot_map[layer] < 0) & (scores > 0))
+            if not len(outside):
+                continue
+            candidates = outside[np.argsort(-scores[outside], kind="stable")]
+            owners = self.slot_owner[layer]
+            victim_scores = np.where(owners >= 0, scores[np.maximum(owners, 0)], -1.0)
+            victims = np.argsort(victim_scores, kind="stable")
+            for expert, slot in zip(candidates[: self.swaps_per_layer], victims):
+                if scores[expert] <= victim_scores[slot] * (1.0 + self.margin) and owners[slot] >= 0:
+                    break
+                swaps.append(Swap(layer, int(slot), int(expert), int(owners[slot])))
+        return swaps

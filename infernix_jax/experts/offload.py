@@ -1,0 +1,289 @@
+"""Experts beyond device memory: build the slotted model, place experts in tiers, move them between steps.
+
+`ExpertOffload.build(cfg, params, ...)` takes a model whose MoE layers hold full expert stacks and
+returns one whose MoE layers hold `SlottedExperts`: a fixed number of device slots per layer (the
+GPU budget), the rest of the experts in host RAM (the host budget, exclusive of the slots) and,
+beyond that, in the artifact on disk. Placement at start follows a routing profile when one is
+given (hottest experts in slots, the next in RAM); `rebalance()` (called by the engine between
+steps, when no program is running) applies the cache's swaps: promoted experts are copied into
+their slot, evicted ones go back to RAM (or to disk only, where the artifact holds them and RAM
+is full). Slot writes run through one fixed-width program, so nothing recompiles.
+
+On a GPU the slot arrays live in device memory; the host tier is numpy RAM (see docs/experts.md
+for the pinned-host plan). On the CPU backend every tier is host memory; the code path is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infernix_jax.config import ModelConfig
+from infernix_jax.experts.cache import ExpertCache
+from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget, layout_of, projections
+from infernix_jax.experts.profile import RoutingProfile
+from infernix_jax.experts.store import ExpertReadError, ExpertStore
+from infernix_jax.jit import jit
+from infernix_jax.model.mlp import SlottedExperts, register_expert_source
+from infernix_jax.model.params import Params
+from infernix_jax.weights.artifact import Artifact
+
+log = logging.getLogger("infernix_jax.experts")
+
+WRITE_WIDTH = 8  # slots written per dispatch of the slot programs (one compiled shape)
+
+
+@partial(jit, donate_argnums=(0,))
+def write_slots_program(slots, slot_ids: jax.Array, data):
+    """slots leaves [S, ...]; slot_ids i32 [W] (-1: skip); data leaves [W, ...] -> updated slots."""
+    n = jax.tree.leaves(slots)[0].shape[0]
+    target = jnp.where(slot_ids < 0, n, slot_ids)
+    return jax.tree.map(lambda x, d: x.at[target].set(d.astype(x.dtype), mode="drop"), slots, data)
+
+
+@jit
+def read_slots_program(slots, slot_ids: jax.Array):
+    return jax.tree.map(lambda x: x[jnp.maximum(slot_ids, 0)], slots)
+
+
+def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.ndarray]:
+    out = [np.zeros((rows, *s), d) for s, d in zip(layout.leaf_shapes, layout.leaf_dtypes)]
+    for row, leaves in enumerate(experts):
+        for dst, src in zip(out, leaves):
+            dst[row] = src
+    return out
+
+
+def placement_order(profile: RoutingProfile | None, layer: int, num_experts: int) -> np.ndarray:
+    """Experts of one MoE layer, hottest first (profile counts; ties and no profile: by id)."""
+    if profile is None:
+        return np.arange(num_experts)
+    return np.argsort(-profile.counts[layer], kind="stable")
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where each expert went at start, for the start-up log."""
+
+    slots_per_layer: int
+    host_per_layer: int
+    disk_per_layer: int
+    expert_bytes: int
+    num_layers: int
+
+    def warmup(self) -> None:
+        """Compile the slot programs now (all-skip writes), so that the first swap compiles nothing."""
+        slotted = self._slotted(0)
+        slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
+        ids = np.full(WRITE_WIDTH, -1, np.int32)
+        jax.block_until_ready(read_slots_program(slots, ids))
+        data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
+        self._set_slotted(
+            0,
+            dataclasses.replace(
+                slotted,
+                **dict(
+                    zip(
+                        ("gate_proj", "up_proj", "down_proj"),
+                        write_slots_program(slots, jnp.asarray(ids), data),
+                    )
+                ),
+            ),
+        )
+
+    def describe(self) -> str:
+        gib = lambda n: n * self.expert_bytes * self.num_layers / 2**30
+        return (
+            f"experts: {self.num_layers} MoE layers x (slots {self.slots_per_layer} = {gib(self.slots_per_layer):.2f} GiB device, "
+            f"host {self.host_per_layer} = {gib(self.host_per_layer):.2f} GiB RAM, "
+            f"disk {self.disk_per_layer} = {gib(self.disk_per_layer):.2f} GiB artifact); "
+            f"{self.expert_bytes / 2**20:.2f} MiB per expert"
+        )
+
+
+class ExpertOffload:
+    """Owns the slot arrays, the cache's host state and the store; hands the engine its params."""
+
+    def __init__(self, params: Params, layout: ExpertLayout, cache: ExpertCache, placement: Placement):
+        self.params = params
+        self.layout = layout
+        self.cache = cache
+        self.store = cache.store
+        self.placement = placement
+        self.host_per_layer = placement.host_per_layer
+
+    @property
+    def stats(self):
+        return self.cache.stats
+
+    # ---- build ---------------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        cfg: ModelConfig,
+        params: Params,
+        gpu_budget: int | str | None,
+        host_budget: int | str | None = "all",
+        artifact: str | Artifact | None = None,
+        profile: RoutingProfile | str | None = None,
+        **cache_options: Any,
+    ) -> ExpertOffload:
+        """Replace every MoE layer's expert stacks by slots; see the module docstring.
+
+        gpu_budget / host_budget: bytes ("16GiB"), "all", or 0. Experts beyond both budgets need
+        `artifact` (a converted artifact holding these weights). Raises ValueError when they do
+        not fit anywhere."""
+        layout = layout_of(cfg, params)
+        if isinstance(profile, str):
+            profile = RoutingProfile.load(profile)
+        if profile is not None:
+            profile.check(len(layout.moe_layers), layout.num_experts)
+        if isinstance(artifact, str):
+            artifact = Artifact(artifact)
+        num_experts = layout.num_experts
+        slots = max(1, experts_in_budget(gpu_budget, layout))  # one slot at least: a static shape
+        host = min(num_experts - min(slots, num_experts), experts_in_budget(host_budget, layout))
+        disk = num_experts - min(slots, num_experts) - host
+        if disk and artifact is None:
+            raise ValueError(
+                f"{disk} experts per layer fit neither the GPU expert budget ({gpu_budget}) nor the host "
+                f"budget ({host_budget}); give an artifact for the disk tier or raise a budget"
+            )
+        paths = {
+            rank: tuple(f"layers.{layer}.moe.{name}" for name in ("gate_proj", "up_proj", "down_proj"))
+            for rank, layer in enumerate(layout.moe_layers)
+        }
+        store = ExpertStore(layout, artifact, paths)
+        cache = ExpertCache(layout, store, slots, **cache_options)
+        source_id = jnp.asarray(register_expert_source(cache), jnp.int32)
+        layers = list(params.layers)
+        for rank, layer in enumerate(layout.moe_layers):
+            moe = params.layers[layer].moe
+            stacks = [np.asarray(jax.device_get(a)) for a in jax.tree.leaves(projections(moe))]
+            order = placement_order(profile, rank, num_experts)
+            resident = [int(e) for e in order[:slots]]
+            for e in order[slots : slots + host]:
+                store.put_host(rank, int(e), [a[e] for a in stacks])
+            slot_leaves = _stack([[a[e] for a in stacks] for e in resident], layout, slots)
+            for slot, e in enumerate(resident):
+                cache.assign(rank, slot, e)
+            slotted = SlottedExperts(
+                *jax.tree.unflatten(layout.treedef, [jnp.asarray(a) for a in slot_leaves]),
+                slot_map=jnp.asarray(cache.slot_map[rank]),
+                source_id=source_id,
+                layer=rank,
+            )
+            new_moe = dataclasses.replace(moe, gate_proj=slotted, up_proj=None, down_proj=None)
+            layers[layer] = dataclasses.replace(params.layers[layer], moe=new_moe)
+            del stacks
+        placement = Placement(slots, host, disk, layout.expert_bytes, len(layout.moe_layers))
+        log.info("%s", placement.describe())
+        return cls(dataclasses.replace(params, layers=tuple(layers)), layout, cache, placement)
+
+    # ---- between steps -------------------------------------------------------------------------
+    def _slotted(self, rank: int) -> SlottedExperts:
+        return self.params.layers[self.layout.moe_layers[rank]].moe.gate_proj
+
+    def _set_slotted(self, rank: int, slotted: SlottedExperts) -> None:
+        index = self.layout.moe_layers[rank]
+        layers = list(self.params.layers)
+        moe = dataclasses.replace(layers[index].moe, gate_proj=slotted)
+        layers[index] = dataclasses.replace(layers[index], moe=moe)
+        self.params = dataclasses.replace(self.params, layers=tuple(layers))
+
+    def rebalance(self) -> Params:
+        """Apply the cache's planned swaps (no program may be running). Returns the new params.
+
+        An expert whose read fails is not promoted (the failure is counted and logged); the slots
+        and the output stay consistent."""
+        by_layer: dict[int, list] = {}
+        for swap in self.cache.plan_swaps():
+            by_layer.setdefault(swap.layer, []).append(swap)
+        for rank, swaps in by_layer.items():
+            self._apply(rank, swaps)
+        return self.params
+
+    def _apply(self, rank: int, swaps: list) -> None:
+        store, cache, layout = self.store, self.cache, self.layout
+        incoming, kept = [], []
+        for swap in swaps:
+            try:
+                incoming.append(store.read(rank, swap.expert))
+                kept.append(swap)
+            except ExpertReadError as e:
+                cache.stats.read_failures += 1
+                cache.last_error = str(e)
+                log.warning("expert promotion skipped: %s", e)
+        if not kept:
+            return
+        slotted = self._slotted(rank)
+        slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
+        for swap in kept:
+            store.drop_host(rank, swap.expert)  # it lives in its slot now (tiers are exclusive)
+        evicted = [s for s in kept if s.evicted >= 0]
+        for start in range(0, len(evicted), WRITE_WIDTH):  # evicted experts go back to RAM while it has room
+            part = evicted[start : start + WRITE_WIDTH]
+            ids = np.full(WRITE_WIDTH, -1, np.int32)
+            ids[: len(part)] = [s.slot for s in part]
+            rows = [np.asarray(a) for a in jax.tree.leaves(jax.device_get(read_slots_program(slots, ids)))]
+            for i, s in enumerate(part):
+                if store.host_count(rank) < self.host_per_layer or not store.has_disk:
+                    store.put_host(rank, s.evicted, [r[i] for r in rows])
+                    cache.stats.demoted_bytes += layout.expert_bytes
+                # otherwise RAM is full and the artifact is its home
+        for start in range(0, len(kept), WRITE_WIDTH):
+            part = kept[start : start + WRITE_WIDTH]
+            ids = np.full(WRITE_WIDTH, -1, np.int32)
+            ids[: len(part)] = [s.slot for s in part]
+            data = _stack(incoming[start : start + WRITE_WIDTH], layout, WRITE_WIDTH)
+            slots = write_slots_program(slots, jnp.asarray(ids), jax.tree.unflatten(layout.treedef, data))
+        for swap in kept:
+            cache.assign(rank, swap.slot, swap.expert)
+            cache.stats.promotions += 1
+            cache.stats.promoted_bytes += layout.expert_bytes
+        self._set_slotted(
+            rank,
+            dataclasses.replace(
+                slotted,
+                gate_proj=slots[0],
+                up_proj=slots[1],
+                down_proj=slots[2],
+                slot_map=jnp.asarray(cache.slot_map[rank]),
+            ),
+        )
+
+    def warmup(self) -> None:
+        """Compile the slot programs now (all-skip writes), so that the first swap compiles nothing."""
+        slotted = self._slotted(0)
+        slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
+        ids = np.full(WRITE_WIDTH, -1, np.int32)
+        jax.block_until_ready(read_slots_program(slots, ids))
+        data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
+        self._set_slotted(
+            0,
+            dataclasses.replace(
+                slotted,
+                **dict(
+                    zip(
+                        ("gate_proj", "up_proj", "down_proj"),
+                        write_slots_program(slots, jnp.asarray(ids), data),
+                    )
+                ),
+            ),
+        )
+
+    def describe(self) -> str:
+        s = self.stats
+        return (
+            f"{self.placement.describe()}\nexpert cache: {s.lookups} lookups, hit rate {s.hit_rate:.1%}, "
+            f"misses {s.misses} (host {s.host_hits}, disk {s.disk_hits}), {s.bytes_moved / 2**20:.1f} MiB moved"
+        )
+
+    def close(self) -> None:
+        self.store.close()
