@@ -59,9 +59,11 @@ class AsyncDecode:
     def __init__(self, core) -> None:
         self.core = core
         config = core.config
+        # speculation and n-gram memory rows need the host between dispatches; offloaded experts
+        # move between slots and tiers between steps, when no program runs
         self.enabled = (
-            config.async_decode and core.speculation is None and core.ngram is None
-        )  # speculation and n-gram memory rows need the host between dispatches
+            config.async_decode and core.speculation is None and core.ngram is None and core.experts is None
+        )
 
     def follow(self, flight: InFlight) -> InFlight | None:
         """Enqueue the dispatch after `flight` from its device outputs; None when the batch is not
