@@ -31,7 +31,7 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     dtype = params.final_norm.dtype
     core = make_core(
         cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256,
-        new_tokens=steps * (dispatches + 1), warmup=False, prefix_cache=False,
+        new_tokens=steps * (dispatches + 3), warmup=False, prefix_cache=False,  # + the dispatch run ahead
     )
     place_prompts_without_compute(core, batch, context)
     core.step()  # compile / warm the decode program
