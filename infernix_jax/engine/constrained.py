@@ -84,10 +84,40 @@ class ConstrainedOutput:
             return FAILED
         return DONE if self.matcher.finished else OK
 
+    def fill_window_masks(self, drafts: list[int], rows: np.ndarray) -> int:
+        """The masks of a speculative window [pending token, drafts..]: rows[j] (int32 [w, words])
+        gets the mask of the token after window position j, the grammar advanced by drafts[:j].
+        Drafts are cut at the first one the grammar refuses; in the free part, before the token
+        that starts the constraint (what follows it needs the grammar, so it may only be the last
+        token emitted); while the first token decides between thinking and the grammar, there are
+        none. Returns the drafts kept. The matcher ends where it started."""
+        if self.undecided:
+            self.fill_mask(rows[0])
+            return 0
+        if self.matcher is None:
+            close = self.constraint.starts_after_token
+            kept = next((j for j, token in enumerate(drafts) if token == close), len(drafts))
+            rows[: kept + 1] = -1
+            return kept
+        consumed = 0
+        for j, token in enumerate(drafts):
+            self.fill_mask(rows[j])
+            if not _allows(rows[j], token) or not self.matcher.consume(token):
+                break
+            consumed += 1
+        self.fill_mask(rows[consumed])
+        self.matcher.rollback(consumed)
+        return consumed
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens constrained tokens (rejected speculative drafts)."""
         if self.matcher is not None:
             self.matcher.rollback(num_tokens)
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    """Whether a packed mask row allows `token`."""
+    return 0 <= token < 32 * len(row) and bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def allow_all(batch: int, words: int) -> np.ndarray:

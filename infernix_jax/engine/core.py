@@ -318,7 +318,8 @@ class EngineCore:
             wait += self._run_prefill(plan, events)
         if plan.decode:
             constrained = any(self._needs_host_each_token(r.request) for r in plan.decode)
-            if self.speculation is not None and not constrained:
+            # linear verify windows carry a grammar mask per position; tree windows do not yet
+            if self.speculation is not None and not (constrained and self.speculation.tree):
                 wait += self.speculation.run(plan, events)
             else:
                 wait += self._run_decode(plan, events)

@@ -47,6 +47,7 @@ def verify_program(
     block_table: jax.Array,  # i32 [b, m]
     slots: jax.Array,  # i32 [b]
     num_drafts: jax.Array,  # i32 [b]
+    masks: jax.Array,  # i32 [b, w, ceil(v / 32)]: structured-output mask per window position (-1: free)
     *,
     cfg: ModelConfig,
     num_top: int,
@@ -57,7 +58,7 @@ def verify_program(
     logits, hidden, cache = forward(params, tokens, positions, cache, cfg, keep_states=True)
     arrays, penalties = slot_sampling.rows(slots)
     out = verify_window(
-        logits, tokens[:, 1:], num_drafts, arrays, penalties, active, num_top_logprobs=num_top
+        logits, tokens[:, 1:], num_drafts, arrays, penalties, active, masks=masks, num_top_logprobs=num_top
     )
     cache = keep_accepted_states(cache, out.accepted)
     b, w = tokens.shape

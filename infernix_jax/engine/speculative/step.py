@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from infernix_jax.cache import NULL_BLOCK, SCRATCH_SLOT
+from infernix_jax.engine.constrained import allow_all
 from infernix_jax.engine.runner import PrefillBatch, Sampled
 from infernix_jax.engine.speculative.drafters import make_drafter
 from infernix_jax.engine.speculative.programs import mtp_prefill_program, tree_verify_program, verify_program
@@ -40,6 +41,7 @@ class VerifyBatch:
     slots: np.ndarray  # i32 [b]
     num_drafts: np.ndarray  # i32 [b]
     parents: np.ndarray  # i32 [b, w]: tree windows: each node's parent index (-1: root, padding)
+    masks: np.ndarray  # i32 [b, w, words]: linear windows: structured-output mask per position (-1: free)
 
 
 class Speculation:
@@ -105,6 +107,7 @@ class Speculation:
             slots=np.full(batch, SCRATCH_SLOT, np.int32),
             num_drafts=np.zeros(batch, np.int32),
             parents=np.full((batch, self.window), -1, np.int32),
+            masks=allow_all(batch * self.window, runner.mask_words).reshape(batch, self.window, -1),
         )
 
     def dispatch(self, batch: VerifyBatch):
@@ -119,7 +122,7 @@ class Speculation:
             return out
         runner.kv_pool, runner.state_pool, runner.slot_sampling, out = verify_program(
             runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
-            batch.tokens, batch.positions, batch.block_table, batch.slots, batch.num_drafts,
+            batch.tokens, batch.positions, batch.block_table, batch.slots, batch.num_drafts, batch.masks,
             cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
         )  # fmt: skip
         return out
@@ -140,6 +143,9 @@ class Speculation:
             else:
                 drafts = self.drafter.propose(context, device_drafts, limit)
                 drafts = [t for t in drafts[:limit] if 0 <= t < vocab][:limit]
+                constrained = core.constraints.get(state.request_id)
+                if constrained is not None:  # drafts the grammar refuses are cut; masks per position
+                    drafts = drafts[: constrained.fill_window_masks(drafts, batch.masks[i])]
                 n = len(drafts)
                 batch.tokens[i, 1 : 1 + n] = drafts
                 batch.positions[i, : 1 + n] = np.arange(row.position, row.position + 1 + n)
@@ -165,7 +171,11 @@ class Speculation:
             metrics.accepted_tokens += count - 1
             if self.uses_mtp:
                 self.device_drafts[state.request_id] = chains[i].tolist()
-            core._accept(state, sampled, i, count, events)
+            status, kept = core._follow_constraint(state, tokens[:count, i])
+            if kept < count:  # the grammar ended (or broke) inside the window: the rest is dropped,
+                state.cacheable_state = False  # so the slot's state is past the request's end
+            core._accept(state, sampled, i, kept, events)
+            core._settle_constraint(state, status, events)
         for request_id in [r for r in self.device_drafts if r not in core.requests]:
             del self.device_drafts[request_id]
         return wait

@@ -75,6 +75,7 @@ def verify_window(
     penalties: PenaltyState,
     active: jax.Array,
     draft_probs: jax.Array | None = None,
+    masks: jax.Array | None = None,
     *,
     num_top_logprobs: int = 0,
     search_bits: int = DEFAULT_SEARCH_BITS,
@@ -84,7 +85,9 @@ def verify_window(
     logits f32 [b, w, v] (target, window positions), drafts i32 [b, w-1], num_drafts i32 [b]
     (<= w-1; drafts past it are ignored), active bool [b] (False: padding row, emits nothing),
     draft_probs f32 [b, w-1, v] the drafter's distributions (already transformed like the target's),
-    or None for deterministic drafters (q one-hot at the draft).
+    or None for deterministic drafters (q one-hot at the draft). masks i32 [b, w, ceil(v / 32)]: the
+    packed structured-output mask of each window position (the grammar's state after the drafts
+    before it), applied to the target like `sample` applies it; None: no constraint.
     """
     b, w, v = logits.shape
     drafts = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1).astype(jnp.int32)  # [b, w]
@@ -97,7 +100,7 @@ def verify_window(
         raw = logits[:, i].astype(jnp.float32)
         draft = drafts[:, i]
         has_draft = i < num_drafts
-        processed = process_logits(raw, arrays, penalties)
+        processed = process_logits(raw, arrays, penalties, None if masks is None else masks[:, i])
         target_argmax = jnp.argmax(processed, axis=1).astype(jnp.int32)
         keys = jax.vmap(lambda key: jax.random.split(key, 2))(row_keys(arrays, penalties.num_generated))
 

@@ -1,0 +1,89 @@
+"""Constrained decoding composed with speculative decoding (linear windows): the grammar cuts the
+drafts it refuses and masks every window position, so greedy output equals constrained decoding
+without speculation token for token, sampled output is valid, and the matcher is left where it was."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from infernix_jax.engine.constrained import ConstrainedOutput, allow_all
+from infernix_jax.engine.protocol import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
+from infernix_jax.structured import ConstraintSpec, RequestConstraint
+from tests.structured.run import generate, sampled_requests
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+EXAMPLE = '{"name": "lamp", "count": 3}'
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model_dir):
+    from infernix_jax.engine.llm import LLM
+    from tests.structured.tiny_model import ENGINE_OPTIONS
+
+    return LLM(tiny_model_dir, **ENGINE_OPTIONS, spec="ngram", ngram_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def prompt(qwen3_tokenizer) -> list[int]:
+    """A prompt that quotes a valid answer, so prompt-lookup drafts exist and some obey the grammar."""
+    return qwen3_tokenizer.encode(f"Reply with JSON like {EXAMPLE} or {EXAMPLE}.")
+
+
+def test_window_masks_cut_refused_drafts_and_restore_the_matcher(backend, qwen3_tokenizer):
+    spec = ConstraintSpec.regex(r"ab[0-9]{2}z")
+    out = ConstrainedOutput(RequestConstraint(backend.compile(spec)), SamplingParams())
+    words = out.matcher.mask_words
+    encode = qwen3_tokenizer.encode
+    good, bad = encode("ab")[0], encode("q")[0]
+    before = allow_all(1, words)[0]
+    out.fill_mask(before)
+    rows = allow_all(4, words)
+    kept = out.fill_window_masks([good, bad, good], rows)
+    assert kept == 1
+    np.testing.assert_array_equal(rows[0], before)  # position 0: the grammar as it is
+    assert out.advance(good) == "ok"  # the matcher was rolled back: "ab" is accepted again
+    after = allow_all(1, words)[0]
+    out.fill_mask(after)
+    np.testing.assert_array_equal(rows[1], after)  # position 1: the grammar after the kept draft
+
+
+def test_greedy_with_speculation_equals_greedy_without(llm, spec_llm, backend, prompt):
+    grammar = RequestConstraint(backend.compile(ConstraintSpec.json_schema(SCHEMA)))
+
+    def requests():
+        return [
+            GenerationRequest(f"g{i}", prompt[i:], SamplingParams(max_tokens=40), constraint=grammar)
+            for i in range(3)
+        ]
+
+    plain = generate(llm.core, requests())
+    before = spec_llm.core.metrics.drafted_tokens
+    speculative = generate(spec_llm.core, requests())
+    assert spec_llm.core.metrics.drafted_tokens > before, "no drafts were verified"
+    for rid, output in plain.items():
+        assert speculative[rid].token_ids == output.token_ids, rid
+        assert speculative[rid].finish_reason == output.finish_reason
+
+
+def test_sampled_output_with_speculation_is_valid_json(spec_llm, backend, prompt):
+    grammar = RequestConstraint(backend.compile(ConstraintSpec.json_schema(SCHEMA)))
+    metrics = spec_llm.core.metrics
+    drafted, accepted = metrics.drafted_tokens, metrics.accepted_tokens
+    outputs = generate(spec_llm.core, sampled_requests("s", prompt, grammar, 12, max_tokens=40))
+    completed = 0
+    for output in outputs.values():
+        assert output.finish_reason in (FINISH_STOP, FINISH_LENGTH), output.error
+        if output.finish_reason == FINISH_STOP:
+            jsonschema.validate(json.loads(output.text), SCHEMA)
+            completed += 1
+    assert completed >= 1  # a random model writes long strings: many samples end on max_tokens
+    assert metrics.drafted_tokens > drafted and metrics.accepted_tokens > accepted
