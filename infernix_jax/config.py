@@ -382,7 +382,7 @@ def _build(architecture: str, family: str, raw: Mapping[str, Any], text: Mapping
             raise UnsupportedModelError(
                 f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})"
             )
-        linear = dict(
+        linear = dict(  # noqa: C408 - ModelConfig field names
             linear_conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
             linear_num_k_heads=nk,
             linear_num_v_heads=nv,

@@ -79,10 +79,13 @@ class NgramFeeder:
 
 def memory_engine_config(config: EngineConfig) -> EngineConfig:
     """What an engine with an n-gram memory runs: one decode step per dispatch (the next token's rows
-    need the token), no speculation and no structured-output programs (not supported yet)."""
-    if config.spec != "none":
+    need the token), no structured-output programs (not supported yet). Speculation works with the
+    n-gram (prompt lookup) drafter and linear windows, whose drafts are known on the host, so the
+    window's rows are looked up with it; MTP drafts (made on the device) and trees are refused."""
+    if config.spec not in ("none", "ngram") or config.spec_tree:
         raise ValueError(
-            "speculative decoding with an n-gram memory is not supported yet (docs/ngram_memory.md)"
+            "with an n-gram memory, speculative decoding supports --spec ngram with linear windows only "
+            "(docs/ngram_memory.md)"
         )
     return config.replace(decode_steps_per_dispatch=1, structured_output=False)
 

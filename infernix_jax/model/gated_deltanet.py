@@ -42,7 +42,7 @@ def causal_conv(
     n_valid [B] valid tokens per row. Returns (out [B, T, C], new conv state [B, C, K-1]), or with
     keep_states the conv state after every token: [B, T, C, K-1] (entry t holds inputs t-K+2..t).
     """
-    b, t, c = x.shape
+    _, t, _ = x.shape
     k = weight.shape[-1]
     ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
     w = weight.astype(x.dtype)
@@ -152,7 +152,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, capture_
     With `capture_chunks` i32 [B, S] it also returns the state at the start of chunk
     capture_chunks[b, s] ([B, S, H, Dk, Dv]; the final state for index = number of chunks).
     """
-    b, t, h, dk = q.shape
+    b, t, h, _ = q.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
     if pad:

@@ -149,9 +149,25 @@ def test_a_memory_model_without_a_table_says_which_flag_to_give(tiny_cfg, tiny_p
         EngineCore(tiny_cfg, tiny_params, engine_config())
 
 
-def test_speculation_with_a_memory_is_refused_clearly(tiny_cfg, tiny_params, memory):
-    with pytest.raises(ValueError, match="speculative decoding with an n-gram memory"):
-        EngineCore(tiny_cfg, tiny_params, engine_config(spec="ngram"), ngram_table=memory)
+def test_speculation_with_a_memory_gives_the_reference_tokens(tiny_cfg, tiny_params, memory, prompts, expected):
+    """Prompt-lookup drafts are known on the host, so each verify window's rows (n-grams running
+    through the drafts) are looked up with it: greedy output is the reference's, token for token."""
+    core = EngineCore(
+        tiny_cfg, tiny_params, engine_config(spec="ngram", ngram_draft_tokens=3, ngram_min_match=1),
+        ngram_table=memory,
+    )
+    repetitive = [p + p for p in prompts]  # the continuation often repeats: drafts get proposed
+    want = [reference_greedy(tiny_cfg, tiny_params, memory, p, NEW_TOKENS) for p in repetitive]
+    assert run(core, repetitive, "spec") == want
+    # drafts were verified, and some accepted: tokens read from window positions whose rows depend on them
+    assert core.metrics.drafted_tokens > 0 and core.metrics.accepted_tokens > 0, core.metrics
+
+
+def test_unsupported_speculation_with_a_memory_is_refused_clearly(tiny_cfg, tiny_params, memory):
+    with pytest.raises(ValueError, match="--spec ngram with linear windows only"):
+        EngineCore(tiny_cfg, tiny_params, engine_config(spec="mtp"), ngram_table=memory)
+    with pytest.raises(ValueError, match="--spec ngram with linear windows only"):
+        EngineCore(tiny_cfg, tiny_params, engine_config(spec="ngram", spec_tree_width=2), ngram_table=memory)
 
 
 def test_score_requests_are_refused_with_a_reason(core):

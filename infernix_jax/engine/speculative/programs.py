@@ -48,6 +48,7 @@ def verify_program(
     slots: jax.Array,  # i32 [b]
     num_drafts: jax.Array,  # i32 [b]
     masks: jax.Array,  # i32 [b, w, ceil(v / 32)]: structured-output mask per window position (-1: free)
+    ngram_rows: jax.Array | None = None,  # [L, b, w, heads, width]: n-gram memory rows of the window
     *,
     cfg: ModelConfig,
     num_top: int,
@@ -55,7 +56,9 @@ def verify_program(
 ):
     active = positions[:, 0] >= 0
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
-    logits, hidden, cache = forward(params, tokens, positions, cache, cfg, keep_states=True)
+    logits, hidden, cache = forward(
+        params, tokens, positions, cache, cfg, keep_states=True, ngram_rows=ngram_rows
+    )
     arrays, penalties = slot_sampling.rows(slots)
     out = verify_window(
         logits, tokens[:, 1:], num_drafts, arrays, penalties, active, masks=masks, num_top_logprobs=num_top

@@ -42,6 +42,7 @@ class VerifyBatch:
     num_drafts: np.ndarray  # i32 [b]
     parents: np.ndarray  # i32 [b, w]: tree windows: each node's parent index (-1: root, padding)
     masks: np.ndarray  # i32 [b, w, words]: linear windows: structured-output mask per position (-1: free)
+    ngram_rows: np.ndarray | None = None  # [L, b, w, heads, width]: a model with an n-gram memory
 
 
 class Speculation:
@@ -108,6 +109,7 @@ class Speculation:
             num_drafts=np.zeros(batch, np.int32),
             parents=np.full((batch, self.window), -1, np.int32),
             masks=allow_all(batch * self.window, runner.mask_words).reshape(batch, self.window, -1),
+            ngram_rows=self.core.ngram.table.empty(batch, self.window) if self.core.ngram is not None else None,
         )
 
     def dispatch(self, batch: VerifyBatch):
@@ -123,7 +125,7 @@ class Speculation:
         runner.kv_pool, runner.state_pool, runner.slot_sampling, out = verify_program(
             runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
             batch.tokens, batch.positions, batch.block_table, batch.slots, batch.num_drafts, batch.masks,
-            cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
+            batch.ngram_rows, cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
         )  # fmt: skip
         return out
 
@@ -149,6 +151,9 @@ class Speculation:
                 n = len(drafts)
                 batch.tokens[i, 1 : 1 + n] = drafts
                 batch.positions[i, : 1 + n] = np.arange(row.position, row.position + 1 + n)
+                if core.ngram is not None:  # the memory rows of the window: its n-grams run through the drafts
+                    window = context + drafts
+                    batch.ngram_rows[:, i, : 1 + n] = core.ngram.table.rows(window, row.position, row.position + 1 + n)
             batch.block_table[i, : len(state.blocks)] = state.blocks
             batch.slots[i] = state.slot
             batch.num_drafts[i] = n
