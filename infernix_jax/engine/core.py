@@ -210,16 +210,7 @@ class EngineCore:
         elif any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             error = f"prompt token ids must be in [0, {self.cfg.vocab_size})"
         if error:
-            return [
-                TokenEvent(
-                    request.request_id,
-                    [],
-                    "",
-                    finish_reason=FINISH_ERROR,
-                    error=error,
-                    prompt_tokens=len(prompt),
-                )
-            ]
+            return [TokenEvent.refused(request.request_id, error, len(prompt))]
         params = request.sampling
         max_total = min(self.config.max_context, len(prompt) + params.max_tokens)
         state = RequestState(request, resolve_seed(params), self._arrivals, max_total)

@@ -139,6 +139,11 @@ class TokenEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def refused(cls, request_id: str, error: str, prompt_tokens: int) -> TokenEvent:
+        """The one event of a request refused before it ran (invalid prompt, options or candidates)."""
+        return cls(request_id, [], "", finish_reason=FINISH_ERROR, error=error, prompt_tokens=prompt_tokens)
+
 
 @dataclass(frozen=True)
 class EngineStats:

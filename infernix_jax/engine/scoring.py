@@ -213,16 +213,7 @@ class Scorer:
         elif (queries := _most_queries_in_a_row(candidates)) > QUERY_WIDTH:
             error = f"the candidates need {queries} logprobs from one row, more than {QUERY_WIDTH}"
         if error:
-            return [
-                TokenEvent(
-                    request.request_id,
-                    [],
-                    "",
-                    finish_reason=FINISH_ERROR,
-                    error=error,
-                    prompt_tokens=len(prompt),
-                )
-            ]
+            return [TokenEvent.refused(request.request_id, error, len(prompt))]
         head = GenerationRequest(
             request.request_id, prompt[:-1], SamplingParams(max_tokens=0), arrival_time=request.arrival_time
         )

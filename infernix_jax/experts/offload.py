@@ -77,26 +77,6 @@ class Placement:
     expert_bytes: int
     num_layers: int
 
-    def warmup(self) -> None:
-        """Compile the slot programs now (all-skip writes), so that the first swap compiles nothing."""
-        slotted = self._slotted(0)
-        slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
-        ids = np.full(WRITE_WIDTH, -1, np.int32)
-        jax.block_until_ready(read_slots_program(slots, ids))
-        data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
-        self._set_slotted(
-            0,
-            dataclasses.replace(
-                slotted,
-                **dict(
-                    zip(
-                        ("gate_proj", "up_proj", "down_proj"),
-                        write_slots_program(slots, jnp.asarray(ids), data),
-                    )
-                ),
-            ),
-        )
-
     def describe(self) -> str:
         gib = lambda n: n * self.expert_bytes * self.num_layers / 2**30
         return (
