@@ -29,7 +29,9 @@ def spec_llm(tiny_model_dir):
     from infernix_jax.engine.llm import LLM
     from tests.structured.tiny_model import ENGINE_OPTIONS
 
-    return LLM(tiny_model_dir, **ENGINE_OPTIONS, spec="ngram", ngram_draft_tokens=4)
+    # one small decode bucket: the verify program over the 151k vocabulary is the costly compile
+    options = {**ENGINE_OPTIONS, "max_concurrency": 4, "decode_batch_sizes": (4,)}
+    return LLM(tiny_model_dir, **options, spec="ngram", ngram_draft_tokens=4)
 
 
 @pytest.fixture(scope="module")
