@@ -36,6 +36,15 @@ from infernix_jax.model.params import Params
 _DONATED = ("kv_pool", "state_pool", "slot_sampling")
 
 
+def _commit_verified(kv_pool, state_pool, slot_sampling, cache, slots, out, drafts, cfg: ModelConfig):
+    """A verify program's end (linear or tree): the window's cache into the pools, the penalty state
+    advanced by the emitted tokens, and what the host reads back."""
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    slot_sampling = slot_sampling.with_penalties(slots, out.penalties)
+    sampled = (out.counts, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, drafts)
+    return kv_pool, state_pool, slot_sampling, sampled
+
+
 @partial(jit, static_argnames=("cfg", "num_top", "mtp_steps"), donate_argnames=_DONATED)
 def verify_program(
     params: Params,
@@ -77,14 +86,7 @@ def verify_program(
         drafts, cache = chain_drafts(
             params, first_logits, first_hidden, last_position, active, cache, cfg, mtp_steps
         )
-    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
-    slot_sampling = slot_sampling.with_penalties(slots, out.penalties)
-    return (
-        kv_pool,
-        state_pool,
-        slot_sampling,
-        (out.counts, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, drafts),
-    )
+    return _commit_verified(kv_pool, state_pool, slot_sampling, cache, slots, out, drafts, cfg)
 
 
 @partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "mtp_branches"), donate_argnames=_DONATED)
@@ -131,14 +133,7 @@ def tree_verify_program(
         drafts, cache = chain_drafts(
             params, first_logits, first_hidden, last_position, active, cache, cfg, mtp_steps, mtp_branches
         )
-    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
-    slot_sampling = slot_sampling.with_penalties(slots, out.penalties)
-    return (
-        kv_pool,
-        state_pool,
-        slot_sampling,
-        (out.counts, out.tokens, out.logprobs, out.top_ids, out.top_logprobs, drafts),
-    )
+    return _commit_verified(kv_pool, state_pool, slot_sampling, cache, slots, out, drafts, cfg)
 
 
 @partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "mtp_branches"), donate_argnames=_DONATED)
