@@ -16,6 +16,7 @@ Records go to bench/results/decode-<machine>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import time
 
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None):
                       f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
                 records.append(record)
                 write_records(records, out)  # after each record: a run cut short keeps what it measured
+                gc.collect()  # the engine's device buffers go with it, before the next one is sized
         del params
+        gc.collect()  # a shape's weights must be gone before the next shape's are made
     print("wrote", write_records(records, out))
     return records
 
