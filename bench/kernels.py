@@ -412,9 +412,7 @@ def run_sweep(args) -> list:
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
     out_path = args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, batches)
-    n_configs = sum(
-        len(sweep_configs(fmt, n, k, b)) for fmt, (n, k), _ in points for b in batches
-    )
+    n_configs = sum(len(sweep_configs(fmt, n, k, b)) for fmt, (n, k), _ in points for b in batches)
     print(
         f"sweep: {len(points) * len(batches)} points, at most {n_configs} coarse configs (+ warps x stages "
         f"around the 2 best per point), budget {args.sweep_budget_s:.0f} s, "

@@ -116,9 +116,13 @@ def _nvfp4_kernel(
         kb = (split * steps + t) * bkh  # byte column of this K step
         k_mask = None if even_k else (kb + jnp.arange(bkh)) < half_k
         s_mask = None if even_k else (kb // 8 + jnp.arange(bs)) < half_k // 8
-        packed = qc.load(packed_ref.at[compat.ds(col0, bn), compat.ds(kb, bkh)], _mask2(n_mask, k_mask, (bn, bkh)))
+        packed = qc.load(
+            packed_ref.at[compat.ds(col0, bn), compat.ds(kb, bkh)], _mask2(n_mask, k_mask, (bn, bkh))
+        )
         # Loaded as uint8 (a masked fp8 load cannot take a fill value in Triton), then bitcast.
-        scale_bits = qc.load(scale_ref.at[compat.ds(col0, bn), compat.ds(kb // 8, bs)], _mask2(n_mask, s_mask, (bn, bs)))
+        scale_bits = qc.load(
+            scale_ref.at[compat.ds(col0, bn), compat.ds(kb // 8, bs)], _mask2(n_mask, s_mask, (bn, bs))
+        )
         scale = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = scale * qc.E2M1_F16_SCALE  # [bn, bs]; exact (a power of two)
         low = qc.e2m1_f16_bits(packed, high=False)  # [bn, bkh] float32, e2m1 / 2**14
@@ -128,7 +132,9 @@ def _nvfp4_kernel(
             if gemv:  # row r, [1, bkh]
                 mask = None if k_mask is None else k_mask[None, :]
                 return qc.load(ref.at[compat.ds(r, 1), compat.ds(kb, bkh)], mask)
-            return qc.load(ref.at[compat.ds(i * rows, rows), compat.ds(kb, bkh)], _mask2(None, k_mask, (rows, bkh)))
+            return qc.load(
+                ref.at[compat.ds(i * rows, rows), compat.ds(kb, bkh)], _mask2(None, k_mask, (rows, bkh))
+            )
 
         if variant == "gemv_bs":  # per-block sums first, then one scale multiply per block
             out = []
@@ -161,7 +167,9 @@ def _nvfp4_kernel(
 
     if gemv:
         width = bs if variant == "gemv_bs" else bkh
-        acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows)))
+        acc = jax.lax.fori_loop(
+            0, steps, step, tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows))
+        )
         for r in range(rows):
             compat.store(
                 out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],
@@ -266,7 +274,9 @@ def nvfp4_matmul(
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
     block_m = default_block_m(m) if block_m is None else block_m
-    validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, cfg.block_n, cfg.block_k, cfg.split_k)
+    validate_nvfp4_matmul(
+        x, packed, block_scale, tensor_scale, block_m, cfg.block_n, cfg.block_k, cfg.split_k
+    )
     n, half_k = packed.shape
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype

@@ -51,8 +51,15 @@ def test_dot_formulations_take_more_than_one_row_tile(m, block_size):
     want = reference_fp8_matmul(x, w, scale, block_size=block_size)
     for variant in ("dot", "dot_t"):
         got = fp8_matmul(
-            x, w, scale, block_size=block_size, variant=variant, block_n=16, block_k=32,
-            out_dtype=jnp.float32, interpret=True,
+            x,
+            w,
+            scale,
+            block_size=block_size,
+            variant=variant,
+            block_n=16,
+            block_k=32,
+            out_dtype=jnp.float32,
+            interpret=True,
         )
         np.testing.assert_allclose(
             np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
@@ -86,7 +93,9 @@ def test_default_tiles_fit_inside_small_scale_blocks():
     x, w, scale = _random_fp8(np.random.default_rng(5), 2, 40, 96, 32)
     got = fp8_matmul(x, w, scale, block_size=32, out_dtype=jnp.float32, interpret=True)
     want = reference_fp8_matmul(x, w, scale, block_size=32)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
 
 
 @pytest.mark.parametrize(
