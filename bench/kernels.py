@@ -3,6 +3,8 @@
     python -m bench.kernels                  # GPU: real layer shapes, batch 1 and 8, tile sweep
     python -m bench.kernels --formats nvfp4 --batches 1
     python -m bench.kernels --quick          # tiny shapes through the Pallas interpreter (any machine)
+    python -m bench.kernels --sweep          # GPU: every formulation and a broad tile grid per point
+    python -m bench.kernels --sweep --sweep-budget-s 300 --formats nvfp4
 
 For each (layer shape, format, batch) it times the Pallas kernel over random packed weights and
 reports bytes that must be read (packed weight + scales + activations + output) per second, as a
@@ -10,20 +12,31 @@ fraction of the HBM read bandwidth measured in the same run (bench.ceilings). Se
 configurations are tried per point and the best is recorded with its tiles, beside the time of
 the XLA fallback (dequantize + dot) for comparison. Records go to
 bench/results/kernels-<machine>.json.
+
+`--sweep` replaces the short tile list by a grid over the kernel
+formulations (gemv / dot / dot_t, NVFP4 also gemv_bs), tiles, split-K, warps and stages, compiled
+in parallel and timed back to back against several weight copies (so the weights are not served
+from L2); every configuration's time goes into the point's record (`details["sweep"]`).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import functools
+import math
 import re
 import statistics
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 
 from bench.ceilings import QUICK, Sizes, measure_hbm_read, median_seconds
 from bench.record import git_commit, machine_name, make_record, write_records
+from pallas_kernels import _quant_common as qc
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
@@ -145,7 +158,12 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--out", help="output file (default: bench/results/kernels-<machine>.json)")
+    parser.add_argument("--sweep", action="store_true", help="GPU: sweep formulations and tiles per point")
+    parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="wall-clock cap of the sweep")
+    parser.add_argument("--compile-threads", type=int, default=8, help="sweep: parallel XLA compiles")
     args = parser.parse_args(argv)
+    if args.sweep:
+        return run_sweep(args)
     interpret = args.quick or jax.default_backend() == "cpu"
     sizes = QUICK if args.quick else Sizes()
     shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
@@ -206,6 +224,271 @@ def main(argv: list[str] | None = None):
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
     path = write_records(records, args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json")
     print(f"wrote {path}")
+    return records
+
+
+# ------------------------------------------------------------------------------------------ sweep
+
+L2_DEFEAT_BYTES = 160 << 20  # weight copies per timed call: together well over the H200's 50 MB L2
+MAX_COPIES = 8
+TARGET_TRIAL_S = 2e-3  # GPU time per timing trial (back-to-back calls, one sync at the end)
+SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs < 4 per SM
+
+
+def _variants(fmt: str, batch: int) -> list[str]:
+    gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv"]
+    return (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
+
+
+def _splits(n_tiles: int, k_steps: int) -> list[int]:
+    """split_k 1, and each doubling while the previous level left fewer than 4 programs per SM."""
+    out = [1]
+    while out[-1] * 2 <= min(8, k_steps) and n_tiles * out[-1] < 4 * SMS:
+        out.append(out[-1] * 2)
+    return out
+
+
+def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]:
+    """Coarse grid for one point, most promising first and round-robin over formulations so a
+    budget cut keeps every formulation represented. num_warps 4, num_stages 3 here;
+    `refine_configs` varies those around the winners."""
+    per_variant = {}
+    for variant in _variants(fmt, batch):
+        if qc.is_gemv(variant):
+            block_ns = [32, 16, 64]
+            block_ks = [512, 1024, 256] if fmt == "nvfp4" else [256, 512, 128]
+        else:
+            block_ns = [64, 128] if variant == "dot_t" else [64, 32, 128]
+            block_ks = [256, 512] if fmt == "nvfp4" else [128, 256]
+        if fmt == "fp8_block128":
+            block_ns, block_ks = [b for b in block_ns if b <= 128], [b for b in block_ks if b <= 128]
+        configs = []
+        for bk in block_ks:
+            for bn in block_ns:
+                for split in _splits(-(-n // bn), -(-k // bk)):
+                    configs.append(qc.MatmulConfig(variant, bn, bk, split, 4, 3))
+        per_variant[variant] = configs
+    ordered = []
+    for rank in range(max(len(c) for c in per_variant.values())):
+        ordered += [c[rank] for c in per_variant.values() if rank < len(c)]
+    return ordered
+
+
+def refine_configs(best: list[qc.MatmulConfig], tried: set) -> list[qc.MatmulConfig]:
+    """num_warps x num_stages around the best coarse configurations."""
+    out = []
+    for cfg in best:
+        for warps in (4, 8, 2):
+            for stages in (3, 4, 2, 5):
+                c = dataclasses.replace(cfg, num_warps=warps, num_stages=stages)
+                if c not in tried and c not in out:
+                    out.append(c)
+    return out
+
+
+def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bool = False):
+    """All weight copies through one formulation in one jitted call (cfg None: the XLA fallback)."""
+    if cfg is None:
+        one = _xla_fn(fmt, static)
+    else:
+        kernel = nvfp4_matmul if fmt == "nvfp4" else fp8_matmul
+        one = functools.partial(kernel, **cfg.as_kwargs(), **static, interpret=interpret)
+    return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
+
+
+def _time_compiled(compiled, xs, ws, copies: int) -> float:
+    """Seconds per matmul: calls queued back to back (dispatch overlaps the GPU), one sync per
+    trial, median of 3 trials."""
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(xs, ws))
+    first = time.perf_counter() - start
+    reps = max(1, min(200, math.ceil(TARGET_TRIAL_S / max(first, 1e-6))))
+    trials = []
+    for _ in range(3):
+        start = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = compiled(xs, ws)
+        jax.block_until_ready(out)
+        trials.append((time.perf_counter() - start) / (reps * copies))
+    return statistics.median(trials)
+
+
+def _compile_all(fmt, configs, static, xs, ws, pool, interpret=False):
+    """{config: compiled or exception}: lowering here (Python), XLA/Triton compiles in threads."""
+    lowered = {}
+    for cfg in configs:
+        try:
+            lowered[cfg] = _sweep_fn(fmt, cfg, static, interpret).lower(xs, ws)
+        except Exception as e:  # noqa: BLE001 - an invalid combination: recorded, sweep goes on
+            lowered[cfg] = e
+    futures = {
+        cfg: pool.submit(low.compile) for cfg, low in lowered.items() if not isinstance(low, Exception)
+    }
+    out = {}
+    for cfg in configs:
+        if cfg in futures:
+            try:
+                out[cfg] = futures[cfg].result()
+            except Exception as e:  # noqa: BLE001
+                out[cfg] = e
+        else:
+            out[cfg] = lowered[cfg]
+    return out
+
+
+def _rel_err(got: jax.Array, want: jax.Array) -> float:
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+
+
+def sweep_point(fmt, n, k, batch, weights, static, *, deadline: float, pool, interpret=False) -> dict:
+    """Time the coarse grid until 65% of the time to `deadline` is spent, then warps x stages
+    around the two best until the deadline; returns the point's summary (best, XLA time, table)."""
+    coarse_deadline = time.perf_counter() + 0.65 * max(0.0, deadline - time.perf_counter())
+    copies = len(weights)
+    xs = tuple(
+        jax.random.normal(jax.random.key(batch * 100 + c), (batch, k), jnp.bfloat16) for c in range(copies)
+    )
+    chunk = max(1, getattr(pool, "_max_workers", 1))  # one compile batch fills the pool once
+    results: dict[qc.MatmulConfig, float | str] = {}
+    compiled_ok = {}
+
+    def run(configs, until):
+        for start in range(0, len(configs), chunk):
+            if time.perf_counter() > until:
+                return
+            batch_cfgs = configs[start : start + chunk]
+            for cfg, comp in _compile_all(fmt, batch_cfgs, static, xs, weights, pool, interpret).items():
+                if isinstance(comp, Exception):
+                    results[cfg] = f"{type(comp).__name__}: {str(comp)[:160]}"
+                    continue
+                try:
+                    results[cfg] = _time_compiled(comp, xs, weights, copies)
+                    compiled_ok[cfg] = comp
+                except Exception as e:  # noqa: BLE001
+                    results[cfg] = f"{type(e).__name__}: {str(e)[:160]}"
+
+    coarse = sweep_configs(fmt, n, k, batch)
+    run(coarse, coarse_deadline)
+    timed = sorted((t, c) for c, t in results.items() if isinstance(t, float))
+    run(refine_configs([c for _, c in timed[:2]], set(results)), deadline)
+    xla = _compile_all(fmt, [None], static, xs, weights, pool)[None]
+    xla_s = _time_compiled(xla, xs, weights, copies) if not isinstance(xla, Exception) else None
+    want = xla(xs, weights)[0] if xla_s is not None else None
+    best, errors = None, []
+    for seconds, cfg in sorted((t, c) for c, t in results.items() if isinstance(t, float)):
+        rel = _rel_err(compiled_ok[cfg](xs, weights)[0], want) if want is not None else float("nan")
+        if rel <= 2e-2:
+            best = (seconds, cfg, rel)
+            break
+        errors.append(f"{cfg}: differs from the reference by {rel:.3g} of max|y|")
+        print(f"  MISMATCH {fmt} {n}x{k} batch{batch} {cfg}: rel err {rel:.3g}", file=sys.stderr)
+        if len(errors) >= 3:
+            break
+    table = [
+        {**dataclasses.asdict(c), **({"s": t} if isinstance(t, float) else {"error": t})}
+        for c, t in sorted(results.items(), key=lambda ct: ct[1] if isinstance(ct[1], float) else 1e9)
+    ]
+    return {"best": best, "xla_s": xla_s, "table": table, "mismatches": errors, "copies": copies}
+
+
+def _sweep_points(shapes: dict, formats: list[str], batches: list[int]):
+    """(fmt, (n, k), [(model, layer), ...]) with shapes shared by several layers timed once."""
+    by_shape: dict[tuple[int, int], list[tuple[str, str]]] = {}
+    for model, layers in shapes.items():
+        for layer, nk in layers.items():
+            by_shape.setdefault(nk, []).append((model, layer))
+    return [(fmt, nk, names) for nk, names in by_shape.items() for fmt in formats]
+
+
+def run_sweep(args) -> list:
+    """`--sweep`: see the module docstring. Writes the records after every point."""
+    t0 = time.perf_counter()
+    formats, batches = args.formats.split(","), [int(b) for b in args.batches.split(",")]
+    interpret = args.quick or jax.default_backend() == "cpu"
+    shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
+    machine, commit = machine_name(), git_commit()
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    out_path = args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json"
+    points = _sweep_points(shapes, formats, batches)
+    n_configs = sum(len(sweep_configs(fmt, n, k, b)) for fmt, (n, k), _ in points for b in batches)
+    print(
+        f"sweep: {len(points) * len(batches)} points, at most {n_configs} coarse configs (+ warps x stages "
+        f"around the 2 best per point), budget {args.sweep_budget_s:.0f} s, "
+        f"{args.compile_threads} compile threads"
+    )
+    hbm = measure_hbm_read(QUICK if args.quick else Sizes())
+    print(f"{hbm.name}: {hbm.figure:.1f} GB/s")
+    records, mismatches, path = [], [], None
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.compile_threads))
+    done = 0
+    for fmt, (n, k), names in points:
+        weight, static, weight_bytes = _random_weight(fmt, n, k, jax.random.key(n * 7 + k))
+        copies = max(1, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / weight_bytes)))
+        weights = (weight,) + tuple(
+            _random_weight(fmt, n, k, jax.random.key(n * 7 + k + c))[0] for c in range(1, copies)
+        )
+        for batch in batches:
+            left = args.sweep_budget_s - (time.perf_counter() - t0)
+            points_left = len(points) * len(batches) - done
+            deadline = time.perf_counter() + max(0.0, left / max(points_left, 1))
+            done += 1
+            if left <= 0:
+                print(f"sweep budget spent: skipping {fmt} {n}x{k} batch{batch}")
+                continue
+            res = sweep_point(
+                fmt, n, k, batch, weights, static, deadline=deadline, pool=pool, interpret=interpret
+            )
+            mismatches += res["mismatches"]
+            if res["best"] is None:
+                print(f"  {fmt} {n}x{k} batch{batch}: no configuration ran and matched the reference")
+                continue
+            seconds, cfg, rel_err = res["best"]
+            moved = weight_bytes + batch * k * 2 + batch * n * 2
+            for model, layer in names:
+                name = f"decode matmul {model} {layer} {n}x{k} {fmt} batch{batch}"
+                records.append(
+                    make_record(
+                        name,
+                        moved / seconds / 1e9,
+                        "GB/s",
+                        hbm.figure,
+                        "GB/s",
+                        machine=machine,
+                        commit=commit,
+                        details={
+                            "n": n,
+                            "k": k,
+                            "batch": batch,
+                            "format": fmt,
+                            "bytes": moved,
+                            "weight_and_scale_bytes": weight_bytes,
+                            "weight_fraction_of_hbm": weight_bytes / seconds / 1e9 / hbm.figure,
+                            "median_s": seconds,
+                            "max_rel_err_vs_reference": rel_err,
+                            "xla_dequant_dot_s": res["xla_s"],
+                            "tiles": dataclasses.asdict(cfg),
+                            "weight_copies": res["copies"],
+                            "sweep": res["table"],
+                            "interpret": interpret,
+                            "jax": jax.__version__,
+                        },
+                    )
+                )
+            rec = records[-1]
+            xla = f"{moved / res['xla_s'] / 1e9:7.1f}" if res["xla_s"] else "   -   "
+            print(
+                f"{fmt:12s} {n:6d}x{k:<6d} b{batch}  {rec.figure:7.1f} GB/s {rec.fraction:6.1%}  "
+                f"(xla {xla} GB/s)  {len(res['table'])} configs  best {cfg}  "
+                f"[{time.perf_counter() - t0:.0f} s]",
+                flush=True,
+            )
+            path = write_records(records, out_path)  # after every point: a timeout keeps what ran
+    pool.shutdown()
+    print(f"wrote {path} ({len(records)} records)")
+    if mismatches:
+        raise AssertionError("kernel results differ from the reference:\n" + "\n".join(mismatches))
     return records
 
 

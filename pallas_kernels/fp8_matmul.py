@@ -5,21 +5,36 @@
 where s is either one float32 per tensor (ModelOpt "FP8": `weight_scale`) or one float32 per
 block_size x block_size block (Qwen / DeepSeek "-FP8": `weight_scale_inv` [ceil(N/b), ceil(K/b)],
 the dequant multiplier despite its name). e4m3 values are exact in bf16, so the weight tile is
-widened in registers and fed to the dot as is; block scales multiply each K step's partial dot
-(a tile never straddles a scale block: block_n and block_k divide block_size), the per-tensor
-scale multiplies the float32 sum once.
+widened in registers; block scales multiply each K step's partial product (a tile never
+straddles a scale block: block_n and block_k divide block_size), the per-tensor scale multiplies
+the float32 sum once.
 
-Grid: (M tiles, N tiles, split_k), as in nvfp4_matmul.
+Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md): "gemv"
+(float32 FMAs on CUDA cores, one [block_n, block_k] accumulator per row, M <= 8; a block scale
+is folded into the activation row), "dot" (x [16, bk] @ W.T, M padded to 16) and "dot_t"
+(W [bn, bk] @ x.T). The entry picks one by M from `DEFAULT_CONFIGS` unless told.
+
+Grid: (M tiles, N tiles, split_k), as in nvfp4_matmul; mask-free when N and K divide the tiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
+
+# Default configuration by the largest M it serves (qc.pick_config): fill in from
+# `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
+DEFAULT_CONFIGS: dict[int, qc.MatmulConfig] = {
+    1: qc.MatmulConfig("gemv", block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    8: qc.MatmulConfig("dot_t", block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    64: qc.MatmulConfig("dot", block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+}
 
 
 def reference_fp8_matmul(
@@ -36,53 +51,83 @@ def reference_fp8_matmul(
     return jnp.dot(x.astype(jnp.float32), wf.T, precision=jax.lax.Precision.HIGHEST)
 
 
+def _mask2(rows: jax.Array | None, cols: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
+    """The [rows, cols] load mask from optional 1-D row and column masks (None: no mask at all)."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return jnp.broadcast_to(cols[None, :], shape)
+    if cols is None:
+        return jnp.broadcast_to(rows[:, None], shape)
+    return rows[:, None] & cols[None, :]
+
+
 def _fp8_kernel(
-    x_ref,  # [Mp, K] activations
+    x_ref,  # [Mp, K] activations (gemv: [M, K], unpadded)
     w_ref,  # [N, K] uint8: the bits of the float8_e4m3fn weight
     scale_ref,  # [ceil(N/b), ceil(K/b)] float32 block scales (unused when per-tensor)
-    out_ref,  # [split_k, Mp, N] float32 partial sums
+    out_ref,  # float32 partial sums: [split_k, Mp, N] (dot, gemv) or [split_k, N, Mp] (dot_t)
     *,
+    variant: str,
+    rows: int,  # gemv: M; dot*: block_m
     n_size: int,
     k_size: int,
-    block_m: int,
     block_n: int,
     block_k: int,
     steps: int,
     scale_block: int | None,
+    even_n: bool,
+    even_k: bool,
 ):
     i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
-    row0, col0 = i * block_m, j * block_n
-    n_mask = (col0 + jnp.arange(block_n)) < n_size
+    col0, bn, bk = j * block_n, block_n, block_k
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     compute_dtype = x_ref.dtype
+    gemv = qc.is_gemv(variant)
 
     def step(t, acc):
-        k0 = (split * steps + t) * block_k
-        k_mask = (k0 + jnp.arange(block_k)) < k_size
-        x = compat.load(
-            x_ref.at[compat.ds(row0, block_m), compat.ds(k0, block_k)], mask=k_mask[None, :], other=0
-        )
-        bits = compat.load(
-            w_ref.at[compat.ds(col0, block_n), compat.ds(k0, block_k)],
-            mask=n_mask[:, None] & k_mask[None, :],
-            other=0,
-        )
-        w = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(compute_dtype)
-        part = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if scale_block is not None:
-            kb = jnp.minimum(k0 // scale_block, scale_ref.shape[1] - 1)  # the tail step is all masked
-            part = part * scale_ref[col0 // scale_block, kb]
-        return acc + part
+        k0 = (split * steps + t) * bk
+        k_mask = None if even_k else (k0 + jnp.arange(bk)) < k_size
+        bits = qc.load(w_ref.at[compat.ds(col0, bn), compat.ds(k0, bk)], _mask2(n_mask, k_mask, (bn, bk)))
+        w8 = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+        s = None
+        if scale_block is not None:  # one scale for the whole tile: block_n, block_k divide b
+            kb = jnp.minimum(k0 // scale_block, scale_ref.shape[1] - 1)  # a masked tail step may overshoot
+            s = scale_ref[col0 // scale_block, kb]
+        if gemv:
+            w = w8.astype(jnp.float32)
+            out = []
+            for r in range(rows):
+                x = qc.load(x_ref.at[compat.ds(r, 1), compat.ds(k0, bk)], _mask2(None, k_mask, (1, bk)))
+                x = x.astype(jnp.float32)
+                out.append(acc[r] + w * (x if s is None else x * s))
+            return tuple(out)
+        x = qc.load(x_ref.at[compat.ds(i * rows, rows), compat.ds(k0, bk)], _mask2(None, k_mask, (rows, bk)))
+        w = w8.astype(compute_dtype)
+        if variant == "dot":  # [rows, bk] x [bn, bk] -> [rows, bn]
+            part = jax.lax.dot_general(x, w, qc.dims_nt(), preferred_element_type=jnp.float32)
+        else:  # dot_t: [bn, bk] x [rows, bk] -> [bn, rows]
+            part = jax.lax.dot_general(w, x, qc.dims_nt(), preferred_element_type=jnp.float32)
+        return acc + (part if s is None else part * s)
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    compat.store(
-        out_ref.at[split, compat.ds(row0, block_m), compat.ds(col0, block_n)],
-        acc,
-        mask=jnp.broadcast_to(n_mask[None, :], (block_m, block_n)),
-    )
-
-
-def _is_pow2(v: int) -> bool:
-    return v > 0 and (v & (v - 1)) == 0
+    if gemv:
+        acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bn, bk), jnp.float32) for _ in range(rows)))
+        for r in range(rows):
+            compat.store(
+                out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],
+                acc[r].sum(axis=1)[None, :],
+                mask=None if n_mask is None else n_mask[None, :],
+            )
+        return
+    shape = (rows, bn) if variant == "dot" else (bn, rows)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    if variant == "dot":
+        view = out_ref.at[split, compat.ds(i * rows, rows), compat.ds(col0, bn)]
+        mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)
+    else:
+        view = out_ref.at[split, compat.ds(col0, bn), compat.ds(i * rows, rows)]
+        mask = None if n_mask is None else jnp.broadcast_to(n_mask[:, None], shape)
+    compat.store(view, acc, mask=mask)
 
 
 def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, split_k) -> None:
@@ -110,7 +155,7 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
             if block_size % v:
                 raise ValueError(f"{name}={v} must divide the scale block_size={block_size}")
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if not _is_pow2(v) or v < 16:
+        if not qc.is_pow2(v) or v < 16:
             raise ValueError(f"{name}={v} must be a power of two >= 16")
     if split_k < 1:
         raise ValueError(f"split_k={split_k} must be >= 1")
@@ -120,6 +165,7 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
     jax.jit,
     static_argnames=(
         "block_size",
+        "variant",
         "block_m",
         "block_n",
         "block_k",
@@ -136,49 +182,78 @@ def fp8_matmul(
     scale: jax.Array,
     *,
     block_size: int | None = None,
+    variant: str | None = None,
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 128,
-    split_k: int = 1,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
     """x [M, K] @ dequant(FP8 W [N, K]).T -> [M, N] in `out_dtype` (default x.dtype).
 
     `block_size=None`: `scale` is one float32; otherwise `scale` is float32
-    [ceil(N/block_size), ceil(K/block_size)]. Tile sizes are powers of two.
+    [ceil(N/block_size), ceil(K/block_size)]. Every option left None comes from
+    `DEFAULT_CONFIGS` for this M (the formulation too), given values override it; with block
+    scales the default tiles are capped to block_size. Tile sizes are powers of two; block_m is
+    the row tile of the dot formulations ("gemv" takes all M <= 8 rows in one program).
     """
-    block_m = min(compat.pow2_at_least(x.shape[0], 16), 64) if block_m is None else block_m
-    validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, split_k)
-    m, k = x.shape
+    m = x.shape[0] if x.ndim == 2 else 0
+    cfg = qc.resolve_config(
+        DEFAULT_CONFIGS,
+        m,
+        variant=variant,
+        block_n=block_n,
+        block_k=block_k,
+        split_k=split_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if block_size is not None:  # defaults (not explicit tiles) shrink to fit inside a scale block
+        cfg = dataclasses.replace(
+            cfg,
+            block_n=cfg.block_n if block_n is not None else min(cfg.block_n, block_size),
+            block_k=cfg.block_k if block_k is not None else min(cfg.block_k, block_size),
+        )
+    variant = cfg.variant
+    gemv = qc.is_gemv(variant)
+    block_m = min(compat.pow2_at_least(m, 16), 64) if block_m is None else block_m
+    validate_fp8_matmul(x, w, scale, block_size, block_m, cfg.block_n, cfg.block_k, cfg.split_k)
+    k = x.shape[1]
     n = w.shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
-    m_pad = compat.cdiv(m, block_m) * block_m
+    rows = m if gemv else block_m
+    m_pad = m if gemv else compat.cdiv(m, block_m) * block_m
     xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
-    steps = compat.cdiv(compat.cdiv(k, block_k), split_k)
+    steps = compat.cdiv(compat.cdiv(k, cfg.block_k), cfg.split_k)
     scale_arr = jnp.ones((1, 1), jnp.float32) if block_size is None else jnp.asarray(scale, jnp.float32)
     kernel = functools.partial(
         _fp8_kernel,
+        variant=variant,
+        rows=rows,
         n_size=n,
         k_size=k,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
+        block_n=cfg.block_n,
+        block_k=cfg.block_k,
         steps=steps,
         scale_block=block_size,
+        even_n=n % cfg.block_n == 0,
+        even_k=k % (cfg.block_k * cfg.split_k) == 0,
     )
+    out_shape = (cfg.split_k, n, m_pad) if variant == "dot_t" else (cfg.split_k, m_pad, n)
     partial = compat.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, m_pad, n), jnp.float32),
-        grid=(m_pad // block_m, compat.cdiv(n, block_n), split_k),
-        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(1 if gemv else m_pad // block_m, compat.cdiv(n, cfg.block_n), cfg.split_k),
+        compiler_params=qc.compiler_params(cfg),
         interpret=interpret,
-        name="fp8_matmul",
+        name=f"fp8_matmul_{variant}",
     )(xp, jax.lax.bitcast_convert_type(w, jnp.uint8), scale_arr)
-    y = partial.sum(axis=0)[:m]
+    y = qc.split_sum(partial)
+    y = y.T[:m] if variant == "dot_t" else y[:m]
     if block_size is None:
         y = y * jnp.asarray(scale, jnp.float32).reshape(())
     return y.astype(out_dtype)

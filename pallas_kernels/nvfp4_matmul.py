@@ -10,13 +10,22 @@ float8_e4m3fn [N, K/16], `tensor_scale` (ModelOpt's `weight_scale_2`) a float32 
 Decode is memory bound: the kernel streams the packed bytes and their scales once and unpacks
 them in registers. Each byte holds an even and an odd element of K, so instead of interleaving
 nibbles in registers the activation is split once outside the kernel into its even and odd
-columns, and each K step does two dots: x_even @ low_nibbles.T + x_odd @ high_nibbles.T.
-code * block_scale has at most 6 significant bits, so it is exact in bf16 and the dot operands
-lose nothing; the tensor scale is applied once to the float32 sum.
+columns and every product is done twice per K step (low nibbles x even columns, high nibbles x
+odd columns). Nibbles are decoded with the float16 bit trick of `_quant_common.e2m1_f16_bits`
+(exact for all 16 codes); code * block_scale has at most 6 significant bits, so it is exact in
+bf16 and float32; the tensor scale is applied once to the float32 sum.
+
+Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md):
+  "gemv"     float32 FMAs on CUDA cores, one [block_n, block_k/2] accumulator per row (M <= 8);
+  "gemv_bs"  as gemv, but products are first summed within each 16-element block and the block
+             scale multiplies the [block_n, block_k/16] block sums (no scale broadcast);
+  "dot"      x [16, bk] @ W.T on tensor cores, M padded to 16;
+  "dot_t"    W [bn, bk] @ x.T on tensor cores (weight tile as the left operand).
+The entry picks the formulation by M from `DEFAULT_CONFIGS` unless told.
 
 Grid: (M tiles, N tiles, split_k). split_k > 1 splits the K loop over programs (more programs
 in flight when N / block_n is smaller than the number of SMs); the partial sums are added
-outside the kernel.
+outside the kernel. When N and K divide the tiles the kernel is built without any load masks.
 """
 
 from __future__ import annotations
@@ -26,11 +35,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
+VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t")
+
+# Default configuration by the largest M it serves (qc.pick_config): fill in from
+# `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
+DEFAULT_CONFIGS: dict[int, qc.MatmulConfig] = {
+    1: qc.MatmulConfig("gemv", block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=3),
+    8: qc.MatmulConfig("dot_t", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    64: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
+}
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
@@ -58,70 +77,115 @@ def reference_nvfp4_matmul(
     return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
 
 
+def _mask2(rows: jax.Array | None, cols: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
+    """The [rows, cols] load mask from optional 1-D row and column masks (None: no mask at all)."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return jnp.broadcast_to(cols[None, :], shape)
+    if cols is None:
+        return jnp.broadcast_to(rows[:, None], shape)
+    return rows[:, None] & cols[None, :]
+
+
 def _nvfp4_kernel(
-    x_even_ref,  # [Mp, K/2] activation columns 0, 2, 4, ...
+    x_even_ref,  # [Mp, K/2] activation columns 0, 2, 4, ... (gemv: [M, K/2], unpadded)
     x_odd_ref,  # [Mp, K/2] activation columns 1, 3, 5, ...
     packed_ref,  # [N, K/2] uint8, low nibble = even element
     scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
-    out_ref,  # [split_k, Mp, N] float32 partial sums
+    out_ref,  # float32 partial sums: [split_k, Mp, N] (dot, gemv*) or [split_k, N, Mp] (dot_t)
     *,
+    variant: str,
+    rows: int,  # gemv*: M; dot*: block_m
     n_size: int,
     half_k: int,
-    block_m: int,
     block_n: int,
     half_block_k: int,
     steps: int,
+    even_n: bool,
+    even_k: bool,
 ):
     i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
-    row0, col0 = i * block_m, j * block_n
-    n_mask = (col0 + jnp.arange(block_n)) < n_size  # [bn]
+    col0 = j * block_n
+    bn, bkh, bs = block_n, half_block_k, half_block_k // 8  # bs: block scales per row per step
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     compute_dtype = x_even_ref.dtype
+    gemv = qc.is_gemv(variant)
 
     def step(t, acc):
-        kb = (split * steps + t) * half_block_k  # byte column of this K step
-        k_mask = (kb + jnp.arange(half_block_k)) < half_k  # [bkh]
-        s_mask = (kb // 8 + jnp.arange(half_block_k // 8)) < half_k // 8  # [bkh/8]
-        xe = compat.load(
-            x_even_ref.at[compat.ds(row0, block_m), compat.ds(kb, half_block_k)],
-            mask=k_mask[None, :],
-            other=0,
+        kb = (split * steps + t) * bkh  # byte column of this K step
+        k_mask = None if even_k else (kb + jnp.arange(bkh)) < half_k
+        s_mask = None if even_k else (kb // 8 + jnp.arange(bs)) < half_k // 8
+        packed = qc.load(
+            packed_ref.at[compat.ds(col0, bn), compat.ds(kb, bkh)], _mask2(n_mask, k_mask, (bn, bkh))
         )
-        xo = compat.load(
-            x_odd_ref.at[compat.ds(row0, block_m), compat.ds(kb, half_block_k)], mask=k_mask[None, :], other=0
-        )
-        packed = compat.load(
-            packed_ref.at[compat.ds(col0, block_n), compat.ds(kb, half_block_k)],
-            mask=n_mask[:, None] & k_mask[None, :],
-            other=0,
-        )
-        scale = compat.load(
-            scale_ref.at[compat.ds(col0, block_n), compat.ds(kb // 8, half_block_k // 8)],
-            mask=n_mask[:, None] & s_mask[None, :],
-            other=0,
-        )
-        # [bn, bkh/8] -> [bn, bkh]: one block scale covers 8 bytes (16 elements).
         # Loaded as uint8 (a masked fp8 load cannot take a fill value in Triton), then bitcast.
-        scale = jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn).astype(jnp.float32)
-        scale = jnp.broadcast_to(scale[:, :, None], (block_n, half_block_k // 8, 8))
-        scale = scale.reshape(block_n, half_block_k)
-        codes = packed.astype(jnp.int32)
-        w_low = (decode_e2m1(codes & 0xF) * scale).astype(compute_dtype)
-        w_high = (decode_e2m1(codes >> 4) * scale).astype(compute_dtype)
-        dims = (((1,), (1,)), ((), ()))
-        acc += jax.lax.dot_general(xe, w_low, dims, preferred_element_type=jnp.float32)
-        acc += jax.lax.dot_general(xo, w_high, dims, preferred_element_type=jnp.float32)
+        scale_bits = qc.load(
+            scale_ref.at[compat.ds(col0, bn), compat.ds(kb // 8, bs)], _mask2(n_mask, s_mask, (bn, bs))
+        )
+        scale = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = scale * qc.E2M1_F16_SCALE  # [bn, bs]; exact (a power of two)
+        low = qc.e2m1_f16_bits(packed, high=False)  # [bn, bkh] float32, e2m1 / 2**14
+        high = qc.e2m1_f16_bits(packed, high=True)
+
+        def load_x(ref, r):
+            if gemv:  # row r, [1, bkh]
+                mask = None if k_mask is None else k_mask[None, :]
+                return qc.load(ref.at[compat.ds(r, 1), compat.ds(kb, bkh)], mask)
+            return qc.load(
+                ref.at[compat.ds(i * rows, rows), compat.ds(kb, bkh)], _mask2(None, k_mask, (rows, bkh))
+            )
+
+        if variant == "gemv_bs":  # per-block sums first, then one scale multiply per block
+            out = []
+            for r in range(rows):
+                xe = load_x(x_even_ref, r).astype(jnp.float32)
+                xo = load_x(x_odd_ref, r).astype(jnp.float32)
+                prod = low * xe + high * xo
+                out.append(acc[r] + prod.reshape(bn, bs, 8).sum(axis=2) * scale)
+            return tuple(out)
+        # [bn, bs] -> [bn, bkh]: one block scale covers 8 bytes (16 elements).
+        scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 8)).reshape(bn, bkh)
+        w_low, w_high = low * scale, high * scale  # exact: <= 6 significant bits
+        if variant == "gemv":
+            out = []
+            for r in range(rows):
+                xe = load_x(x_even_ref, r).astype(jnp.float32)
+                xo = load_x(x_odd_ref, r).astype(jnp.float32)
+                out.append(acc[r] + w_low * xe + w_high * xo)
+            return tuple(out)
+        xe, xo = load_x(x_even_ref, 0), load_x(x_odd_ref, 0)
+        w_low, w_high = w_low.astype(compute_dtype), w_high.astype(compute_dtype)
+        f32 = jnp.float32
+        if variant == "dot":  # [rows, bkh] x [bn, bkh] -> [rows, bn]
+            acc += jax.lax.dot_general(xe, w_low, qc.dims_nt(), preferred_element_type=f32)
+            acc += jax.lax.dot_general(xo, w_high, qc.dims_nt(), preferred_element_type=f32)
+        else:  # dot_t: [bn, bkh] x [rows, bkh] -> [bn, rows]
+            acc += jax.lax.dot_general(w_low, xe, qc.dims_nt(), preferred_element_type=f32)
+            acc += jax.lax.dot_general(w_high, xo, qc.dims_nt(), preferred_element_type=f32)
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    compat.store(
-        out_ref.at[split, compat.ds(row0, block_m), compat.ds(col0, block_n)],
-        acc,
-        mask=jnp.broadcast_to(n_mask[None, :], (block_m, block_n)),
-    )
-
-
-def _is_pow2(v: int) -> bool:
-    return v > 0 and (v & (v - 1)) == 0
+    if gemv:
+        width = bs if variant == "gemv_bs" else bkh
+        acc = jax.lax.fori_loop(
+            0, steps, step, tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows))
+        )
+        for r in range(rows):
+            compat.store(
+                out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],
+                acc[r].sum(axis=1)[None, :],
+                mask=None if n_mask is None else n_mask[None, :],
+            )
+        return
+    shape = (rows, bn) if variant == "dot" else (bn, rows)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    if variant == "dot":
+        view = out_ref.at[split, compat.ds(i * rows, rows), compat.ds(col0, bn)]
+        mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)
+    else:
+        view = out_ref.at[split, compat.ds(col0, bn), compat.ds(i * rows, rows)]
+        mask = None if n_mask is None else jnp.broadcast_to(n_mask[:, None], shape)
+    compat.store(view, acc, mask=mask)
 
 
 def validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, split_k) -> None:
@@ -145,7 +209,7 @@ def validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n
     if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"x must be bf16, f16 or f32; got {x.dtype}")
     for name, v, low in (("block_m", block_m, 16), ("block_n", block_n, 16), ("block_k", block_k, 32)):
-        if not _is_pow2(v) or v < low:
+        if not qc.is_pow2(v) or v < low:
             raise ValueError(f"{name}={v} must be a power of two >= {low}")
     if split_k < 1:
         raise ValueError(f"split_k={split_k} must be >= 1")
@@ -159,6 +223,7 @@ def default_block_m(m: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=(
+        "variant",
         "block_m",
         "block_n",
         "block_k",
@@ -175,48 +240,74 @@ def nvfp4_matmul(
     block_scale: jax.Array,
     tensor_scale: jax.Array,
     *,
+    variant: str | None = None,
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 256,
-    split_k: int = 1,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
     """x [M, K] @ dequant(NVFP4 W [N, K]).T -> [M, N] in `out_dtype` (default x.dtype).
 
-    Tile sizes are powers of two; block_k counts K elements (block_k / 2 bytes per row per
-    step). Any M works (M tiles become a grid axis) but the kernel is built for M <= 64.
-    `interpret=True` runs the same kernel through the Pallas interpreter (the CPU test path).
+    Every option left None comes from `DEFAULT_CONFIGS` for this M (the formulation too: see the
+    module docstring); given values override it. Tile sizes are powers of two; block_k counts K
+    elements (block_k / 2 bytes per row per step). block_m is the row tile of the dot
+    formulations (default: M rounded up to a power of two in [16, 64]); "gemv" and "gemv_bs"
+    take all M <= 8 rows in one program. `interpret=True` runs the same kernel through the Pallas
+    interpreter (the CPU test path).
     """
-    block_m = default_block_m(x.shape[0]) if block_m is None else block_m
-    validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, split_k)
-    m, _k = x.shape
+    m, _k = x.shape if x.ndim == 2 else (0, 0)
+    cfg = qc.resolve_config(
+        DEFAULT_CONFIGS,
+        m,
+        variants=VARIANTS,
+        variant=variant,
+        block_n=block_n,
+        block_k=block_k,
+        split_k=split_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    variant = cfg.variant
+    gemv = qc.is_gemv(variant)
+    block_m = default_block_m(m) if block_m is None else block_m
+    validate_nvfp4_matmul(
+        x, packed, block_scale, tensor_scale, block_m, cfg.block_n, cfg.block_k, cfg.split_k
+    )
     n, half_k = packed.shape
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
-    m_pad = compat.cdiv(m, block_m) * block_m
+    rows = m if gemv else block_m
+    m_pad = m if gemv else compat.cdiv(m, block_m) * block_m
     xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
     x_even, x_odd = xp[:, 0::2], xp[:, 1::2]
-    half_block_k = block_k // 2
-    steps = compat.cdiv(compat.cdiv(half_k, half_block_k), split_k)
+    half_block_k = cfg.block_k // 2
+    steps = compat.cdiv(compat.cdiv(half_k, half_block_k), cfg.split_k)
     kernel = functools.partial(
         _nvfp4_kernel,
+        variant=variant,
+        rows=rows,
         n_size=n,
         half_k=half_k,
-        block_m=block_m,
-        block_n=block_n,
+        block_n=cfg.block_n,
         half_block_k=half_block_k,
         steps=steps,
+        even_n=n % cfg.block_n == 0,
+        even_k=half_k % (half_block_k * cfg.split_k) == 0,
     )
+    out_shape = (cfg.split_k, n, m_pad) if variant == "dot_t" else (cfg.split_k, m_pad, n)
     partial = compat.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split_k, m_pad, n), jnp.float32),
-        grid=(m_pad // block_m, compat.cdiv(n, block_n), split_k),
-        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(1 if gemv else m_pad // block_m, compat.cdiv(n, cfg.block_n), cfg.split_k),
+        compiler_params=qc.compiler_params(cfg),
         interpret=interpret,
-        name="nvfp4_matmul",
+        name=f"nvfp4_matmul_{variant}",
     )(x_even, x_odd, packed, jax.lax.bitcast_convert_type(block_scale, jnp.uint8))
-    y = partial.sum(axis=0)[:m] * jnp.asarray(tensor_scale, jnp.float32).reshape(())
+    y = qc.split_sum(partial)
+    y = y.T[:m] if variant == "dot_t" else y[:m]
+    y = y * jnp.asarray(tensor_scale, jnp.float32).reshape(())
     return y.astype(out_dtype)

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
-from pallas_kernels.fp8_matmul import fp8_matmul, reference_fp8_matmul
+from pallas_kernels.fp8_matmul import DEFAULT_CONFIGS, fp8_matmul, reference_fp8_matmul
 
 
 def _random_fp8(rng, m, n, k, block_size):
@@ -27,13 +28,16 @@ def _random_fp8(rng, m, n, k, block_size):
         (1, 64, 256, None, {"block_n": 64, "block_k": 128}),
         (3, 70, 96, None, {"block_n": 32, "block_k": 32}),  # ragged N and K
         (5, 300, 260, 128, {"block_n": 64, "block_k": 128, "split_k": 2}),  # ragged scale blocks
-        (17, 33, 48, 32, {"block_n": 16, "block_k": 16, "split_k": 4}),  # idle split tail
+        (8, 33, 48, 32, {"block_n": 16, "block_k": 16, "split_k": 4}),  # idle split tail
     ],
 )
-def test_kernel_matches_reference(m, n, k, block_size, tiles):
+@pytest.mark.parametrize("variant", qc.VARIANTS)
+def test_kernel_matches_reference(variant, m, n, k, block_size, tiles):
     rng = np.random.default_rng(m * 1000 + n + k)
     x, w, scale = _random_fp8(rng, m, n, k, block_size)
-    got = fp8_matmul(x, w, scale, block_size=block_size, out_dtype=jnp.float32, interpret=True, **tiles)
+    got = fp8_matmul(
+        x, w, scale, block_size=block_size, variant=variant, out_dtype=jnp.float32, interpret=True, **tiles
+    )
     want = reference_fp8_matmul(x, w, scale, block_size=block_size)
     assert got.shape == (m, n)
     np.testing.assert_allclose(
@@ -41,17 +45,57 @@ def test_kernel_matches_reference(m, n, k, block_size, tiles):
     )
 
 
-@pytest.mark.parametrize("block_size,scale_shape", [(None, ()), (128, (3, 4))])
-def test_kernel_lowers_to_a_triton_call_for_cuda(block_size, scale_shape):
-    shapes = (
-        jax.ShapeDtypeStruct((4, 512), jnp.bfloat16),
-        jax.ShapeDtypeStruct((384, 512), jnp.float8_e4m3fn),
+@pytest.mark.parametrize("m,block_size", [(16, None), (17, 32)])
+def test_dot_formulations_take_more_than_one_row_tile(m, block_size):
+    x, w, scale = _random_fp8(np.random.default_rng(m), m, 40, 96, block_size)
+    want = reference_fp8_matmul(x, w, scale, block_size=block_size)
+    for variant in ("dot", "dot_t"):
+        got = fp8_matmul(
+            x,
+            w,
+            scale,
+            block_size=block_size,
+            variant=variant,
+            block_n=16,
+            block_k=32,
+            out_dtype=jnp.float32,
+            interpret=True,
+        )
+        np.testing.assert_allclose(
+            np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+        )
+
+
+def _shapes(m, n, k, block_size):
+    scale_shape = () if block_size is None else (-(-n // block_size), -(-k // block_size))
+    return (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct(scale_shape, jnp.float32),
     )
-    text = compat.lower_for_cuda(
-        jax.jit(functools.partial(fp8_matmul, block_size=block_size, split_k=2)), *shapes
+
+
+@pytest.mark.parametrize("variant", qc.VARIANTS)
+@pytest.mark.parametrize("n,k,block_size", [(384, 512, None), (384, 512, 128), (100, 1000, None)])
+def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, block_size):
+    fn = jax.jit(functools.partial(fp8_matmul, block_size=block_size, variant=variant, split_k=2))
+    text = compat.lower_for_cuda(fn, *_shapes(4, n, k, block_size))
+    assert "xla.gpu.triton" in text and f"fp8_matmul_{variant}" in text
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_default_formulation_comes_from_the_table_by_m(m):
+    want = qc.pick_config(DEFAULT_CONFIGS, m).variant
+    assert f"fp8_matmul_{want}" in compat.lower_for_cuda(fp8_matmul, *_shapes(m, 256, 512, None))
+
+
+def test_default_tiles_fit_inside_small_scale_blocks():
+    x, w, scale = _random_fp8(np.random.default_rng(5), 2, 40, 96, 32)
+    got = fp8_matmul(x, w, scale, block_size=32, out_dtype=jnp.float32, interpret=True)
+    want = reference_fp8_matmul(x, w, scale, block_size=32)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
     )
-    assert "xla.gpu.triton" in text and "fp8_matmul" in text
 
 
 @pytest.mark.parametrize(
@@ -66,6 +110,7 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(block_size, scale_shape):
             "block_n=64 must divide",
         ),
         ({"tiles": {"block_k": 24}}, "block_k=24"),
+        ({"tiles": {"variant": "gemv"}, "x": jnp.ones((9, 64), jnp.bfloat16)}, "M <= 8"),
     ],
 )
 def test_rejects_bad_inputs_naming_the_value(change, match):

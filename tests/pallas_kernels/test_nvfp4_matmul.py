@@ -7,8 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
-from pallas_kernels.nvfp4_matmul import E2M1_VALUES, decode_e2m1, nvfp4_matmul, reference_nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import (
+    DEFAULT_CONFIGS,
+    E2M1_VALUES,
+    VARIANTS,
+    decode_e2m1,
+    nvfp4_matmul,
+    reference_nvfp4_matmul,
+)
 
 
 def _random_nvfp4(rng, m, n, k, x_dtype=jnp.bfloat16):
@@ -24,19 +32,30 @@ def test_arithmetic_e2m1_decode_matches_the_table():
     np.testing.assert_array_equal(np.asarray(decode_e2m1(codes)), np.asarray(E2M1_VALUES, np.float32))
 
 
-@pytest.mark.parametrize(
-    "m,n,k,tiles",
-    [
-        (1, 64, 256, {"block_n": 64, "block_k": 256}),  # decode, tiles divide evenly
-        (3, 70, 96, {"block_n": 32, "block_k": 64}),  # ragged N and K
-        (17, 33, 48, {"block_n": 16, "block_k": 32, "split_k": 3}),  # M over one tile, split K with idle tail
-        (8, 130, 544, {"block_n": 64, "block_k": 128, "split_k": 2}),
-    ],
-)
-def test_kernel_matches_reference(m, n, k, tiles):
+def test_float16_bit_decode_matches_the_table_for_every_byte():
+    """Both nibbles of all 256 bytes: value * 2**14 is the E2M1 table entry, sign of zero included."""
+    byte = np.arange(256)
+    codes = jnp.asarray(byte, jnp.uint8)
+    table = np.asarray(E2M1_VALUES, np.float32)
+    for high, want in ((False, table[byte & 0xF]), (True, table[byte >> 4])):
+        got = np.asarray(qc.e2m1_f16_bits(codes, high=high) * qc.E2M1_F16_SCALE)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+CASES = [
+    (1, 64, 256, {"block_n": 64, "block_k": 256}),  # decode, tiles divide evenly: no masks
+    (3, 70, 96, {"block_n": 32, "block_k": 64}),  # ragged N and K
+    (8, 130, 544, {"block_n": 64, "block_k": 128, "split_k": 2}),  # ragged, split K
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m,n,k,tiles", CASES)
+def test_kernel_matches_reference(variant, m, n, k, tiles):
     rng = np.random.default_rng(m * 1000 + n + k)
     args = _random_nvfp4(rng, m, n, k)
-    got = nvfp4_matmul(*args, out_dtype=jnp.float32, interpret=True, **tiles)
+    got = nvfp4_matmul(*args, variant=variant, out_dtype=jnp.float32, interpret=True, **tiles)
     want = reference_nvfp4_matmul(*args)
     assert got.shape == (m, n)
     # Weight tiles are exact in bf16 and accumulation is float32: only summation order differs.
@@ -45,20 +64,57 @@ def test_kernel_matches_reference(m, n, k, tiles):
     )
 
 
+@pytest.mark.parametrize(
+    "m,n,k,tiles",
+    [
+        (16, 48, 160, {"variant": "dot", "block_n": 16, "block_k": 32}),
+        (17, 33, 48, {"variant": "dot_t", "block_n": 16, "block_k": 32, "split_k": 3}),  # idle split tail
+    ],
+)
+def test_dot_formulations_take_more_than_one_row_tile(m, n, k, tiles):
+    args = _random_nvfp4(np.random.default_rng(m + n), m, n, k)
+    got = nvfp4_matmul(*args, out_dtype=jnp.float32, interpret=True, **tiles)
+    want = reference_nvfp4_matmul(*args)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
+
+
+def test_gemv_refuses_more_than_eight_rows():
+    args = _random_nvfp4(np.random.default_rng(4), 9, 32, 64)
+    with pytest.raises(ValueError, match="M <= 8"):
+        nvfp4_matmul(*args, variant="gemv", interpret=True)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_default_formulation_comes_from_the_table_by_m(m):
+    shapes = (
+        jax.ShapeDtypeStruct((m, 1024), jnp.bfloat16),
+        jax.ShapeDtypeStruct((384, 512), jnp.uint8),
+        jax.ShapeDtypeStruct((384, 64), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    want = qc.pick_config(DEFAULT_CONFIGS, m).variant
+    assert f"nvfp4_matmul_{want}" in compat.lower_for_cuda(nvfp4_matmul, *shapes)
+
+
 def test_default_output_dtype_is_the_activation_dtype():
     args = _random_nvfp4(np.random.default_rng(1), 2, 32, 64)
     assert nvfp4_matmul(*args, block_n=32, block_k=64, interpret=True).dtype == jnp.bfloat16
 
 
-def test_kernel_lowers_to_a_triton_call_for_cuda():
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n,k,split_k", [(384, 1024, 2), (100, 1536, 3)])  # mask-free, masked
+def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, split_k):
     shapes = (
-        jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16),
-        jax.ShapeDtypeStruct((384, 512), jnp.uint8),
-        jax.ShapeDtypeStruct((384, 64), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((8, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((), jnp.float32),
     )
-    text = compat.lower_for_cuda(jax.jit(functools.partial(nvfp4_matmul, split_k=2)), *shapes)
-    assert "xla.gpu.triton" in text and "nvfp4_matmul" in text
+    fn = jax.jit(functools.partial(nvfp4_matmul, variant=variant, block_n=64, block_k=256, split_k=split_k))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert "xla.gpu.triton" in text and f"nvfp4_matmul_{variant}" in text
 
 
 @pytest.mark.parametrize(
@@ -73,6 +129,7 @@ def test_kernel_lowers_to_a_triton_call_for_cuda():
         ({"tiles": {"block_n": 48}}, "block_n=48"),
         ({"tiles": {"block_k": 16}}, "block_k=16"),
         ({"tiles": {"split_k": 0}}, "split_k=0"),
+        ({"tiles": {"variant": "wide"}}, "variant='wide'"),
     ],
 )
 def test_rejects_bad_inputs_naming_the_value(change, match):

@@ -1,0 +1,139 @@
+"""Pieces shared by the quantized decode matmul kernels (nvfp4_matmul, fp8_matmul).
+
+* `MatmulConfig`: one kernel configuration (formulation + tiles + Triton knobs), the unit the
+  benchmark sweeps over and the default tables are made of.
+* Three formulations of y = x @ W.T for small M, chosen per call (docs/pallas.md, "Quantized
+  decode matmuls"):
+    - ``"gemv"``  no tensor cores: W tile in float32 times each activation row, accumulated
+      elementwise in a [block_n, block_k] float32 register tile and reduced over K once at the
+      end (no cross-thread reduction inside the K loop). Built for M = 1..8. (NVFP4 adds
+      ``"gemv_bs"``, which sums products within each scale block before scaling.)
+    - ``"dot"``   x_tile [16, bk] @ W_tile.T: M padded up to Triton's minimum dot size of 16.
+    - ``"dot_t"`` W_tile [bn, bk] @ x_tile.T -> [bn, 16] ("swap AB"): the big weight tile is the
+      left operand, so with block_n >= 64 Hopper can issue wgmma with the dequantized tile
+      straight from registers; x is the small right operand.
+* `e2m1_f16_bits`: NVFP4 (E2M1) decode by placing the 3 magnitude bits and the sign into a
+  float16 bit pattern: value = fp16(bits) * 2**14 exactly, subnormals included (0.5 is the
+  fp16 subnormal 2**-15; fp16 -> fp32 conversion keeps it, so no float32 subnormal ever exists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import compat
+
+VARIANTS = ("gemv", "dot", "dot_t")
+GEMV_MAX_M = 8  # the gemv formulation unrolls one accumulator per activation row
+DOT_BLOCK_M = 16  # Triton's minimum dot dimension: decode rows are padded up to it
+E2M1_F16_SCALE = 2.0**14  # e2m1(code) == float16(e2m1_f16_bits(code)) * E2M1_F16_SCALE
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """One configuration of a quantized decode matmul kernel."""
+
+    variant: str  # "gemv", "dot" or "dot_t" (see module docstring)
+    block_n: int  # weight rows (output columns) per program; power of two
+    block_k: int  # K elements per loop step; power of two
+    split_k: int = 1  # programs sharing one K loop; partial sums are added outside the kernel
+    num_warps: int = 4
+    num_stages: int = 3  # Triton software-pipelining depth of the K loop
+
+    def as_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def pick_config(table: Mapping[int, MatmulConfig], m: int) -> MatmulConfig:
+    """The entry of `table` (keyed by the largest M it serves) for M rows: the smallest key >= m,
+    else the largest key."""
+    for max_m in sorted(table):
+        if m <= max_m:
+            return table[max_m]
+    return table[max(table)]
+
+
+def resolve_config(
+    table: Mapping[int, MatmulConfig],
+    m: int,
+    *,
+    variants: tuple[str, ...] = VARIANTS,
+    variant: str | None,
+    block_n: int | None,
+    block_k: int | None,
+    split_k: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> MatmulConfig:
+    """The default configuration for M rows with every explicitly given field overriding it.
+
+    An explicit variant that differs from the default keeps the default's tiles (they are valid
+    for every variant) unless those are given too.
+    """
+    base = pick_config(table, m)
+    if variant is not None and variant not in variants:
+        raise ValueError(f"variant={variant!r} must be one of {variants}")
+    chosen = {
+        "variant": variant,
+        "block_n": block_n,
+        "block_k": block_k,
+        "split_k": split_k,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+    }
+    cfg = dataclasses.replace(base, **{k: v for k, v in chosen.items() if v is not None})
+    if is_gemv(cfg.variant) and m > GEMV_MAX_M:
+        raise ValueError(f"variant='gemv' serves M <= {GEMV_MAX_M}; got M={m}")
+    return cfg
+
+
+def is_gemv(variant: str) -> bool:
+    """True for the CUDA-core formulations ("gemv" and its variants), which take all rows at once."""
+    return variant.startswith("gemv")
+
+
+def is_pow2(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+def e2m1_f16_bits(byte: jax.Array, *, high: bool) -> jax.Array:
+    """uint8 NVFP4 bytes -> float32 of one nibble's E2M1 value divided by E2M1_F16_SCALE.
+
+    E2M1 is sign | 2 exponent bits (bias 1) | 1 mantissa bit. Moving the three magnitude bits to
+    float16's lowest exponent bits and its top mantissa bit (bits 11..9) and the sign to bit 15
+    gives a float16 of the same shape with exponent bias 15 instead of 1: exactly 2**-14 times the
+    E2M1 value, and E2M1's subnormal 0.5 lands on float16's subnormal 2**-15. Four integer ops and
+    one conversion per element, no compares or selects; the 2**14 is folded into the block scale.
+    """
+    b = byte.astype(jnp.uint16)
+    if high:
+        bits = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    else:
+        bits = ((b & 0x7) << 9) | ((b & 0x8) << 12)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def load(view, mask: jax.Array | None) -> jax.Array:
+    """Load a ref view; zeros where `mask` is False. mask=None: a plain load (the static
+    mask-free path taken when N and K divide the tiles)."""
+    if mask is None:
+        return compat.load(view)
+    return compat.load(view, mask=mask, other=0)
+
+
+def dims_nt() -> tuple:
+    """dot_general dimension numbers for a [a, k] x [b, k] -> [a, b] product."""
+    return (((1,), (1,)), ((), ()))
+
+
+def split_sum(partial: jax.Array) -> jax.Array:
+    """Sum the split-K partial sums [split_k, ...] (a no-op reshape when split_k == 1)."""
+    return partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
+
+
+def compiler_params(cfg: MatmulConfig):
+    return compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
