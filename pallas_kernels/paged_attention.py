@@ -176,7 +176,10 @@ def _is_pow2(v: int) -> bool:
 def validate_paged_attention(
     q, k_pages, v_pages, block_table, lengths, k_scales, v_scales, partition_size, block_tokens
 ) -> None:
-    """Raise ValueError naming the offending value when the inputs or tile sizes do not fit."""
+    """Raise ValueError naming the offending value when the inputs or tile sizes do not fit.
+
+    partition_size None (the default, chosen from the shapes) is not checked.
+    """
     if q.ndim != 3:
         raise ValueError(f"q must be [B, H, Dh] (one decode token per row); got shape {q.shape}")
     if q.dtype not in QUERY_DTYPES:
@@ -214,7 +217,7 @@ def validate_paged_attention(
         raise ValueError(f"lengths must be int32 [B={batch}]; got {lengths.dtype} {lengths.shape}")
     if block_tokens not in (16, 32, 64):
         raise ValueError(f"block_tokens={block_tokens} must be 16, 32 or 64 (a power of two dividing a page)")
-    if partition_size < block_tokens or partition_size % block_tokens:
+    if partition_size is not None and (partition_size < block_tokens or partition_size % block_tokens):
         raise ValueError(f"partition_size={partition_size} must be a positive multiple of block_tokens={block_tokens}")
 
 
@@ -261,15 +264,17 @@ def paged_decode_attention(
     (16, 32 or 64) tokens per loop step. `interpret=True` runs the kernel through the Pallas
     interpreter (the CPU test path).
     """
-    batch, heads, head_dim = q.shape
-    num_blocks_per_row = block_table.shape[1]
-    capacity = num_blocks_per_row * PAGE_SIZE
-    kv_heads = k_pages.shape[2]
-    if partition_size is None:
-        partition_size = min(default_partition_size(batch, kv_heads, capacity), compat.pow2_at_least(capacity))
     validate_paged_attention(
         q, k_pages, v_pages, block_table, lengths, k_scales, v_scales, partition_size, block_tokens
     )
+    batch, heads, head_dim = q.shape
+    capacity = block_table.shape[1] * PAGE_SIZE
+    kv_heads = k_pages.shape[2]
+    if partition_size is None:
+        partition_size = max(
+            block_tokens,
+            min(default_partition_size(batch, kv_heads, capacity), compat.pow2_at_least(capacity)),
+        )
     group = heads // kv_heads
     group_pad = compat.pow2_at_least(group, 16)
     scaled = k_pages.dtype in SCALED_PAGE_DTYPES
