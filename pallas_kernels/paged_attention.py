@@ -222,7 +222,8 @@ def validate_paged_attention(
 
 
 def default_partition_size(batch: int, kv_heads: int, capacity: int, target_programs: int = 264) -> int:
-    """The largest power-of-two partition (64..4096 tokens) that still gives >= target_programs.
+    """The largest power-of-two partition (64..4096 tokens) that still gives >= target_programs,
+    and no larger than the block table's capacity needs.
 
     target_programs defaults to two programs per SM of an H200 (132 SMs); fewer, longer
     partitions mean fewer partials to combine.
@@ -230,7 +231,7 @@ def default_partition_size(batch: int, kv_heads: int, capacity: int, target_prog
     size = 4096
     while size > PAGE_SIZE and batch * kv_heads * compat.cdiv(capacity, size) < target_programs:
         size //= 2
-    return size
+    return min(size, compat.pow2_at_least(capacity, PAGE_SIZE))  # one partition covers a short table
 
 
 @functools.partial(
@@ -271,10 +272,7 @@ def paged_decode_attention(
     capacity = block_table.shape[1] * PAGE_SIZE
     kv_heads = k_pages.shape[2]
     if partition_size is None:
-        partition_size = max(
-            block_tokens,
-            min(default_partition_size(batch, kv_heads, capacity), compat.pow2_at_least(capacity)),
-        )
+        partition_size = default_partition_size(batch, kv_heads, capacity)
     group = heads // kv_heads
     group_pad = compat.pow2_at_least(group, 16)
     scaled = k_pages.dtype in SCALED_PAGE_DTYPES
