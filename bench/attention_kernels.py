@@ -94,7 +94,9 @@ def random_paged_kv(shape: AttentionShape, fmt: str, batch: int, context: int, s
     dtype = PAGE_DTYPES[fmt]
     scaled = fmt != "bf16"
     scales = (
-        (lambda key: jax.random.uniform(key, page_shape[:3], jnp.float32, 0.002, 0.05)) if scaled else (lambda key: None)
+        (lambda key: jax.random.uniform(key, page_shape[:3], jnp.float32, 0.002, 0.05))
+        if scaled
+        else (lambda key: None)
     )
     order = np.random.default_rng(seed).permutation(np.arange(1, num_blocks)).reshape(batch, blocks_per_row)
     kv = PagedKV(
@@ -144,7 +146,9 @@ def _rel_err(got: jax.Array, want: jax.Array) -> float:
     return float(diff / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
 
 
-def bench_point(shape: AttentionShape, fmt: str, batch: int, context: int, *, sizes: Sizes, interpret: bool, configs):
+def bench_point(
+    shape: AttentionShape, fmt: str, batch: int, context: int, *, sizes: Sizes, interpret: bool, configs
+):
     """Timings of every configuration that compiled (checked against the reference) and of the XLA path."""
     q, kv, lengths = random_paged_kv(shape, fmt, batch, context)
     args = (q, kv.k_pages, kv.v_pages, kv.block_table, lengths, kv.k_scales, kv.v_scales)
@@ -184,8 +188,12 @@ def _config_dict(config: KernelConfig, shape: AttentionShape, batch: int, contex
 
 
 def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(prog="python -m bench.attention_kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode: a smoke run anywhere")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.attention_kernels", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, interpret mode: a smoke run anywhere"
+    )
     parser.add_argument("--formats", default="bf16,int8,fp8")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="8192,32768")
@@ -234,7 +242,11 @@ def main(argv: list[str] | None = None):
                             "max_rel_err_vs_reference": rel_err,
                             "config": _config_dict(best, shape, batch, context),
                             "sweep": [
-                                {**_config_dict(c, shape, batch, context), "median_s": s, "gb_s": kv_bytes / s / 1e9}
+                                {
+                                    **_config_dict(c, shape, batch, context),
+                                    "median_s": s,
+                                    "gb_s": kv_bytes / s / 1e9,
+                                }
                                 for s, c, _ in results
                             ],
                             "xla_paged_attend_s": xla_s,
@@ -251,7 +263,9 @@ def main(argv: list[str] | None = None):
                         flush=True,
                     )
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    path = write_records(records, args.out or f"attention-kernels-{slug}{'-quick' if args.quick else ''}.json")
+    path = write_records(
+        records, args.out or f"attention-kernels-{slug}{'-quick' if args.quick else ''}.json"
+    )
     print(f"wrote {path}")
     if failed:
         print(f"no kernel configuration compiled for: {', '.join(failed)}", file=sys.stderr)

