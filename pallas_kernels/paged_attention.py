@@ -85,14 +85,17 @@ def reference_paged_attention(
 def _paged_decode_kernel(
     lengths_ref,  # [B] int32: valid tokens per row
     block_table_ref,  # [B, M] int32: block of each row's 64-token page
-    q_ref,  # [B, K, Gp, Dh] queries grouped by KV head, rows G.. zero
+    q_ref,  # [B*H, Dh] queries; row b*H + kh*G + g is head g of KV group kh
     k_ref,  # [N, P, K, Dh] key pages (fp8 passed as its uint8 bits)
     v_ref,  # [N, P, K, Dh] value pages
     *rest,  # (k_scales [N, P, K], v_scales [N, P, K]) when scaled, then the three outputs
     scaled: bool,
     fp8: bool,
     sm_scale: float,
+    kv_heads: int,
     group: int,
+    group_pad: int,
+    capacity: int,
     partition_size: int,
     block_tokens: int,
     compute_dtype,
@@ -102,11 +105,15 @@ def _paged_decode_kernel(
     else:
         m_ref, l_ref, acc_ref = rest
     b, kh, part = compat.program_id(0), compat.program_id(1), compat.program_id(2)
-    gp, dh = q_ref.shape[2], q_ref.shape[3]
-    length = lengths_ref[b]
+    gp, dh = group_pad, q_ref.shape[1]
+    length = jnp.minimum(lengths_ref[b], capacity)
     start = part * partition_size
     steps = jnp.clip(compat.cdiv(length - start, block_tokens), 0, partition_size // block_tokens)
-    q = compat.load(q_ref.at[b, kh]).astype(compute_dtype)  # [Gp, Dh]
+    rows = jnp.arange(gp) < group  # the G real query rows of the padded tile
+    q_row0 = (b * kv_heads + kh) * group
+    q = compat.load(q_ref.at[compat.ds(q_row0, gp)], mask=rows[:, None], other=0).astype(
+        compute_dtype
+    )  # [Gp, Dh]
     dims_qk = (((1,), (1,)), ((), ()))  # [Gp, Dh] x [T, Dh] -> [Gp, T]
     dims_pv = (((1,), (0,)), ((), ()))  # [Gp, T] x [T, Dh] -> [Gp, Dh]
 
@@ -151,7 +158,6 @@ def _paged_decode_kernel(
     compat.store(l_ref.at[b, kh, part], l)
     # Only the G real rows of acc are written: the combine reads no more (padding rows are
     # most of the tile when G = 6 or 8, and acc is the one partial whose bytes add up).
-    rows = jnp.arange(gp) < group
     compat.store(acc_ref.at[b, kh, part], acc, mask=jnp.broadcast_to(rows[:, None], (gp, dh)))
 
 
@@ -238,18 +244,83 @@ def default_partition_size(batch: int, kv_heads: int, capacity: int, target_prog
     return min(size, compat.pow2_at_least(capacity, PAGE_SIZE))  # one partition covers a short table
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "partition_size",
-        "block_tokens",
-        "num_warps",
-        "num_stages",
-        "out_dtype",
-        "interpret",
-    ),
-)
+_TILE_ARGS = ("scale", "partition_size", "block_tokens", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_TILE_ARGS)
+def paged_decode_partials(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_table: jax.Array,
+    lengths: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    partition_size: int | None = None,
+    block_tokens: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel alone: per-partition softmax partials, before `combine_partitions`.
+
+    Same arguments as `paged_decode_attention`. Returns m, l float32 [B, K, NP, Gp] and acc
+    float32 [B, K, NP, Gp, Dh] (NP = ceil(M * 64 / partition_size), Gp = max(16, pow2(H / K)));
+    only the first G = H / K rows are meaningful (acc's padding rows are never written).
+    """
+    validate_paged_attention(
+        q, k_pages, v_pages, block_table, lengths, k_scales, v_scales, partition_size, block_tokens
+    )
+    batch, heads, head_dim = q.shape
+    capacity = block_table.shape[1] * PAGE_SIZE
+    kv_heads = k_pages.shape[2]
+    if partition_size is None:
+        partition_size = default_partition_size(batch, kv_heads, capacity)
+    group = heads // kv_heads
+    group_pad = compat.pow2_at_least(group, 16)
+    scaled = k_pages.dtype in SCALED_PAGE_DTYPES
+    fp8 = k_pages.dtype == jnp.float8_e4m3fn
+    # Dot operands: int8 and e4m3 values are exact in bf16; unscaled pages meet q in the wider dtype.
+    compute_dtype = jnp.bfloat16 if scaled else jnp.promote_types(q.dtype, k_pages.dtype)
+    num_partitions = compat.cdiv(capacity, partition_size)
+    if fp8:  # a masked fp8 load cannot take a fill value: pass the bits (docs/pallas.md)
+        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.uint8)
+        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.uint8)
+    # q goes in as [B*H, Dh] (a free reshape); the kernel loads its group's rows masked, so no
+    # padding op runs before it.
+    operands = (lengths, block_table, q.reshape(batch * heads, head_dim), k_pages, v_pages)
+    operands += (k_scales, v_scales) if scaled else ()
+    kernel = functools.partial(
+        _paged_decode_kernel,
+        scaled=scaled,
+        fp8=fp8,
+        sm_scale=float(head_dim**-0.5 if scale is None else scale),
+        kv_heads=kv_heads,
+        group=group,
+        group_pad=group_pad,
+        capacity=capacity,
+        partition_size=partition_size,
+        block_tokens=block_tokens,
+        compute_dtype=compute_dtype,
+    )
+    partial_shape = (batch, kv_heads, num_partitions, group_pad)
+    return compat.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
+        ),
+        grid=(batch, kv_heads, num_partitions),
+        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(*operands)
+
+
+@functools.partial(jax.jit, static_argnames=(*_TILE_ARGS, "out_dtype"))
 def paged_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -277,51 +348,23 @@ def paged_decode_attention(
     (16, 32 or 64) tokens per loop step. `interpret=True` runs the kernel through the Pallas
     interpreter (the CPU test path).
     """
-    validate_paged_attention(
-        q, k_pages, v_pages, block_table, lengths, k_scales, v_scales, partition_size, block_tokens
-    )
-    batch, heads, head_dim = q.shape
-    capacity = block_table.shape[1] * PAGE_SIZE
-    kv_heads = k_pages.shape[2]
-    if partition_size is None:
-        partition_size = default_partition_size(batch, kv_heads, capacity)
-    group = heads // kv_heads
-    group_pad = compat.pow2_at_least(group, 16)
-    scaled = k_pages.dtype in SCALED_PAGE_DTYPES
-    fp8 = k_pages.dtype == jnp.float8_e4m3fn
-    # Dot operands: int8 and e4m3 values are exact in bf16; unscaled pages meet q in the wider dtype.
-    compute_dtype = jnp.bfloat16 if scaled else jnp.promote_types(q.dtype, k_pages.dtype)
-    num_partitions = compat.cdiv(capacity, partition_size)
-    qg = q.reshape(batch, kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
-    lengths = jnp.clip(lengths, 0, capacity)
-    if fp8:  # a masked fp8 load cannot take a fill value: pass the bits (docs/pallas.md)
-        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.uint8)
-        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.uint8)
-    operands = (lengths, block_table, qg, k_pages, v_pages) + ((k_scales, v_scales) if scaled else ())
-    kernel = functools.partial(
-        _paged_decode_kernel,
-        scaled=scaled,
-        fp8=fp8,
-        sm_scale=float(head_dim**-0.5 if scale is None else scale),
-        group=group,
+    m, l, acc = paged_decode_partials(
+        q,
+        k_pages,
+        v_pages,
+        block_table,
+        lengths,
+        k_scales,
+        v_scales,
+        scale=scale,
         partition_size=partition_size,
         block_tokens=block_tokens,
-        compute_dtype=compute_dtype,
-    )
-    partial_shape = (batch, kv_heads, num_partitions, group_pad)
-    m, l, acc = compat.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-            jax.ShapeDtypeStruct(partial_shape, jnp.float32),
-            jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
-        ),
-        grid=(batch, kv_heads, num_partitions),
-        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
-        name="paged_decode_attention",
-    )(*operands)
+    )
+    batch, heads, head_dim = q.shape
+    group = heads // k_pages.shape[2]
     g = slice(0, group)
     out = combine_partitions(m[..., g], l[..., g], acc[..., g, :])  # [B, K, G, Dh]
     return out.reshape(batch, heads, head_dim).astype(q.dtype if out_dtype is None else out_dtype)

@@ -16,6 +16,7 @@ def test_quick_run_writes_a_checked_record_per_point(tmp_path):
     # The figure is KV bytes over the kernel's median time; the result matched the reference.
     assert record["figure"] == pytest.approx(details["kv_bytes"] / details["median_s"] / 1e9)
     assert details["max_rel_err_vs_reference"] <= 2e-2 and details["xla_paged_attend_s"] > 0
+    assert details["kernel_only_s"] > 0 and details["config"]["partition_size"] == 64
     assert details["sweep"] and details["interpret"] is True
 
 
