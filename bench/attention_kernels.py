@@ -67,12 +67,15 @@ SHAPES = {
     "qwen3-next-80b": AttentionShape(16, 2, 256),
 }
 QUICK_SHAPES = {"tiny": AttentionShape(4, 2, 32)}
+# The first is the kernel's default. Shared memory per program is about num_stages x 2 tiles of
+# block_tokens x Dh (bf16 at Dh 256: 64 KB a stage at 64 tokens), which sets how many programs
+# share an SM: 64/2 -> one, 32/3 -> two, 32/2 -> three.
 CONFIGS = [
     KernelConfig(None, 64, 4, 2),
     KernelConfig(None, 32, 4, 3),
+    KernelConfig(None, 32, 4, 2),
     KernelConfig(None, 64, 8, 2),
-    KernelConfig(512, 64, 4, 2),
-    KernelConfig(2048, 64, 4, 3),
+    KernelConfig(1024, 32, 4, 3),
 ]
 QUICK_CONFIGS = [KernelConfig(64, 32, 4, 2)]
 PAGE_DTYPES = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
