@@ -161,18 +161,33 @@ def _paged_decode_kernel(
     compat.store(acc_ref.at[b, kh, part], acc, mask=jnp.broadcast_to(rows[:, None], (gp, dh)))
 
 
+def _merge_softmax_partials(a, b):
+    """The log-sum-exp monoid on (max, sum, acc): associative and commutative, identity (-inf, 0, 0)."""
+    (m1, l1, acc1), (m2, l2, acc2) = a, b
+    m = jnp.maximum(m1, m2)
+    w1 = jnp.where(m1 == -jnp.inf, 0.0, jnp.exp(m1 - m))  # an empty side weighs nothing (no inf - inf)
+    w2 = jnp.where(m2 == -jnp.inf, 0.0, jnp.exp(m2 - m))
+    return m, l1 * w1 + l2 * w2, acc1 * w1 + acc2 * w2
+
+
 def combine_partitions(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     """Merge per-partition softmax partials into normalized outputs.
 
     m, l [..., NP, G] (running max and sum of exp(s - m)), acc [..., NP, G, Dh] (sum of
     exp(s - m) v) -> [..., G, Dh] float32. Empty partitions (m = -inf) weigh nothing; a row
     with no token at all gives zeros.
+
+    One variadic reduction over NP with the log-sum-exp merge as its body (m and l broadcast
+    over Dh), so XLA emits a single reduction kernel instead of a max pass and two sums.
     """
-    m_max = jnp.max(m, axis=-2, keepdims=True)  # [..., 1, G]
-    weight = jnp.where(jnp.isfinite(m), jnp.exp(m - jnp.where(jnp.isfinite(m_max), m_max, 0.0)), 0.0)
-    total = jnp.sum(weight * l, axis=-2)  # [..., G]
-    out = jnp.sum(weight[..., None] * acc, axis=-3)  # [..., G, Dh]
-    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    axis = acc.ndim - 3
+    m_b = jnp.broadcast_to(m[..., None], acc.shape)
+    l_b = jnp.broadcast_to(l[..., None], acc.shape)
+    zero = jnp.zeros((), jnp.float32)
+    _, total, out = jax.lax.reduce(
+        (m_b, l_b, acc), (jnp.float32(-jnp.inf), zero, zero), _merge_softmax_partials, (axis,)
+    )
+    return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
 
 
 def _is_pow2(v: int) -> bool:

@@ -198,6 +198,27 @@ def test_combine_weighs_partitions_by_their_maxima():
     np.testing.assert_array_equal(np.asarray(empty), [[0.0]])
 
 
+def test_combining_chunked_partials_equals_one_softmax():
+    """Partials of a softmax split into 5 chunks (one empty) combine to the whole softmax."""
+    rng = np.random.default_rng(8)
+    scores = rng.standard_normal((3, 40)) * 20  # [G, S]: large spreads, exp would overflow unshifted
+    values = rng.standard_normal((40, 8))
+    chunks = [slice(0, 7), slice(7, 7), slice(7, 20), slice(20, 33), slice(33, 40)]
+    m = np.full((len(chunks), 3), -np.inf, np.float32)
+    l = np.zeros((len(chunks), 3), np.float32)
+    acc = np.zeros((len(chunks), 3, 8), np.float32)
+    for i, c in enumerate(chunks):
+        if c.start == c.stop:
+            continue
+        m[i] = scores[:, c].max(axis=1)
+        p = np.exp(scores[:, c] - m[i][:, None])
+        l[i], acc[i] = p.sum(axis=1), p @ values[c]
+    probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+    want = (probs / probs.sum(axis=1, keepdims=True)) @ values
+    got = combine_partitions(jnp.asarray(m), jnp.asarray(l), jnp.asarray(acc))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
 def test_default_partition_size_fills_the_gpu_at_batch_one():
     assert default_partition_size(1, 4, 32768) * 264 <= 4 * 32768 * 2  # >= 264 programs
     assert default_partition_size(8, 4, 32768) > default_partition_size(1, 4, 32768)
