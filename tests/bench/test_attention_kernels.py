@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.attention_kernels import AttentionShape, kv_bytes_read, main, random_paged_kv
+from bench.attention_kernels import AttentionShape, kv_bytes_read, l2_defeat_copies, main, random_paged_kv
 from bench.record import read_records
 
 
@@ -27,3 +27,11 @@ def test_kv_bytes_count_pages_and_scales_of_visible_tokens_only():
     assert kv_bytes_read(kv, lengths) == 2 * 2 * (32 + 4) * 100 * 2
     _q, kv, lengths = random_paged_kv(shape, "bf16", batch=1, context=64)
     assert kv_bytes_read(kv, lengths) == 2 * 2 * 32 * 2 * 64
+
+
+def test_small_points_cycle_through_enough_kv_copies_to_miss_l2():
+    # 80B batch 1 at 8K reads 16.8 MB a call: 8 copies; a 1 GB point needs none; interpret mode never copies.
+    assert l2_defeat_copies(2 * 2 * 256 * 2 * 8192, interpret=False) == 8
+    assert l2_defeat_copies(100 << 20, interpret=False) == 2
+    assert l2_defeat_copies(1 << 30, interpret=False) == 1
+    assert l2_defeat_copies(1 << 20, interpret=True) == 1
