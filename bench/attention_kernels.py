@@ -16,7 +16,8 @@ counts (a mismatch raises). Each timed call runs the kernel over enough copies o
 back, so the figure is HBM-bound work without Python dispatch. The kernel alone (without the
 combine of the partitions) and the engine's current XLA path (PagedKV.attend: gather the
 blocks, dequantize, masked softmax) are timed beside it. Records go to
-bench/results/attention-kernels-<machine>.json; the run exits non-zero if some point had no configuration that compiled.
+bench/results/attention-kernels-<machine>.json; the run exits non-zero if some point had no
+configuration that compiled.
 """
 
 from __future__ import annotations
