@@ -111,9 +111,8 @@ def _paged_decode_kernel(
     steps = jnp.clip(compat.cdiv(length - start, block_tokens), 0, partition_size // block_tokens)
     rows = jnp.arange(gp) < group  # the G real query rows of the padded tile
     q_row0 = (b * kv_heads + kh) * group
-    q = compat.load(q_ref.at[compat.ds(q_row0, gp)], mask=rows[:, None], other=0).astype(
-        compute_dtype
-    )  # [Gp, Dh]
+    q = compat.load(q_ref.at[compat.ds(q_row0, gp)], mask=rows[:, None], other=0)  # [Gp, Dh]
+    q = q.astype(compute_dtype)
     dims_qk = (((1,), (1,)), ((), ()))  # [Gp, Dh] x [T, Dh] -> [Gp, T]
     dims_pv = (((1,), (0,)), ((), ()))  # [Gp, T] x [T, Dh] -> [Gp, Dh]
 
