@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from infernix_jax.cache.allocators import BLOCK_SIZE, NULL_BLOCK
+from infernix_jax.cache.decode_attention import use_decode_kernel
 from infernix_jax.cache.kv_formats import SCALE_DTYPE, get_kv_format
 from infernix_jax.cache.sequence import ContiguousKV
 from infernix_jax.config import ModelConfig
@@ -121,9 +122,20 @@ class PagedKV:
     def attend(self, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
         """Causal GQA attention of q [B, T, H, Dh] at positions [B, T] over each row's pages -> [B, T, H, Dh].
 
-        Plain XLA: gathers the row's blocks into a contiguous view and runs the same masked
+        One-token queries on a GPU run the Pallas paged decode kernel (decode_attention.py); the
+        rest is plain XLA: gathers the row's blocks into a contiguous view and runs the same masked
         float32-softmax attention as `ContiguousKV.attend` (a query at position p sees positions 0..p).
         """
+        kernel, interpret = use_decode_kernel(q.shape[1])
+        if kernel:
+            from pallas_kernels.paged_attention import paged_decode_attention
+
+            lengths = jnp.maximum(positions[:, 0] + 1, 0).astype(jnp.int32)  # padding rows (-1): length 0
+            out = paged_decode_attention(
+                q[:, 0], self.k_pages, self.v_pages, self.block_table, lengths,
+                self.k_scales, self.v_scales, scale=scale, interpret=interpret,
+            )  # fmt: skip
+            return out[:, None].astype(q.dtype)
         k, v = self.gather(q.dtype)
         return ContiguousKV(k, v).attend(q, positions, scale)
 
