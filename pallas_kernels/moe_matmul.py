@@ -236,7 +236,9 @@ def _grouped_kernel(
             high = qc.e2m1_f16_bits(packed, high=True) * scale
             return [(low, x_refs[0]), (high, x_refs[1])], k_mask, None
         data_ref, block_scale_ref = in_refs[1], in_refs[2]
-        bits = qc.load(data_ref.at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+        bits = qc.load(
+            data_ref.at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
+        )
         w = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
         s = None
         if scale_block is not None:  # one scale for the whole tile: block_n, block_k divide b
@@ -327,7 +329,9 @@ def validate_grouped_matmul(
         if block_scale.dtype != jnp.float8_e4m3fn:
             raise ValueError(f"block_scale must be float8_e4m3fn; got {block_scale.dtype}")
         if tuple(jnp.shape(tensor_scale)) != (e,):
-            raise ValueError(f"tensor_scale must be one float per expert [E={e}]; got {jnp.shape(tensor_scale)}")
+            raise ValueError(
+                f"tensor_scale must be one float per expert [E={e}]; got {jnp.shape(tensor_scale)}"
+            )
     else:
         data, scale = weight
         if data.ndim != 3 or data.dtype != jnp.float8_e4m3fn:
