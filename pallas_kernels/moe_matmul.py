@@ -12,19 +12,23 @@ stored as in `infernix_jax.weights.quant` (docs/quant_formats.md):
 
 One formulation serves decode and prefill. Decode is "pairs": M = tokens x top_k (token, expert)
 pairs sorted by expert, most groups empty, a few holding one to `tokens` rows; prefill has many
-rows per expert. Outside the kernel (a few small jnp ops on [E] and [T] int32 arrays) the groups
-are cut into work items of at most `block_m` rows, each one (expert, first row, end row), compacted
-to the front of a list whose static length is an upper bound on their number:
+rows per expert. The groups are cut into work items of at most `block_m` rows, each one
+(expert, first row, end row), non-empty groups only, in row order; their number has a static
+upper bound, which sizes the grid:
 
-    tiles <= min(M, E) + M // block_m     (each non-empty group adds at most one partial tile)
+    items <= min(M, E) + M // block_m     (each non-empty group adds at most one partial tile)
 
-The grid is (work items, N tiles, split_k). A program reads its item's expert and row range from
-those int32 arrays (scalar loads), skips all work when the item is past the end of the list
-(a `lax.cond`, `scf.if` in Triton), and otherwise streams its expert's [block_n, K] weight rows
-once, decoding them in registers as the dense decode kernels do (pallas_kernels/nvfp4_matmul.py,
-fp8_matmul.py, `_quant_common.e2m1_f16_bits`). A group that fits in one item reads its expert's
-weights exactly once, whatever the number of rows routed to it, so with block_m >= the rows per
-expert (<= tokens in decode) every distinct expert is read once and empty experts cost nothing.
+The grid is (work items, N tiles, split_k). Each program loads the [E] group sizes and finds
+its own item (`locate_item`: two cumsums and a few masked sums over E, no XLA op before the
+kernel), skips all work when its item is past the last one (a `lax.cond`, `scf.if` in
+Triton), and otherwise streams its expert's [block_n, K] weight rows once, decoding them in
+registers as the dense decode kernels do (pallas_kernels/nvfp4_matmul.py, fp8_matmul.py,
+`_quant_common.e2m1_f16_bits`). A group that fits in one item reads its expert's weights exactly
+once, whatever the number of rows routed to it, so with block_m >= the rows per expert
+(<= tokens in decode) every distinct expert is read once and empty experts cost nothing. The
+programs of the last item also write the zeros of rows past sum(group_sizes), so with
+split_k = 1 the kernel writes y itself in the output dtype (NVFP4 adds one XLA op before it:
+the even / odd column split of x, as in nvfp4_matmul).
 
 Formulations (`variant`):
   "gemv"   float32 FMAs on CUDA cores, one [block_n, block_k] accumulator per row of the item,
@@ -37,7 +41,8 @@ Stacks are passed flattened to [E * N, ...] (a free reshape), so a tile's rows a
 (NVFP4 tensor scale, FP8 per-tensor scale) multiplies the float32 sum once; FP8 block scales
 multiply each K step's partial product (block_n and block_k divide the block size).
 
-The output is [M, N] in the sorted row order (the caller un-sorts), accumulated in float32.
+The output is [M, N] in the sorted row order (the caller un-sorts), accumulated in float32; rows
+past M are never read or written (masked), so nothing is padded.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from pallas_kernels.nvfp4_matmul import BLOCK as NVFP4_BLOCK
 from pallas_kernels.nvfp4_matmul import _mask2, reference_nvfp4_matmul
 
 VARIANTS = ("gemv", "dot", "dot_t")
+ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
 FORMATS = ("nvfp4", "fp8")
 
 
@@ -157,43 +163,55 @@ def max_work_items(m: int, num_experts: int, block_m: int) -> int:
     return max(1, min(m, min(m, num_experts) + m // block_m))
 
 
-def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Cut the groups into tiles of at most block_m rows, non-empty ones first, in row order.
+def locate_item(
+    t: jax.Array, sizes: jax.Array, m: int, block_m: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Work item t (scalar) of groups `sizes` [E] int32 cut into tiles of at most block_m rows,
+    non-empty groups only, in row order -> (expert, first row, end row exclusive); past the last
+    item all three are 0 (no rows). Group sizes summing past M are cut at M.
 
-    Returns int32 arrays of length `max_work_items(m, E, block_m)`: each tile's expert, first row
-    and end row (exclusive); tiles past the last real one have end == first (no work). Group
-    sizes summing past M are cut at M.
-    """
-    num_experts = group_sizes.shape[0]
-    count = max_work_items(m, num_experts, block_m)
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    sizes = ends - starts
-    tiles = (sizes + block_m - 1) // block_m  # [E], 0 for empty groups
+    Written with ops the Triton lowering has (cumsum, compare, where, sum), so the kernel runs
+    it per program on the group sizes and no XLA op computes the items; `work_items` runs the
+    same function for all items outside (tests, callers that want to see them)."""
+    cum = jnp.cumsum(sizes)
+    ends = jnp.minimum(cum, m)
+    starts = jnp.minimum(cum - sizes, m)
+    tiles = (ends - starts + (block_m - 1)) // block_m  # 0 for empty groups
     tile_ends = jnp.cumsum(tiles)
-    t = jnp.arange(count, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), num_experts - 1).astype(jnp.int32)
-    first = starts[group] + (t - (tile_ends[group] - tiles[group])) * block_m
-    real = t < tile_ends[-1]
-    first = jnp.where(real, first, 0)
-    end = jnp.where(real, jnp.minimum(first + block_m, ends[group]), 0)
-    return jnp.where(real, group, 0), first, end
+    group = jnp.sum((tile_ends <= t).astype(jnp.int32))  # E when t is past the last item
+    hit = jnp.arange(sizes.shape[0], dtype=jnp.int32) == group
+
+    def pick(v):
+        return jnp.sum(jnp.where(hit, v, 0))
+
+    first = pick(starts) + (t - (pick(tile_ends) - pick(tiles))) * block_m
+    end = jnp.minimum(first + block_m, pick(ends))
+    real = group < sizes.shape[0]
+    return jnp.where(real, group, 0), jnp.where(real, first, 0), jnp.where(real, end, 0)
+
+
+def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Every work item's (expert, first row, end row) as int32 arrays of length
+    `max_work_items(m, E, block_m)`, computed as the kernel computes them (`locate_item`)."""
+    count = max_work_items(m, group_sizes.shape[0], block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    return jax.vmap(lambda t: locate_item(t, sizes, m, block_m))(jnp.arange(count, dtype=jnp.int32))
 
 
 # ----------------------------------------------------------------------------------------- kernel
 
 
 def _grouped_kernel(
-    expert_ref,  # [T] int32: each work item's expert
-    first_ref,  # [T] int32: its first row
-    end_ref,  # [T] int32: its end row (exclusive); == first: no work
+    group_sizes_ref,  # [E] int32
     expert_scale_ref,  # [E] float32: per-expert scale multiplying the float32 sum (1 for FP8 blocks)
     *refs,
-    # nvfp4: x_even [Mp, K/2], x_odd [Mp, K/2], packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
-    # fp8:   x [Mp, K], data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
-    # last:  out float32 partial sums [split_k, Mp, N] (dot, gemv) or [split_k, N, Mp] (dot_t)
+    # nvfp4: x_even [M, K/2], x_odd [M, K/2], packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
+    # fp8:   x [M, K], data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
+    # last:  out [split_k, M, N]: y itself in the output dtype (split_k 1) or float32 partial sums
     fmt: str,
     variant: str,
+    m_size: int,
+    num_experts: int,
     block_m: int,
     n_size: int,
     k_width: int,  # K/2 bytes (nvfp4) or K elements (fp8): the extent the K loop walks
@@ -206,7 +224,10 @@ def _grouped_kernel(
 ):
     *in_refs, out_ref = refs
     t, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
-    e, r0, r1 = expert_ref[t], first_ref[t], end_ref[t]
+    e_pad = compat.pow2_at_least(num_experts)  # Triton tensors have power-of-two sizes
+    sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
+    sizes = qc.load(group_sizes_ref.at[compat.ds(0, e_pad)], sizes_mask)
+    e, r0, r1 = locate_item(t, sizes, m_size, block_m)
     bn, bw, bm = block_n, step_width, block_m
     col0 = j * bn
     w_row0 = e * n_size + col0  # first weight row of this tile in the flattened stack
@@ -273,6 +294,8 @@ def _grouped_kernel(
             total = part if total is None else total + part
         return acc + (total if s is None else total * s)
 
+    out_dtype = out_ref.dtype
+
     def work():
         expert_scale = expert_scale_ref[e]
         if gemv:
@@ -282,21 +305,39 @@ def _grouped_kernel(
                 row_mask = jnp.broadcast_to(r0 + r < r1, (1, bn))
                 compat.store(
                     out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(col0, bn)],
-                    acc[r].sum(axis=1)[None, :] * expert_scale,
+                    (acc[r].sum(axis=1)[None, :] * expert_scale).astype(out_dtype),
                     mask=row_mask if n_mask is None else row_mask & n_mask[None, :],
                 )
             return
         shape = (bm, bn) if variant == "dot" else (bn, bm)
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32)) * expert_scale
-        if variant == "dot":
-            view = out_ref.at[split, compat.ds(r0, bm), compat.ds(col0, bn)]
-            mask = _mask2(rows_ok, n_mask, shape)
-        else:
-            view = out_ref.at[split, compat.ds(col0, bn), compat.ds(r0, bm)]
-            mask = _mask2(n_mask, rows_ok, shape)
-        compat.store(view, acc, mask=mask)
+        if variant == "dot_t":
+            acc = acc.T
+        compat.store(
+            out_ref.at[split, compat.ds(r0, bm), compat.ds(col0, bn)],
+            acc.astype(out_dtype),
+            mask=_mask2(rows_ok, n_mask, (bm, bn)),
+        )
+
+    def zero_uncovered_rows():
+        """Rows past sum(group_sizes) belong to no item: the last program row writes their zeros."""
+
+        def chunk(c, carry):
+            rows = c * ZERO_ROWS + jnp.arange(ZERO_ROWS)
+            mask = _mask2((rows >= covered) & (rows < m_size), n_mask, (ZERO_ROWS, bn))
+            compat.store(
+                out_ref.at[split, compat.ds(c * ZERO_ROWS, ZERO_ROWS), compat.ds(col0, bn)],
+                jnp.zeros((ZERO_ROWS, bn), out_dtype),
+                mask=mask,
+            )
+            return carry
+
+        jax.lax.fori_loop(covered // ZERO_ROWS, compat.cdiv(m_size, ZERO_ROWS), chunk, 0)
 
     jax.lax.cond(r1 > r0, work, lambda: None)
+    covered = jnp.minimum(jnp.sum(sizes), m_size)
+    last_item = t == max_work_items(m_size, num_experts, bm) - 1
+    jax.lax.cond(last_item & (covered < m_size), zero_uncovered_rows, lambda: None)
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -444,9 +485,7 @@ def grouped_matmul(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     bm = cfg.block_m
-    m_pad = m + bm  # a tile starting at any row stays inside the arrays
-    xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
-    expert, first, end = work_items(group_sizes, m, bm)
+    xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     if fmt == "nvfp4":
         packed, block_scale, tensor_scale = weight
         inputs = (
@@ -472,6 +511,8 @@ def grouped_matmul(
         _grouped_kernel,
         fmt=fmt,
         variant=cfg.variant,
+        m_size=m,
+        num_experts=num_experts,
         block_m=bm,
         n_size=n,
         k_width=k_width,
@@ -482,20 +523,17 @@ def grouped_matmul(
         even_n=n % cfg.block_n == 0,
         even_k=k_width % (step_width * cfg.split_k) == 0,
     )
-    dot_t = cfg.variant == "dot_t"
-    out_shape = (cfg.split_k, n, m_pad) if dot_t else (cfg.split_k, m_pad, n)
+    # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
+    partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32
     partial = compat.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(expert.shape[0], compat.cdiv(n, cfg.block_n), cfg.split_k),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, m, n), partial_dtype),
+        grid=(max_work_items(m, num_experts, bm), compat.cdiv(n, cfg.block_n), cfg.split_k),
         compiler_params=compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"grouped_{fmt}_matmul_{cfg.variant}",
-    )(expert, first, end, expert_scale, *inputs)
-    y = qc.split_sum(partial)
-    y = y.T[:m] if dot_t else y[:m]
-    covered = jnp.arange(m) < jnp.minimum(jnp.sum(group_sizes.astype(jnp.int32)), m)
-    return jnp.where(covered[:, None], y, 0.0).astype(out_dtype)  # rows no tile wrote: zero
+    )(group_sizes.astype(jnp.int32), expert_scale, *inputs)
+    return qc.split_sum(partial).astype(out_dtype)
 
 
 def grouped_nvfp4_matmul(

@@ -139,6 +139,8 @@ def test_nvfp4_kernel_matches_reference(m, e, n, k, sizes, options):
 FP8_CASES = [
     (7, 5, 33, 100, None, [2, 0, 0, 5, 0], {"variant": "gemv", "block_m": 2, "block_n": 16, "block_k": 32}),
     (19, 3, 33, 100, None, [0, 0, 19], {"variant": "dot_t", "block_m": 16, "block_n": 16, "block_k": 64}),
+    # 20 of 40 rows in groups: the zeroed tail spans several 16-row chunks, starting mid-chunk
+    (40, 4, 24, 48, None, [12, 0, 8, 0], {"variant": "gemv", "block_m": 4, "block_n": 16, "block_k": 16}),
     (
         11,
         4,
@@ -163,6 +165,7 @@ def test_fp8_kernel_matches_reference(m, e, n, k, block_size, sizes, options):
     want = reference_grouped_matmul(x, (data, scale), sizes, fmt="fp8", block_size=block_size)
     assert got.shape == (m, n)
     _close(got, want)
+    assert not np.asarray(got[int(sizes.sum()) :]).any()
 
 
 def test_defaults_run_and_keep_the_activation_dtype():
