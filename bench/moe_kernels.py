@@ -13,9 +13,9 @@ experts, so tokens share experts more often), it times a few kernel configuratio
     figure = bytes of the distinct experts the step reads (packed + scales) / time   [GB/s]
 
 against the HBM read bandwidth measured in the same run (bench.ceilings.measure_hbm_read).
-Each timed call runs `ROUTINGS` different routings back to back (each its own sorted rows and
-group sizes, as successive layers would), so the experts of one call are not the previous call's
-and L2 cannot serve them; calls are queued with one sync per trial. Every configuration is
+Each timed call runs several routings back to back (each its own sorted rows and group sizes, as
+successive layers would; enough that their experts add up to >= 160 MB, at most 32), so L2
+cannot serve the experts a routing reads; calls are queued with one sync per trial. Every configuration is
 checked against `reference_grouped_matmul` (max error <= 2% of max |y|) before its time counts;
 a mismatch fails the run at the end. The per-row gather + dequantize + dot that model/mlp.py's
 decode path runs today is timed beside it (`details["xla_gather_s"]`).
@@ -54,7 +54,8 @@ class MoEShape:
 
 QWEN3_NEXT_80B = MoEShape(512, 10, {"gate_up": (2 * 512, 2048), "down": (2048, 512)})
 QUICK_SHAPE = MoEShape(16, 4, {"gate_up": (64, 128), "down": (96, 64)})
-ROUTINGS = 8  # routings per timed call (different experts each), as successive layers would
+L2_DEFEAT_BYTES = 160 << 20  # expert bytes per timed call: well over the H200's 50 MB L2
+MAX_ROUTINGS = 32  # routings per timed call (different experts each), as successive layers would
 QUICK_ROUTINGS = 2
 SKEW_EXPONENT = 1.2  # skewed routing: expert of rank r drawn with weight 1 / (r + 1) ** SKEW_EXPONENT
 MAX_REL_ERR = 2e-2
@@ -99,9 +100,16 @@ def random_stack(fmt: str, e: int, n: int, k: int, key: jax.Array):
     return (data, scale), {"fmt": "fp8", "block_size": 128}, n * k + nb * kb * 4
 
 
+def routings_per_call(batch: int, shape: MoEShape, per_expert: int) -> int:
+    """Routings per timed call so that the experts they read exceed L2 (a bound from
+    tokens x top_k experts per routing)."""
+    per_routing = min(batch * shape.top_k, shape.num_experts) * per_expert
+    return max(2, min(MAX_ROUTINGS, -(-L2_DEFEAT_BYTES // per_routing)))
+
+
 def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
-    most rows a decode group can hold) at three tile shapes, and dot_t at two."""
+    most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two."""
     gemv_m = min(batch, 8)
     if quick:
         return [
@@ -117,6 +125,8 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
         gemv_tiles = [(bn, min(bk, 128)) for bn, bk in gemv_tiles]
     kmax = 1 << (k - 1).bit_length()  # a K step longer than K only masks
     out = [GroupedConfig("gemv", gemv_m, bn, min(bk, kmax)) for bn, bk in gemv_tiles]
+    if k >= 2048:  # long K loops: two programs per tile put more loads in flight
+        out.append(GroupedConfig("gemv", gemv_m, gemv_tiles[0][0], gemv_tiles[0][1] // 2, split_k=2))
     out += [GroupedConfig("dot_t", 16, bn, min(bk, kmax)) for bn, bk in dot_tiles]
     return list(dict.fromkeys(out))
 
@@ -160,11 +170,12 @@ def bench_projection(fmt, proj, n, k, batches, routings, args, *, shape, hbm, po
     records, mismatches = [], []
     for batch in batches:
         rng = np.random.default_rng(batch * 1000 + n)
+        count = args.routings or routings_per_call(batch, shape, per_expert)
         by_kind = {}
         for kind in routings:
             steps = [
                 sorted_rows(routing(rng, batch, shape, kind), k, shape.num_experts, jax.random.key(i))
-                for i in range(args.routings)
+                for i in range(count)
             ]
             by_kind[kind] = steps
         routes0 = tuple((x, sizes) for x, sizes, _ in by_kind[routings[0]])
@@ -260,8 +271,10 @@ def main(argv: list[str] | None = None) -> list:
     parser.add_argument("--compile-threads", type=int, default=8)
     parser.add_argument("--out", help="output file (default: bench/results/moe-kernels-<machine>.json)")
     args = parser.parse_args(argv)
-    args.interpret = args.quick or jax.default_backend() == "cpu"
-    args.routings = args.routings or (QUICK_ROUTINGS if args.quick else ROUTINGS)
+    if not args.quick and jax.default_backend() == "cpu":
+        raise SystemExit("python -m bench.moe_kernels times the GPU kernel: run it on a GPU, or pass --quick")
+    args.interpret = args.quick
+    args.routings = args.routings or (QUICK_ROUTINGS if args.quick else None)
     shape = QUICK_SHAPE if args.quick else QWEN3_NEXT_80B
     batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,2,4,8")).split(",")]
     routings = args.routing.split(",")
