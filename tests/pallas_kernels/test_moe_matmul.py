@@ -212,6 +212,20 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, variant, block_m):
     assert "xla.gpu.triton" in text and f"grouped_{fmt}_matmul_{variant}" in text
 
 
+@pytest.mark.parametrize("variant,block_m", [("gemv", 8), ("dot_t", 16)])
+def test_lowers_with_experts_not_a_power_of_two_and_split_k(variant, block_m):
+    """60 experts (a masked load of the group sizes), per-expert FP8 scales, float32 partial sums."""
+    e, n, k, m = 60, 2048, 512, 37
+    weight = (jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((e,), jnp.float32))
+    fn = jax.jit(
+        functools.partial(
+            grouped_matmul, fmt="fp8", variant=variant, block_m=block_m, block_n=64, block_k=128, split_k=2
+        )
+    )
+    shapes = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), weight, jax.ShapeDtypeStruct((e,), jnp.int32))
+    assert "xla.gpu.triton" in compat.lower_for_cuda(fn, *shapes)
+
+
 def _nvfp4_args(**change):
     rng = np.random.default_rng(3)
     packed, block_scale, tensor_scale = _nvfp4_stack(rng, 4, 32, 64)
