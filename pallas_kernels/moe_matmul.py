@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -100,14 +99,6 @@ DEFAULT_CONFIGS: dict[str, dict[int, GroupedConfig]] = {
         1 << 30: GroupedConfig("dot", block_m=64, block_n=64, block_k=128),
     },
 }
-
-
-def pick_config(table: Mapping[int, GroupedConfig], m: int) -> GroupedConfig:
-    """The entry of `table` for M rows: the smallest key >= m, else the largest key."""
-    for max_m in sorted(table):
-        if m <= max_m:
-            return table[max_m]
-    return table[max(table)]
 
 
 # ------------------------------------------------------------------------------------ references
@@ -418,7 +409,7 @@ def validate_grouped_matmul(
 def resolve_config(fmt: str, m: int, **overrides) -> GroupedConfig:
     """The default configuration for M rows (DEFAULT_CONFIGS[fmt]) with every given field
     overriding it. Choosing a dot variant over a gemv default without a block_m takes 16."""
-    base = pick_config(DEFAULT_CONFIGS[fmt] if fmt in DEFAULT_CONFIGS else DEFAULT_CONFIGS["fp8"], m)
+    base = qc.pick_config(DEFAULT_CONFIGS[fmt] if fmt in DEFAULT_CONFIGS else DEFAULT_CONFIGS["fp8"], m)
     given = {k: v for k, v in overrides.items() if v is not None}
     cfg = dataclasses.replace(base, **given)
     if "block_m" not in given and cfg.variant != base.variant:
