@@ -1,0 +1,554 @@
+"""Grouped MoE matmul over quantized expert stacks (NVFP4 and FP8): a Pallas GPU (Triton) kernel.
+
+    y[r, n] = sum_k x[r, k] * W[e(r), n, k]
+
+for rows x [M, K] sorted by expert: group e holds the next `group_sizes[e]` rows (the
+`jax.lax.ragged_dot` convention), rows past sum(group_sizes) give zeros. The weight stacks are
+stored as in `infernix_jax.weights.quant` (docs/quant_formats.md):
+
+    NVFP4  packed uint8 [E, N, K/2], block_scale float8_e4m3fn [E, N, K/16], tensor_scale f32 [E]
+    FP8    data float8_e4m3fn [E, N, K], scale f32 [E] (per expert) or
+           [E, ceil(N/b), ceil(K/b)] (block_size b)
+
+One formulation serves decode and prefill. Decode is "pairs": M = tokens x top_k (token, expert)
+pairs sorted by expert, most groups empty, a few holding one to `tokens` rows; prefill has many
+rows per expert. The groups are cut into work items of at most `block_m` rows, each one
+(expert, first row, end row), non-empty groups only, in row order; their number has a static
+upper bound, which sizes the grid:
+
+    items <= min(M, E) + M // block_m     (each non-empty group adds at most one partial tile)
+
+The grid is (work items, N tiles, split_k). Each program loads the [E] group sizes and finds
+its own item (`locate_item`: two cumsums and a few masked sums over E, no XLA op before the
+kernel), skips all work when its item is past the last one (a `lax.cond`, `scf.if` in
+Triton), and otherwise streams its expert's [block_n, K] weight rows once, decoding them in
+registers as the dense decode kernels do (pallas_kernels/nvfp4_matmul.py, fp8_matmul.py,
+`_quant_common.e2m1_f16_bits`). A group that fits in one item reads its expert's weights exactly
+once, whatever the number of rows routed to it, so with block_m >= the rows per expert
+(<= tokens in decode) every distinct expert is read once and empty experts cost nothing. The
+programs of the last item also write the zeros of rows past sum(group_sizes), so with
+split_k = 1 the kernel writes y itself in the output dtype (NVFP4 adds one XLA op before it:
+the even / odd column split of x, as in nvfp4_matmul).
+
+Formulations (`variant`):
+  "gemv"   float32 FMAs on CUDA cores, one [block_n, block_k] accumulator per row of the item,
+           rows unrolled (block_m in 1..8); for decode, where most groups hold one or two rows;
+  "dot"    x [block_m, bk] @ W.T on tensor cores (block_m >= 16, rows past the group masked);
+  "dot_t"  W [block_n, bk] @ x.T (the weight tile as the left operand, Hopper wgmma from
+           registers); decode batches whose groups hold several rows.
+Stacks are passed flattened to [E * N, ...] (a free reshape), so a tile's rows are
+`e * N + n0 ...` and a masked N edge never reads into the next expert. The per-expert scale
+(NVFP4 tensor scale, FP8 per-tensor scale) multiplies the float32 sum once; FP8 block scales
+multiply each K step's partial product (block_n and block_k divide the block size).
+
+The output is [M, N] in the sorted row order (the caller un-sorts), accumulated in float32; rows
+past M are never read or written (masked), so nothing is padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _quant_common as qc
+from pallas_kernels import compat
+from pallas_kernels.fp8_matmul import reference_fp8_matmul
+from pallas_kernels.nvfp4_matmul import BLOCK as NVFP4_BLOCK
+from pallas_kernels.nvfp4_matmul import _mask2, reference_nvfp4_matmul
+
+VARIANTS = ("gemv", "dot", "dot_t")
+ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
+FORMATS = ("nvfp4", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """One configuration of the grouped kernel."""
+
+    variant: str  # "gemv", "dot" or "dot_t" (module docstring)
+    block_m: int  # rows per work item: gemv 1..8 (unrolled), dot* a power of two >= 16
+    block_n: int  # weight rows (output columns) per program; power of two >= 16
+    block_k: int  # K elements per loop step; power of two
+    split_k: int = 1  # programs sharing one K loop; partial sums are added outside the kernel
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def as_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Defaults by the largest M (rows = tokens x top_k) they serve. Decode with top-10 (Qwen3-Next):
+# M = 10 is one token (each group one row), 20 / 40 two or four tokens; groups then hold at most
+# that many rows. Callers that know the token count pass block_m = min(tokens, 8) (gemv) instead.
+DEFAULT_CONFIGS: dict[str, dict[int, GroupedConfig]] = {
+    "nvfp4": {
+        12: GroupedConfig("gemv", block_m=1, block_n=32, block_k=512),
+        24: GroupedConfig("gemv", block_m=2, block_n=32, block_k=512),
+        48: GroupedConfig("gemv", block_m=4, block_n=32, block_k=256),
+        128: GroupedConfig("dot_t", block_m=16, block_n=64, block_k=256),
+        1 << 30: GroupedConfig("dot", block_m=64, block_n=64, block_k=256),
+    },
+    "fp8": {
+        12: GroupedConfig("gemv", block_m=1, block_n=32, block_k=256),
+        24: GroupedConfig("gemv", block_m=2, block_n=32, block_k=256),
+        48: GroupedConfig("gemv", block_m=4, block_n=32, block_k=128),
+        128: GroupedConfig("dot_t", block_m=16, block_n=64, block_k=128),
+        1 << 30: GroupedConfig("dot", block_m=64, block_n=64, block_k=128),
+    },
+}
+
+
+# ------------------------------------------------------------------------------------ references
+
+
+def _row_experts(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(expert of each of the M rows, True where the row belongs to a group) from group sizes [E]."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jnp.arange(m, dtype=jnp.int32)
+    expert = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    valid = rows < ends[-1]
+    return jnp.minimum(expert, group_sizes.shape[0] - 1), valid
+
+
+def reference_grouped_matmul(
+    x: jax.Array,
+    weight: tuple[jax.Array, ...],
+    group_sizes: jax.Array,
+    *,
+    fmt: str,
+    block_size: int | None = None,
+) -> jax.Array:
+    """Plain-jnp reference in float32: each row gathers its expert's stored leaves, dequantizes them
+    and takes the dot -> float32 [M, N] in sorted order; rows past sum(group_sizes) are zero.
+
+    weight: (packed, block_scale, tensor_scale) for fmt="nvfp4", (data, scale) for fmt="fp8"
+    (scale [E] per expert, or [E, ceil(N/b), ceil(K/b)] with block_size b).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r} must be one of {FORMATS}")
+    m = x.shape[0]
+    expert, valid = _row_experts(group_sizes, m)
+    rows = [leaf[expert] for leaf in weight]  # per-row expert leaves
+    if fmt == "nvfp4":
+
+        def one(xr, packed, block_scale, tensor_scale):
+            return reference_nvfp4_matmul(xr[None], packed, block_scale, tensor_scale)[0]
+
+    else:
+
+        def one(xr, data, scale):
+            return reference_fp8_matmul(xr[None], data, scale, block_size=block_size)[0]
+
+    y = jax.vmap(one)(x, *rows)
+    return jnp.where(valid[:, None], y, 0.0)
+
+
+# ------------------------------------------------------------------------------------- work items
+
+
+def max_work_items(m: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on the work items of M rows in E groups cut into block_m-row tiles."""
+    return max(1, min(m, min(m, num_experts) + m // block_m))
+
+
+def locate_item(
+    t: jax.Array, sizes: jax.Array, m: int, block_m: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Work item t (scalar) of groups `sizes` [E] int32 cut into tiles of at most block_m rows,
+    non-empty groups only, in row order -> (expert, first row, end row exclusive); past the last
+    item all three are 0 (no rows). Group sizes summing past M are cut at M.
+
+    Written with ops the Triton lowering has (cumsum, compare, where, sum), so the kernel runs
+    it per program on the group sizes and no XLA op computes the items; `work_items` runs the
+    same function for all items outside (tests, callers that want to see them)."""
+    cum = jnp.cumsum(sizes)
+    ends = jnp.minimum(cum, m)
+    starts = jnp.minimum(cum - sizes, m)
+    tiles = (ends - starts + (block_m - 1)) // block_m  # 0 for empty groups
+    tile_ends = jnp.cumsum(tiles)
+    group = jnp.sum((tile_ends <= t).astype(jnp.int32))  # E when t is past the last item
+    hit = jnp.arange(sizes.shape[0], dtype=jnp.int32) == group
+
+    def pick(v):
+        return jnp.sum(jnp.where(hit, v, 0))
+
+    first = pick(starts) + (t - (pick(tile_ends) - pick(tiles))) * block_m
+    end = jnp.minimum(first + block_m, pick(ends))
+    real = group < sizes.shape[0]
+    return jnp.where(real, group, 0), jnp.where(real, first, 0), jnp.where(real, end, 0)
+
+
+def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Every work item's (expert, first row, end row) as int32 arrays of length
+    `max_work_items(m, E, block_m)`, computed as the kernel computes them (`locate_item`)."""
+    count = max_work_items(m, group_sizes.shape[0], block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    return jax.vmap(lambda t: locate_item(t, sizes, m, block_m))(jnp.arange(count, dtype=jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------- kernel
+
+
+def _grouped_kernel(
+    group_sizes_ref,  # [E] int32
+    expert_scale_ref,  # [E] float32: per-expert scale multiplying the float32 sum (1 for FP8 blocks)
+    *refs,
+    # nvfp4: x_even [M, K/2], x_odd [M, K/2], packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
+    # fp8:   x [M, K], data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
+    # last:  out [split_k, M, N]: y itself in the output dtype (split_k 1) or float32 partial sums
+    fmt: str,
+    variant: str,
+    m_size: int,
+    num_experts: int,
+    block_m: int,
+    n_size: int,
+    k_width: int,  # K/2 bytes (nvfp4) or K elements (fp8): the extent the K loop walks
+    block_n: int,
+    step_width: int,  # block_k/2 (nvfp4) or block_k (fp8): per K step
+    steps: int,
+    scale_block: int | None,  # fp8 block size b, or None
+    even_n: bool,
+    even_k: bool,
+):
+    *in_refs, out_ref = refs
+    t, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
+    e_pad = compat.pow2_at_least(num_experts)  # Triton tensors have power-of-two sizes
+    sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
+    sizes = qc.load(group_sizes_ref.at[compat.ds(0, e_pad)], sizes_mask)
+    e, r0, r1 = locate_item(t, sizes, m_size, block_m)
+    bn, bw, bm = block_n, step_width, block_m
+    col0 = j * bn
+    w_row0 = e * n_size + col0  # first weight row of this tile in the flattened stack
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
+    gemv = variant == "gemv"
+    x_refs = in_refs[:2] if fmt == "nvfp4" else in_refs[:1]
+    compute_dtype = x_refs[0].dtype
+
+    def decode(kw):
+        """The weight tiles of one K step, float32 [bn, bw] each, paired with their activation
+        refs, and the step's block scale (None: none)."""
+        k_mask = None if even_k else (kw + jnp.arange(bw)) < k_width
+        if fmt == "nvfp4":
+            packed_ref, scale_ref = in_refs[2], in_refs[3]
+            bs = bw // 8  # block scales per row per step (one per 8 bytes)
+            s_mask = None if even_k else (kw // 8 + jnp.arange(bs)) < k_width // 8
+            packed = qc.load(
+                packed_ref.at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
+            )
+            bits = qc.load(
+                scale_ref.at[compat.ds(w_row0, bn), compat.ds(kw // 8, bs)], _mask2(n_mask, s_mask, (bn, bs))
+            )
+            scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+            scale = scale * qc.E2M1_F16_SCALE  # exact (a power of two)
+            scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 8)).reshape(bn, bw)
+            low = qc.e2m1_f16_bits(packed, high=False) * scale  # exact: <= 6 significant bits
+            high = qc.e2m1_f16_bits(packed, high=True) * scale
+            return [(low, x_refs[0]), (high, x_refs[1])], k_mask, None
+        data_ref, block_scale_ref = in_refs[1], in_refs[2]
+        bits = qc.load(
+            data_ref.at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
+        )
+        w = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        s = None
+        if scale_block is not None:  # one scale for the whole tile: block_n, block_k divide b
+            nb = compat.cdiv(n_size, scale_block)
+            kb = jnp.minimum(kw // scale_block, block_scale_ref.shape[1] - 1)  # masked tail may overshoot
+            s = block_scale_ref[e * nb + col0 // scale_block, kb]
+        return [(w, x_refs[0])], k_mask, s
+
+    rows_ok = None if gemv else (r0 + jnp.arange(bm)) < r1  # [bm] (gemv: one scalar per row)
+
+    def step(i, acc):
+        kw = (split * steps + i) * bw
+        parts, k_mask, s = decode(kw)
+        if gemv:
+            out = list(acc)
+            for r in range(bm):
+                row_mask = jnp.broadcast_to(r0 + r < r1, (1, bw))
+                mask = row_mask if k_mask is None else row_mask & k_mask[None, :]
+                for w, x_ref in parts:
+                    x = qc.load(x_ref.at[compat.ds(r0 + r, 1), compat.ds(kw, bw)], mask).astype(jnp.float32)
+                    out[r] = out[r] + w * (x if s is None else x * s)
+            return tuple(out)
+        mask = _mask2(rows_ok, k_mask, (bm, bw))
+        total = None
+        for w, x_ref in parts:
+            x = qc.load(x_ref.at[compat.ds(r0, bm), compat.ds(kw, bw)], mask)
+            w = w.astype(compute_dtype)
+            if variant == "dot":  # [bm, bw] x [bn, bw] -> [bm, bn]
+                part = jax.lax.dot_general(x, w, qc.dims_nt(), preferred_element_type=jnp.float32)
+            else:  # dot_t: [bn, bw] x [bm, bw] -> [bn, bm]
+                part = jax.lax.dot_general(w, x, qc.dims_nt(), preferred_element_type=jnp.float32)
+            total = part if total is None else total + part
+        return acc + (total if s is None else total * s)
+
+    out_dtype = out_ref.dtype
+
+    def work():
+        expert_scale = expert_scale_ref[e]
+        if gemv:
+            init = tuple(jnp.zeros((bn, bw), jnp.float32) for _ in range(bm))
+            acc = jax.lax.fori_loop(0, steps, step, init)
+            for r in range(bm):
+                row_mask = jnp.broadcast_to(r0 + r < r1, (1, bn))
+                compat.store(
+                    out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(col0, bn)],
+                    (acc[r].sum(axis=1)[None, :] * expert_scale).astype(out_dtype),
+                    mask=row_mask if n_mask is None else row_mask & n_mask[None, :],
+                )
+            return
+        shape = (bm, bn) if variant == "dot" else (bn, bm)
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32)) * expert_scale
+        if variant == "dot_t":
+            acc = acc.T
+        compat.store(
+            out_ref.at[split, compat.ds(r0, bm), compat.ds(col0, bn)],
+            acc.astype(out_dtype),
+            mask=_mask2(rows_ok, n_mask, (bm, bn)),
+        )
+
+    def zero_uncovered_rows():
+        """Rows past sum(group_sizes) belong to no item: the last program row writes their zeros."""
+
+        def chunk(c, carry):
+            rows = c * ZERO_ROWS + jnp.arange(ZERO_ROWS)
+            mask = _mask2((rows >= covered) & (rows < m_size), n_mask, (ZERO_ROWS, bn))
+            compat.store(
+                out_ref.at[split, compat.ds(c * ZERO_ROWS, ZERO_ROWS), compat.ds(col0, bn)],
+                jnp.zeros((ZERO_ROWS, bn), out_dtype),
+                mask=mask,
+            )
+            return carry
+
+        jax.lax.fori_loop(covered // ZERO_ROWS, compat.cdiv(m_size, ZERO_ROWS), chunk, 0)
+
+    jax.lax.cond(r1 > r0, work, lambda: None)
+    covered = jnp.minimum(jnp.sum(sizes), m_size)
+    last_item = t == max_work_items(m_size, num_experts, bm) - 1
+    jax.lax.cond(last_item & (covered < m_size), zero_uncovered_rows, lambda: None)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def validate_grouped_matmul(
+    x, weight: tuple, group_sizes, *, fmt: str, block_size: int | None, cfg: GroupedConfig
+) -> None:
+    """Raise ValueError naming the offending value when the inputs or the configuration do not fit."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r} must be one of {FORMATS}")
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K]; got shape {x.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"x must be bf16, f16 or f32; got {x.dtype}")
+    k = x.shape[1]
+    if fmt == "nvfp4":
+        packed, block_scale, tensor_scale = weight
+        if packed.ndim != 3 or packed.dtype != jnp.uint8:
+            raise ValueError(f"packed must be uint8 [E, N, K/2]; got {packed.dtype} {packed.shape}")
+        e, n, kh = packed.shape
+        if k != 2 * kh:
+            raise ValueError(f"x has K={k} but packed [E, N, K/2]={packed.shape} implies K={2 * kh}")
+        if k % NVFP4_BLOCK:
+            raise ValueError(f"K={k} must be a multiple of {NVFP4_BLOCK} (the NVFP4 block)")
+        if block_scale.shape != (e, n, k // NVFP4_BLOCK):
+            raise ValueError(
+                f"block_scale must be [E, N, K/16]={(e, n, k // NVFP4_BLOCK)}; got {block_scale.shape}"
+            )
+        if block_scale.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"block_scale must be float8_e4m3fn; got {block_scale.dtype}")
+        if tuple(jnp.shape(tensor_scale)) != (e,):
+            raise ValueError(
+                f"tensor_scale must be one float per expert [E={e}]; got {jnp.shape(tensor_scale)}"
+            )
+    else:
+        data, scale = weight
+        if data.ndim != 3 or data.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"data must be float8_e4m3fn [E, N, K]; got {data.dtype} {data.shape}")
+        e, n, kd = data.shape
+        if k != kd:
+            raise ValueError(f"x has K={k} but data [E, N, K]={data.shape}")
+        if block_size is None:
+            if tuple(jnp.shape(scale)) != (e,):
+                raise ValueError(f"a per-expert scale must be [E={e}]; got {jnp.shape(scale)}")
+        else:
+            want = (e, compat.cdiv(n, block_size), compat.cdiv(k, block_size))
+            if tuple(scale.shape) != want:
+                raise ValueError(
+                    f"block scale must be [E, ceil(N/{block_size}), ceil(K/{block_size})]={want}; "
+                    f"got {tuple(scale.shape)}"
+                )
+            for name, v in (("block_n", cfg.block_n), ("block_k", cfg.block_k)):
+                if block_size % v:
+                    raise ValueError(f"{name}={v} must divide the scale block_size={block_size}")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] != e:
+        raise ValueError(f"group_sizes must be [E={e}]; got shape {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integers; got {group_sizes.dtype}")
+    if cfg.variant not in VARIANTS:
+        raise ValueError(f"variant={cfg.variant!r} must be one of {VARIANTS}")
+    if cfg.variant == "gemv":
+        if not 1 <= cfg.block_m <= qc.GEMV_MAX_M:
+            raise ValueError(f"variant='gemv' unrolls block_m rows: block_m={cfg.block_m} must be in 1..8")
+    elif not qc.is_pow2(cfg.block_m) or cfg.block_m < 16:
+        raise ValueError(f"block_m={cfg.block_m} must be a power of two >= 16 for variant={cfg.variant!r}")
+    low_k = 32 if fmt == "nvfp4" else 16
+    for name, v, low in (("block_n", cfg.block_n, 16), ("block_k", cfg.block_k, low_k)):
+        if not qc.is_pow2(v) or v < low:
+            raise ValueError(f"{name}={v} must be a power of two >= {low}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k={cfg.split_k} must be >= 1")
+
+
+# ------------------------------------------------------------------------------------------ entry
+
+
+def resolve_config(fmt: str, m: int, **overrides) -> GroupedConfig:
+    """The default configuration for M rows (DEFAULT_CONFIGS[fmt]) with every given field
+    overriding it. Choosing a dot variant over a gemv default without a block_m takes 16."""
+    base = qc.pick_config(DEFAULT_CONFIGS[fmt] if fmt in DEFAULT_CONFIGS else DEFAULT_CONFIGS["fp8"], m)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    cfg = dataclasses.replace(base, **given)
+    if "block_m" not in given and cfg.variant != base.variant:
+        cfg = dataclasses.replace(cfg, block_m=qc.GEMV_MAX_M if cfg.variant == "gemv" else 16)
+    return cfg
+
+
+_STATIC = (
+    "fmt",
+    "block_size",
+    "variant",
+    "block_m",
+    "block_n",
+    "block_k",
+    "split_k",
+    "num_warps",
+    "num_stages",
+    "out_dtype",
+    "interpret",
+)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def grouped_matmul(
+    x: jax.Array,
+    weight: tuple[jax.Array, ...],
+    group_sizes: jax.Array,
+    *,
+    fmt: str,
+    block_size: int | None = None,
+    variant: str | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out_dtype=None,
+    interpret: bool = False,
+) -> jax.Array:
+    """x [M, K] sorted by expert, quantized stacks W [E, N, K] -> [M, N] in `out_dtype` (default
+    x.dtype): row r of group e is x[r] @ W[e].T; rows past sum(group_sizes) are zero.
+
+    weight: (packed, block_scale, tensor_scale) for fmt="nvfp4"; (data, scale) for fmt="fp8" with
+    `block_size` None (scale [E]) or b (scale [E, ceil(N/b), ceil(K/b)]). group_sizes: int [E].
+    Every option left None comes from `DEFAULT_CONFIGS[fmt]` for this M; given values override
+    it. block_k counts K elements. `interpret=True` runs the kernel in the Pallas interpreter.
+    """
+    m = x.shape[0] if x.ndim == 2 else 0
+    cfg = resolve_config(
+        fmt,
+        m,
+        variant=variant,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        split_k=split_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    validate_grouped_matmul(x, weight, group_sizes, fmt=fmt, block_size=block_size, cfg=cfg)
+    k = x.shape[1]
+    num_experts, n = weight[0].shape[:2]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    bm = cfg.block_m
+    xp = x.astype(compute_dtype)  # rows past M are masked: no padding
+    if fmt == "nvfp4":
+        packed, block_scale, tensor_scale = weight
+        inputs = (
+            xp[:, 0::2],
+            xp[:, 1::2],
+            packed.reshape(num_experts * n, k // 2),
+            jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(num_experts * n, k // NVFP4_BLOCK),
+        )
+        expert_scale = jnp.asarray(tensor_scale, jnp.float32)
+        k_width, step_width = k // 2, cfg.block_k // 2
+    else:
+        data, scale = weight
+        if block_size is None:
+            block_scale = jnp.ones((1, 1), jnp.float32)
+            expert_scale = jnp.asarray(scale, jnp.float32)
+        else:
+            block_scale = jnp.asarray(scale, jnp.float32).reshape(-1, scale.shape[-1])
+            expert_scale = jnp.ones((num_experts,), jnp.float32)
+        inputs = (xp, jax.lax.bitcast_convert_type(data, jnp.uint8).reshape(num_experts * n, k), block_scale)
+        k_width, step_width = k, cfg.block_k
+    steps = compat.cdiv(compat.cdiv(k_width, step_width), cfg.split_k)
+    kernel = functools.partial(
+        _grouped_kernel,
+        fmt=fmt,
+        variant=cfg.variant,
+        m_size=m,
+        num_experts=num_experts,
+        block_m=bm,
+        n_size=n,
+        k_width=k_width,
+        block_n=cfg.block_n,
+        step_width=step_width,
+        steps=steps,
+        scale_block=block_size if fmt == "fp8" else None,
+        even_n=n % cfg.block_n == 0,
+        even_k=k_width % (step_width * cfg.split_k) == 0,
+    )
+    # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
+    partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32
+    partial = compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, m, n), partial_dtype),
+        grid=(max_work_items(m, num_experts, bm), compat.cdiv(n, cfg.block_n), cfg.split_k),
+        compiler_params=compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=f"grouped_{fmt}_matmul_{cfg.variant}",
+    )(group_sizes.astype(jnp.int32), expert_scale, *inputs)
+    return qc.split_sum(partial).astype(out_dtype)
+
+
+def grouped_nvfp4_matmul(
+    x: jax.Array,
+    packed: jax.Array,
+    block_scale: jax.Array,
+    tensor_scale: jax.Array,
+    group_sizes: jax.Array,
+    **options,
+) -> jax.Array:
+    """`grouped_matmul` over an NVFP4 stack: packed u8 [E, N, K/2], block_scale e4m3 [E, N, K/16],
+    tensor_scale f32 [E] (`NVFP4Weight` leaves). Options as in `grouped_matmul`."""
+    return grouped_matmul(x, (packed, block_scale, tensor_scale), group_sizes, fmt="nvfp4", **options)
+
+
+def grouped_fp8_matmul(
+    x: jax.Array,
+    data: jax.Array,
+    scale: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    block_size: int | None = None,
+    **options,
+) -> jax.Array:
+    """`grouped_matmul` over an FP8 stack: data e4m3 [E, N, K], scale f32 [E] (block_size None) or
+    [E, ceil(N/b), ceil(K/b)] (`FP8Weight` leaves). Options as in `grouped_matmul`."""
+    return grouped_matmul(x, (data, scale), group_sizes, fmt="fp8", block_size=block_size, **options)

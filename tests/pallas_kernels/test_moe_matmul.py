@@ -1,0 +1,319 @@
+"""The grouped MoE matmul equals its float32 reference on ragged groups (interpret mode), the
+reference equals a dense per-expert loop, and the kernel lowers to Triton for CUDA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import compat
+from pallas_kernels.fp8_matmul import reference_fp8_matmul
+from pallas_kernels.moe_matmul import (
+    grouped_fp8_matmul,
+    grouped_matmul,
+    grouped_nvfp4_matmul,
+    max_work_items,
+    reference_grouped_matmul,
+    work_items,
+)
+from pallas_kernels.nvfp4_matmul import reference_nvfp4_matmul
+
+
+def _nvfp4_stack(rng, e, n, k):
+    packed = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
+    block_scale = jnp.asarray(rng.uniform(2.0**-6, 8.0, (e, n, k // 16)), jnp.float8_e4m3fn)
+    tensor_scale = jnp.asarray(rng.uniform(0.01, 1.0, (e,)), jnp.float32)
+    return packed, block_scale, tensor_scale
+
+
+def _fp8_stack(rng, e, n, k, block_size):
+    data = jnp.asarray(rng.standard_normal((e, n, k)) * 16, jnp.float8_e4m3fn)
+    if block_size is None:
+        scale = jnp.asarray(rng.uniform(0.001, 0.1, (e,)), jnp.float32)
+    else:
+        shape = (e, -(-n // block_size), -(-k // block_size))
+        scale = jnp.asarray(rng.uniform(0.001, 0.1, shape), jnp.float32)
+    return data, scale
+
+
+def _x(rng, m, k):
+    return jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+
+
+def _close(got, want):
+    # Weight tiles are exact in bf16 and accumulation is float32: only summation order differs.
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
+
+
+def _dense_loop(x, group_sizes, one_expert):
+    """Rows of each group through that expert's dense reference, zeros past the groups."""
+    parts, row = [], 0
+    for e, size in enumerate(np.asarray(group_sizes)):
+        if size:
+            parts.append(np.asarray(one_expert(e, x[row : row + size])))
+        row += int(size)
+    out = np.concatenate(parts)
+    return np.concatenate([out, np.zeros((x.shape[0] - row, out.shape[1]), np.float32)])
+
+
+def test_reference_equals_a_dense_per_expert_loop_nvfp4():
+    rng = np.random.default_rng(0)
+    packed, block_scale, tensor_scale = _nvfp4_stack(rng, 5, 24, 64)
+    x, sizes = _x(rng, 12, 64), jnp.asarray([3, 0, 6, 0, 1], jnp.int32)  # two rows past the groups
+    got = reference_grouped_matmul(x, (packed, block_scale, tensor_scale), sizes, fmt="nvfp4")
+    want = _dense_loop(
+        x, sizes, lambda e, xs: reference_nvfp4_matmul(xs, packed[e], block_scale[e], tensor_scale[e])
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(got[10:]).any()
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_reference_equals_a_dense_per_expert_loop_fp8(block_size):
+    rng = np.random.default_rng(1)
+    data, scale = _fp8_stack(rng, 4, 20, 40, block_size)
+    x, sizes = _x(rng, 9, 40), jnp.asarray([0, 9, 0, 0], jnp.int32)
+    got = reference_grouped_matmul(x, (data, scale), sizes, fmt="fp8", block_size=block_size)
+    want = _dense_loop(
+        x, sizes, lambda e, xs: reference_fp8_matmul(xs, data[e], scale[e], block_size=block_size)
+    )
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_m", [1, 3, 16])
+def test_work_items_cover_every_row_once_within_the_static_bound(block_m):
+    rng = np.random.default_rng(block_m)
+    m, e = 40, 12
+    skew = np.arange(1, e + 1) / (e * (e + 1) / 2)
+    sizes = np.bincount(rng.choice(e, m - 3, p=skew), minlength=e)  # skewed, 3 rows past the groups
+    expert, first, end = (np.asarray(a) for a in work_items(jnp.asarray(sizes, jnp.int32), m, block_m))
+    assert len(expert) == max_work_items(m, e, block_m)
+    row_expert = np.repeat(np.arange(e), sizes)
+    covered = np.zeros(m, np.int64)
+    for ex, a, b in zip(expert, first, end):
+        assert b - a <= block_m
+        covered[a:b] += 1
+        assert (row_expert[a:b] == ex).all()
+    np.testing.assert_array_equal(covered, (np.arange(m) < sizes.sum()).astype(np.int64))
+
+
+def test_decode_pairs_read_each_distinct_expert_once():
+    """batch 4 x top-3 of 16 experts, shared experts included: with block_m >= the tokens, every
+    routed expert is exactly one work item (its weights are streamed once)."""
+    ids = np.array([[0, 5, 9], [5, 9, 15], [5, 2, 0], [5, 7, 9]])
+    sizes = np.bincount(ids.ravel(), minlength=16)
+    expert, first, end = (np.asarray(a) for a in work_items(jnp.asarray(sizes, jnp.int32), ids.size, 4))
+    work = expert[end > first]
+    np.testing.assert_array_equal(np.sort(work), np.unique(ids))
+
+
+NVFP4_CASES = [
+    # (m, e, n, k, group sizes, options)
+    (10, 32, 64, 256, "decode", {"variant": "gemv", "block_m": 1, "block_n": 32, "block_k": 128}),
+    (13, 6, 70, 96, [3, 0, 5, 1, 0, 3], {"variant": "gemv", "block_m": 3, "block_n": 32, "block_k": 64}),
+    (37, 4, 48, 160, [0, 37, 0, 0], {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 64}),
+    (21, 5, 40, 128, [4, 0, 0, 9, 5], {"variant": "dot_t", "block_m": 16, "block_n": 32, "split_k": 2}),
+]
+
+
+@pytest.mark.parametrize("m,e,n,k,sizes,options", NVFP4_CASES)
+def test_nvfp4_kernel_matches_reference(m, e, n, k, sizes, options):
+    rng = np.random.default_rng(m * 100 + n + k)
+    weight = _nvfp4_stack(rng, e, n, k)
+    if sizes == "decode":  # one token's top-10: ten distinct experts, one row each
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = _x(rng, m, k)
+    got = grouped_nvfp4_matmul(x, *weight, sizes, out_dtype=jnp.float32, interpret=True, **options)
+    want = reference_grouped_matmul(x, weight, sizes, fmt="nvfp4")
+    assert got.shape == (m, n)
+    _close(got, want)
+    assert not np.asarray(got[int(sizes.sum()) :]).any()  # rows past the groups are zero
+
+
+FP8_CASES = [
+    (7, 5, 33, 100, None, [2, 0, 0, 5, 0], {"variant": "gemv", "block_m": 2, "block_n": 16, "block_k": 32}),
+    (19, 3, 33, 100, None, [0, 0, 19], {"variant": "dot_t", "block_m": 16, "block_n": 16, "block_k": 64}),
+    # 20 of 40 rows in groups: the zeroed tail spans several 16-row chunks, starting mid-chunk
+    (40, 4, 24, 48, None, [12, 0, 8, 0], {"variant": "gemv", "block_m": 4, "block_n": 16, "block_k": 16}),
+    (
+        11,
+        4,
+        40,
+        72,
+        32,
+        [5, 0, 3, 0],
+        {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 32, "split_k": 2},
+    ),
+]
+
+
+@pytest.mark.parametrize("m,e,n,k,block_size,sizes,options", FP8_CASES)
+def test_fp8_kernel_matches_reference(m, e, n, k, block_size, sizes, options):
+    rng = np.random.default_rng(m * 100 + n + k)
+    data, scale = _fp8_stack(rng, e, n, k, block_size)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = _x(rng, m, k)
+    got = grouped_fp8_matmul(
+        x, data, scale, sizes, block_size=block_size, out_dtype=jnp.float32, interpret=True, **options
+    )
+    want = reference_grouped_matmul(x, (data, scale), sizes, fmt="fp8", block_size=block_size)
+    assert got.shape == (m, n)
+    _close(got, want)
+    assert not np.asarray(got[int(sizes.sum()) :]).any()
+
+
+def test_defaults_run_and_keep_the_activation_dtype():
+    rng = np.random.default_rng(7)
+    weight = _nvfp4_stack(rng, 8, 32, 64)
+    x, sizes = _x(rng, 4, 64), jnp.asarray([1, 0, 0, 2, 0, 0, 1, 0], jnp.int32)
+    got = grouped_nvfp4_matmul(x, *weight, sizes, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    want = reference_grouped_matmul(x, weight, sizes, fmt="nvfp4")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("variant,block_m", [("gemv", 3), ("dot", 16), ("dot_t", 16)])
+def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, variant, block_m):
+    """The 80B expert gate_up stack (512 experts, [1024, 2048]) at batch 8 x top-10."""
+    e, n, k, m = 512, 1024, 2048, 80
+    if fmt == "nvfp4":
+        weight = (
+            jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((e,), jnp.float32),
+        )
+        block_size = None
+    else:
+        weight = (
+            jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((e, n // 128, k // 128), jnp.float32),
+        )
+        block_size = 128
+    fn = jax.jit(
+        functools.partial(
+            grouped_matmul,
+            fmt=fmt,
+            block_size=block_size,
+            variant=variant,
+            block_m=block_m,
+            block_n=64,
+            block_k=128,
+        )
+    )
+    shapes = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), weight, jax.ShapeDtypeStruct((e,), jnp.int32))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert "xla.gpu.triton" in text and f"grouped_{fmt}_matmul_{variant}" in text
+
+
+@pytest.mark.parametrize("variant,block_m", [("gemv", 8), ("dot_t", 16)])
+def test_lowers_with_experts_not_a_power_of_two_and_split_k(variant, block_m):
+    """60 experts (a masked load of the group sizes), per-expert FP8 scales, float32 partial sums."""
+    e, n, k, m = 60, 2048, 512, 37
+    weight = (jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((e,), jnp.float32))
+    fn = jax.jit(
+        functools.partial(
+            grouped_matmul, fmt="fp8", variant=variant, block_m=block_m, block_n=64, block_k=128, split_k=2
+        )
+    )
+    shapes = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), weight, jax.ShapeDtypeStruct((e,), jnp.int32))
+    assert "xla.gpu.triton" in compat.lower_for_cuda(fn, *shapes)
+
+
+def _nvfp4_args(**change):
+    rng = np.random.default_rng(3)
+    packed, block_scale, tensor_scale = _nvfp4_stack(rng, 4, 32, 64)
+    args = {
+        "x": _x(rng, 6, 64),
+        "packed": packed,
+        "block_scale": block_scale,
+        "tensor_scale": tensor_scale,
+        "group_sizes": jnp.asarray([2, 0, 4, 0], jnp.int32),
+    }
+    options = change.pop("options", {})
+    args.update(change)
+    return args, options
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"packed": jnp.zeros((4, 32, 30), jnp.uint8)}, "implies K=60"),
+        ({"packed": jnp.zeros((32, 32), jnp.uint8)}, r"packed must be uint8 \[E, N, K/2\]"),
+        ({"block_scale": jnp.ones((4, 32, 3), jnp.float8_e4m3fn)}, r"block_scale must be \[E, N, K/16\]"),
+        ({"block_scale": jnp.ones((4, 32, 4), jnp.float32)}, "float8_e4m3fn"),
+        ({"tensor_scale": jnp.float32(1.0)}, r"one float per expert \[E=4\]"),
+        ({"group_sizes": jnp.asarray([2, 4], jnp.int32)}, r"group_sizes must be \[E=4\]"),
+        ({"group_sizes": jnp.asarray([2.0, 0, 4, 0])}, "group_sizes must be integers"),
+        ({"x": jnp.ones((6, 64), jnp.int32)}, "x must be bf16"),
+        ({"options": {"variant": "wide"}}, "variant='wide'"),
+        ({"options": {"variant": "gemv", "block_m": 9}}, "block_m=9 must be in 1..8"),
+        ({"options": {"variant": "dot", "block_m": 8}}, "block_m=8 must be a power of two >= 16"),
+        ({"options": {"block_n": 48}}, "block_n=48"),
+        ({"options": {"block_k": 16}}, "block_k=16"),
+        ({"options": {"split_k": 0}}, "split_k=0"),
+    ],
+)
+def test_nvfp4_rejects_bad_inputs_naming_the_value(change, match):
+    args, options = _nvfp4_args(**change)
+    with pytest.raises(ValueError, match=match):
+        grouped_nvfp4_matmul(**args, interpret=True, **options)
+
+
+def test_nvfp4_rejects_k_not_a_multiple_of_16():
+    with pytest.raises(ValueError, match="K=40 must be a multiple of 16"):
+        grouped_nvfp4_matmul(
+            jnp.ones((2, 40), jnp.bfloat16),
+            jnp.zeros((2, 16, 20), jnp.uint8),
+            jnp.ones((2, 16, 2), jnp.float8_e4m3fn),
+            jnp.ones((2,), jnp.float32),
+            jnp.asarray([1, 1], jnp.int32),
+            interpret=True,
+        )
+
+
+@pytest.mark.parametrize(
+    "block_size,scale_shape,options,match",
+    [
+        (None, (3, 1), {}, r"per-expert scale must be \[E=3\]"),
+        (32, (3, 1, 1), {}, r"block scale must be \[E, ceil\(N/32\), ceil\(K/32\)\]"),
+        (32, (3, 1, 2), {"block_k": 64}, "block_k=64 must divide the scale block_size=32"),
+    ],
+)
+def test_fp8_rejects_bad_scales(block_size, scale_shape, options, match):
+    rng = np.random.default_rng(5)
+    data, _ = _fp8_stack(rng, 3, 32, 48, None)
+    with pytest.raises(ValueError, match=match):
+        grouped_fp8_matmul(
+            _x(rng, 4, 48),
+            data,
+            jnp.ones(scale_shape, jnp.float32),
+            jnp.asarray([4, 0, 0], jnp.int32),
+            block_size=block_size,
+            interpret=True,
+            **options,
+        )
+
+
+def test_fp8_rejects_non_fp8_data():
+    with pytest.raises(ValueError, match=r"data must be float8_e4m3fn \[E, N, K\]"):
+        grouped_fp8_matmul(
+            jnp.ones((2, 32), jnp.bfloat16),
+            jnp.ones((2, 16, 32), jnp.bfloat16),
+            jnp.ones((2,), jnp.float32),
+            jnp.asarray([1, 1], jnp.int32),
+            interpret=True,
+        )
+
+
+def test_rejects_an_unknown_format():
+    with pytest.raises(ValueError, match="fmt='int4'"):
+        grouped_matmul(
+            jnp.ones((2, 32), jnp.bfloat16), (jnp.ones((2, 16, 32)),), jnp.asarray([1, 1]), fmt="int4"
+        )
