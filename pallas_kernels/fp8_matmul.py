@@ -30,9 +30,12 @@ from pallas_kernels import compat
 
 # Default configuration by the largest M it serves (qc.pick_config): fill in from
 # `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
+# From the H200 sweep (bench/results/kernels-nvidia-h200.json): per-tensor FP8 at batch 1 was
+# fastest as "gemv" with 16-row, 256-element tiles on most shapes; at batch 8 "dot" with 64 x 128
+# tiles. Block-scaled weights need tiles that divide the scale block (weights.quant passes them).
 DEFAULT_CONFIGS: dict[int, qc.MatmulConfig] = {
-    1: qc.MatmulConfig("gemv", block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
-    8: qc.MatmulConfig("dot_t", block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    1: qc.MatmulConfig("gemv", block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    8: qc.MatmulConfig("dot", block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=3),
     64: qc.MatmulConfig("dot", block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
 }
 

@@ -45,9 +45,12 @@ VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t")
 
 # Default configuration by the largest M it serves (qc.pick_config): fill in from
 # `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
+# From the H200 sweep (bench/results/kernels-nvidia-h200.json): "dot" with 256-element K steps won
+# every Qwen3.5-27B and Qwen3-Next-80B shape at batch 1 and 8 but one (a 4 MB layer); the best
+# split_k depends on N (`weights.quant.nvfp4_tiles` picks it per shape).
 DEFAULT_CONFIGS: dict[int, qc.MatmulConfig] = {
-    1: qc.MatmulConfig("gemv", block_n=32, block_k=512, split_k=1, num_warps=4, num_stages=3),
-    8: qc.MatmulConfig("dot_t", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    1: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    8: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
     64: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
 }
 

@@ -287,9 +287,9 @@ class FP8Weight(QuantizedWeight):
         return (self.data.astype(jnp.float32) * self._scale_full()).astype(dtype)
 
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
-        tiles = {"block_n": 64, "block_k": 128}
-        if self.block_size is not None and self.block_size % 128:
-            tiles = {"block_n": min(64, self.block_size), "block_k": min(128, self.block_size)}
+        tiles = {}  # per-tensor scale: the kernel's defaults by M (from the H200 sweep)
+        if self.block_size is not None:  # tiles must divide the scale block; "dot" won at 128 blocks
+            tiles = {"variant": "dot", "block_n": min(64, self.block_size), "block_k": min(128, self.block_size)}
         return fp8_matmul(
             x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
         )
