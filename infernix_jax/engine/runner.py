@@ -250,11 +250,14 @@ def decode_forward_program(
     *,
     cfg: ModelConfig,
 ):
-    """One decode forward without sampling: f32 logits [b, v] stay on the device for the sample."""
+    """One decode forward without sampling: f32 logits [b, v] stay on the device for the sample.
+    Also returns the positions of the next step (each fed row one further, -1 stays -1), so that a
+    run of steps over the same rows uploads its positions once."""
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
     logits, _, cache = forward(params, tokens[:, None], positions[:, None], cache, cfg)
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
-    return kv_pool, state_pool, logits[:, 0].astype(jnp.float32)
+    next_positions = jnp.where(positions >= 0, positions + 1, -1).astype(jnp.int32)
+    return kv_pool, state_pool, logits[:, 0].astype(jnp.float32), next_positions
 
 
 @partial(jit, static_argnames=("num_top",), donate_argnames=("slot_sampling",))
@@ -267,14 +270,32 @@ def masked_sample_program(
     *,
     num_top: int,
 ):
-    """Sample one token per row under its mask and record it in the row's penalty state."""
+    """Sample one token per row under its mask and record it in the row's penalty state.
+
+    Returns the tokens (i32 [b], for the next forward; they stay on the device) and everything the
+    host reads packed into one i32 [b, 2 + 2 k] array, so reading a step is one transfer: columns
+    token, logprob (f32 bits), k top ids, k top logprobs (f32 bits). num_top 0 skips the top-k over
+    the vocabulary (no row of the batch asked for alternatives)."""
     arrays, penalties = slot_sampling.rows(slots)
     out = sample(
         logits, arrays, penalties, row_keys(arrays, penalties.num_generated), mask, num_top_logprobs=num_top
     )
     penalties = update_penalty_state(penalties, out.tokens, active)
     slot_sampling = slot_sampling.with_penalties(jnp.where(active, slots, SCRATCH_SLOT), penalties)
-    return slot_sampling, (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+    as_int = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    packed = jnp.concatenate(
+        [out.tokens[:, None], as_int(out.logprobs)[:, None], out.top_ids, as_int(out.top_logprobs)], axis=1
+    )
+    return slot_sampling, out.tokens, packed
+
+
+def unpack_step(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [b], logprobs [b], top ids [b, k], top logprobs [b, k]) of masked_sample_program's
+    packed i32 [b, 2 + 2 k] output, read back to the host."""
+    packed = np.asarray(packed, np.int32)
+    k = (packed.shape[1] - 2) // 2
+    as_float = lambda x: np.ascontiguousarray(x).view(np.float32)
+    return packed[:, 0], as_float(packed[:, 1]), packed[:, 2 : 2 + k], as_float(packed[:, 2 + k :])
 
 
 @partial(jit, donate_argnames=("slot_sampling",))
@@ -473,27 +494,34 @@ class Runner:
         return out
 
     def decode_forward(
-        self, tokens: np.ndarray, positions: np.ndarray, block_table: np.ndarray, slots: np.ndarray
-    ) -> jax.Array:
-        """Dispatch one decode forward (returns at once); the logits stay on the device."""
+        self, tokens: jax.Array, positions: jax.Array, block_table: jax.Array, slots: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatch one decode forward (returns at once): (logits, next positions), both left on the
+        device. Pass device arrays where the caller can (what stays the same over a run of steps):
+        each numpy argument is a host-to-device copy per call."""
         if self.ngram_table is not None:
             raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
-        self.kv_pool, self.state_pool, logits = decode_forward_program(
+        self.kv_pool, self.state_pool, logits, next_positions = decode_forward_program(
             self.params, self.kv_pool, self.state_pool, tokens, positions, block_table, slots, cfg=self.cfg
         )
-        return logits
+        return logits, next_positions
 
-    def sample_masked(self, logits: jax.Array, slots: np.ndarray, active: np.ndarray, mask: np.ndarray):
-        """Dispatch the masked sample of `decode_forward`'s logits; read it with `read_step`."""
-        self.slot_sampling, out = masked_sample_program(
-            self.slot_sampling, logits, slots, active, mask, num_top=self.num_top
+    def sample_masked(
+        self, logits: jax.Array, slots: jax.Array, active: jax.Array, mask: np.ndarray, with_top: bool = True
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatch the masked sample of `decode_forward`'s logits: (tokens on the device, for the
+        next forward; the packed outputs, read them with `read_step`). with_top False: no top
+        alternatives (every row's top ids and logprobs come back empty)."""
+        self.slot_sampling, tokens, packed = masked_sample_program(
+            self.slot_sampling, logits, slots, active, mask, num_top=self.num_top if with_top else 0
         )
-        return out
+        return tokens, packed
 
     @staticmethod
-    def read_step(out) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens [b], logprobs [b], top ids [b, k], top logprobs [b, k]) of one masked sample."""
-        return jax.device_get(out)
+    def read_step(packed: jax.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [b], logprobs [b], top ids [b, k], top logprobs [b, k]) of one masked sample, in
+        one device-to-host transfer (k is 0 when it ran without alternatives)."""
+        return unpack_step(jax.device_get(packed))
 
     def decode(self, batch: DecodeBatch):
         """Dispatch a decode; returns its outputs (read with read_decode). `last_feed` keeps, on the
@@ -621,14 +649,14 @@ class Runner:
             bar.set_postfix_str(f"{kind} {a}x{b}")
             if kind == "prefill":
                 out = self.prefill(self.empty_prefill(a, b))
-            elif kind == "constrained decode":
+            elif kind == "constrained decode":  # with and without top alternatives
                 empty = self.empty_decode(a, 1)
-                logits = self.decode_forward(
+                logits, _ = self.decode_forward(
                     empty.tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
                 )
-                out = self.sample_masked(
-                    logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
-                )
+                mask = allow_all(a, self.mask_words)
+                idle = np.zeros(a, bool)
+                out = [self.sample_masked(logits, empty.slots, idle, mask, top) for top in (True, False)]
             else:
                 empty = self.empty_decode(a, b)
                 out = self.decode(empty)

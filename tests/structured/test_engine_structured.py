@@ -173,3 +173,36 @@ def test_a_constraint_failing_mid_way_ends_only_its_request(llm, backend, prompt
     outputs = generate(llm.core, requests)
     assert outputs["stuck"].finish_reason == "error" and "constraint" in outputs["stuck"].error
     assert outputs["free"].finish_reason == FINISH_LENGTH and len(outputs["free"].token_ids) == 12
+
+
+def _tokens_and_logprobs(core, requests: list[GenerationRequest]) -> dict[str, tuple[list, list]]:
+    """Each request's token ids and TokenLogprobs, in order (the requests run as one batch)."""
+    out: dict[str, tuple[list, list]] = {r.request_id: ([], []) for r in requests}
+    for request in requests:
+        core.add_request(request)
+    while core.has_work():
+        for event in core.step():
+            out[event.request_id][0].extend(event.token_ids)
+            out[event.request_id][1].extend(event.logprobs or [])
+    return out
+
+
+def test_logprobs_come_back_from_constrained_batches(llm, backend, prompt):
+    # A batch with a constrained row reads each step back in one packed array, with the top
+    # alternatives only when a row asked for them: a free row's logprobs are those it gets alone,
+    # and constrained rows get one logprob (with its alternatives) per token.
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=3)
+    alone = _tokens_and_logprobs(llm.core, [GenerationRequest("free", prompt, sampling)])["free"][1]
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+    mixed = [GenerationRequest("free-mixed", prompt, sampling)] + sampled_requests(
+        "person", prompt, json_constraint, 2, max_tokens=8, logprobs=2
+    )
+    together = _tokens_and_logprobs(llm.core, mixed)
+    assert len(alone) == 8 and len(together["free-mixed"][1]) == 8
+    for a, b in zip(alone, together["free-mixed"][1]):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(b.top) == 3
+    for i in range(2):
+        tokens, logprobs = together[f"person-{i}"]
+        assert tokens and [lp.token_id for lp in logprobs] == tokens
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
