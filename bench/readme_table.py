@@ -13,7 +13,7 @@ from pathlib import Path
 from bench.record import RESULTS_DIR, read_records
 
 FILES = ("ceilings-nvidia-h200.json", "decode-nvidia-h200.json", "kernels-nvidia-h200.json",
-         "speculative-nvidia-h200.json", "structured-nvidia-h200.json", "mtp-acceptance-cpu.json",
+         "attention-kernels-nvidia-h200.json", "moe-kernels-nvidia-h200.json", "speculative-nvidia-h200.json", "structured-nvidia-h200.json", "mtp-acceptance-cpu.json",
          "prefix-replay-cpu-default.json", "prefix-replay-cpu.json")  # fmt: skip
 
 
@@ -34,6 +34,11 @@ def table(results_dir: Path = RESULTS_DIR, kernel_rows: int = 4) -> str:
             continue
         if path.name.startswith("kernels"):  # the largest matrices only; the file has every shape
             records = [r for r in records if "gate_up" in r["name"]][:kernel_rows]
+        elif path.name.startswith("attention-kernels"):  # bf16 KV at 32K; the file has every format
+            records = [r for r in records if " bf16 " in r["name"] and r["name"].endswith("ctx32k")]
+        elif path.name.startswith("moe-kernels"):  # gate_up, uniform routing, batch 1 and 8
+            records = [r for r in records if "gate_up" in r["name"] and r["name"].endswith("uniform")
+                       and (" batch1 " in r["name"] or " batch8 " in r["name"])]  # fmt: skip
         for r in records:
             ceiling = f"{r['ceiling']:.4g} {r['ceiling_unit']}" if r.get("ceiling") else "-"
             fraction = f"{r['fraction']:.1%}" if r.get("fraction") is not None else "-"
