@@ -637,12 +637,15 @@ class Runner:
                 out = self.prefill(self.empty_prefill(a, b))
             elif kind == "constrained decode":
                 empty = self.empty_decode(a, 1)
-                logits = self.decode_forward(
-                    empty.tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
-                )
-                out = self.sample_masked(
-                    logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
-                )
+                tokens = empty.tokens
+                for _ in range(2):  # the first step feeds host ids, later ones the last sample's tokens
+                    logits = self.decode_forward(
+                        tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
+                    )
+                    out = self.sample_masked(
+                        logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
+                    )
+                    tokens = out[0]
             else:
                 empty = self.empty_decode(a, b)
                 out = self.decode(empty)
