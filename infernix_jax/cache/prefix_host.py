@@ -52,7 +52,9 @@ class HostMemory:
         if pinned:
             log.info("prefix cache host tier: %s memory of %s", PINNED_HOST, device)
         else:
-            log.info("prefix cache host tier: %s offers no %s memory; using numpy arrays", device, PINNED_HOST)
+            log.info(
+                "prefix cache host tier: %s offers no %s memory; using numpy arrays", device, PINNED_HOST
+            )
         return cls(device, pinned)
 
     @property

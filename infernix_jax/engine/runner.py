@@ -409,8 +409,9 @@ class Runner:
         self.snapshots_per_chunk = snapshots_per_chunk if cfg.linear_attention_layers else 0
         self.reset_pools()
         # the prefix cache's host tier: pinned host memory beside the pools' device where it exists
-        device = next(iter(jax.tree.leaves(self.kv_pool)[0].devices()))
-        self.host_memory = HostMemory.for_device(device) if config.prefix_cache else HostMemory(device, False)
+        self.host_memory = (
+            HostMemory.for_device(self.device) if config.prefix_cache else HostMemory(self.device, False)
+        )
 
     @property
     def snapshot_slots(self) -> range:
@@ -430,9 +431,10 @@ class Runner:
         # Committed to their device from the start. A program's outputs are committed when any input
         # is (the prefix cache's uploads are: docs/prefix_cache.md), and jit compiles a program anew
         # for committed inputs: pools committed only after warm-up would compile every bucket again.
-        device = next(iter(jax.tree.leaves(self.kv_pool)[0].devices()))
+        # (For the same reason `decode` commits what it feeds: host arrays or the last dispatch's.)
+        self.device = next(iter(jax.tree.leaves(self.kv_pool)[0].devices()))
         self.kv_pool, self.state_pool, self.slot_sampling = jax.device_put(
-            (self.kv_pool, self.state_pool, self.slot_sampling), device
+            (self.kv_pool, self.state_pool, self.slot_sampling), self.device
         )
 
     def _sampling_arrays(self, params, seeds, batch: int) -> SamplingArrays:
@@ -494,6 +496,7 @@ class Runner:
         """Dispatch one decode forward (returns at once); the logits stay on the device."""
         if self.ngram_table is not None:
             raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+        tokens = jax.device_put(tokens, self.device)  # host ids or the last sample's: one program
         self.kv_pool, self.state_pool, logits = decode_forward_program(
             self.params, self.kv_pool, self.state_pool, tokens, positions, block_table, slots, cfg=self.cfg
         )
@@ -514,16 +517,18 @@ class Runner:
     def decode(self, batch: DecodeBatch):
         """Dispatch a decode; returns its outputs (read with read_decode). `last_feed` keeps, on the
         device, each row's last sampled token and whether it stopped, for next_decode_inputs."""
+        # host arrays, or device ones from the dispatch before (asynchronous decode): one program
+        fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps), self.device)
         self.kv_pool, self.state_pool, self.slot_sampling, out, self.last_feed = decode_program(
             self.params,
             self.kv_pool,
             self.state_pool,
             self.slot_sampling,
-            batch.tokens,
-            batch.positions,
+            fed[0],
+            fed[1],
             batch.block_table,
             batch.slots,
-            batch.max_steps,
+            fed[2],
             batch.ngram_rows,
             cfg=self.cfg,
             steps=batch.steps,
@@ -637,15 +642,12 @@ class Runner:
                 out = self.prefill(self.empty_prefill(a, b))
             elif kind == "constrained decode":
                 empty = self.empty_decode(a, 1)
-                tokens = empty.tokens
-                for _ in range(2):  # the first step feeds host ids, later ones the last sample's tokens
-                    logits = self.decode_forward(
-                        tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
-                    )
-                    out = self.sample_masked(
-                        logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
-                    )
-                    tokens = out[0]
+                logits = self.decode_forward(
+                    empty.tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
+                )
+                out = self.sample_masked(
+                    logits, empty.slots, np.zeros(a, bool), allow_all(a, self.mask_words)
+                )
             else:
                 empty = self.empty_decode(a, b)
                 out = self.decode(empty)

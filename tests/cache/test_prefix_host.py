@@ -74,7 +74,10 @@ def test_rows_copied_to_the_host_and_back_are_unchanged(kind):
     memory = HostMemory(DEVICE, kind == PINNED_HOST)
     rng = np.random.default_rng(0)
     rows = [
-        {"k": jnp.asarray(rng.normal(size=(4, 3)), jnp.bfloat16), "s": jnp.asarray(rng.normal(size=5), jnp.float32)}
+        {
+            "k": jnp.asarray(rng.normal(size=(4, 3)), jnp.bfloat16),
+            "s": jnp.asarray(rng.normal(size=5), jnp.float32),
+        }
         for _ in range(3)
     ]
     stored = memory.store(rows)
