@@ -58,10 +58,6 @@ class HostMemory:
         return cls(device, pinned)
 
     @property
-    def kind(self) -> str:
-        return PINNED_HOST if self.pinned else "numpy"
-
-    @property
     def _on_host(self) -> jax.sharding.Sharding:
         return jax.sharding.SingleDeviceSharding(self.device, memory_kind=PINNED_HOST)
 
