@@ -8,8 +8,10 @@ that use them (BlockAllocator); the cache holds one reference per entry. A block
 when only cache entries reference it. Snapshots occupy dedicated state-pool slots
 (`snapshot_slots`), separate from the requests' slots.
 
-Host tier. Evicted entries are copied to host memory (numpy arrays) within `host_bytes`; a hit on them is uploaded into fresh blocks /
-the request's slot. Entries that fit nowhere are dropped, with everything that hangs off them.
+Host tier. Evicted entries are copied to host memory within `host_bytes`: pinned host RAM where the
+backend has it, else numpy (the device's choice: cache/prefix_host.py). The copy is not waited for.
+A hit on them is uploaded into fresh blocks / the request's slot. Entries that fit nowhere are
+dropped, with everything that hangs off them.
 
 Taking a snapshot never copies KV: the entry references the block its tail lives in, which the
 owning request only ever writes at later positions. Restoring one gives the new request a private
@@ -26,6 +28,7 @@ from typing import Protocol
 
 from infernix_jax.cache.allocators import BLOCK_SIZE, BlockAllocator
 from infernix_jax.cache.prefix_file import FileEntry
+from infernix_jax.cache.prefix_host import to_numpy
 from infernix_jax.cache.prefix_index import (
     BlockEntry,
     HostData,
@@ -49,6 +52,9 @@ class PoolDevice(Protocol):
     def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
     def read_states(self, slots: Sequence[int]) -> list[HostData]: ...
     def write_states(self, slots: Sequence[int], data: Sequence[HostData]) -> None: ...
+    def to_host(self, data: HostData) -> HostData:
+        """Host data from the file (numpy) in the host tier's own memory."""
+        ...
 
 
 @dataclass
@@ -408,19 +414,19 @@ class PrefixCache:
 
     # ---- the file tier -------------------------------------------------------------------------
     def export_entries(self) -> list[FileEntry]:
-        """Every entry with its data on the host (GPU copies are read back), for `save_prefix_file`."""
+        """Every entry with its data in numpy (GPU copies are read back), for `save_prefix_file`."""
         blocks = list(self.index.blocks.values())
         on_gpu = [e for e in blocks if e.host is None]
         read = dict(zip(map(id, on_gpu), self._read_blocks([e.gpu for e in on_gpu])))
         out = []
         for e in blocks:
             meta = {"key": e.key.hex(), "parent": e.parent.hex(), "depth": e.depth, "tokens": list(e.tokens)}
-            out.append(FileEntry("block", meta, {"host": e.host or read[id(e)]}, e.last_used))
+            out.append(FileEntry("block", meta, {"host": to_numpy(e.host or read[id(e)])}, e.last_used))
         for s in self.index.all_snapshots():
             state = s.state if s.state is not None else self.device.read_states([s.slot])[0]
-            arrays = {"state": state}
+            arrays = {"state": to_numpy(state)}
             if s.tail:
-                arrays["tail_host"] = s.tail_host or self.device.read_blocks([s.tail_gpu])[0]
+                arrays["tail_host"] = to_numpy(s.tail_host or self.device.read_blocks([s.tail_gpu])[0])
             meta = {"node": s.node.hex(), "tail": list(s.tail), "position": s.position}
             out.append(FileEntry("snapshot", meta, arrays, s.last_used))
         return out
@@ -432,8 +438,8 @@ class PrefixCache:
         return out
 
     def import_entries(self, entries: Sequence[FileEntry]) -> int:
-        """Add entries loaded from a file to the host tier, most recently used first, while the host
-        budget lasts. Returns the number added."""
+        """Add entries loaded from a file to the host tier (in its memory: `PoolDevice.to_host`), most
+        recently used first, while the host budget lasts. Returns the number added."""
         added = 0
         for f in sorted(entries, key=lambda e: -e.last_used):
             arrays = f.arrays
@@ -451,7 +457,7 @@ class PrefixCache:
                     tuple(f.meta["tokens"]),
                     origin="file",
                 )
-                entry.host = arrays["host"]
+                entry.host = self.device.to_host(arrays["host"])
                 self.index.add_block(entry)
             else:
                 tail = tuple(f.meta["tail"])
@@ -459,8 +465,9 @@ class PrefixCache:
                 if tail in self.index.snapshots.get(node, {}):
                     continue
                 entry = SnapshotEntry(node, tail, f.meta["position"], origin="file")
-                entry.state = arrays["state"] if self.stateful else ()
-                entry.tail_host = arrays.get("tail_host") if tail else None
+                entry.state = self.device.to_host(arrays["state"]) if self.stateful else ()
+                if tail and "tail_host" in arrays:
+                    entry.tail_host = self.device.to_host(arrays["tail_host"])
                 self.index.add_snapshot(entry)
             self.host_used += nbytes
             added += 1

@@ -46,6 +46,8 @@ from infernix_jax.cache import (
     create_state_pool,
     scatter_snapshots,
 )
+from infernix_jax.cache.prefix_host import HostMemory
+from infernix_jax.cache.prefix_index import HostData
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import allow_all
@@ -326,13 +328,17 @@ def copy_rows_program(pool, src: jax.Array, dst: jax.Array):
 
 @jit
 def gather_rows_program(pool, ids: jax.Array):
-    return jax.tree.map(lambda x: x[ids], pool)
+    """One pytree per id (a row of every leaf's leading axis), so that each row moves to the host
+    tier on its own (cache/prefix_host.py)."""
+    return tuple(jax.tree.map(lambda x, j=j: x[ids[j]], pool) for j in range(ids.shape[0]))
 
 
 @partial(jit, donate_argnames=("pool",))
 def scatter_rows_program(pool, ids: jax.Array, rows):
+    """pool leaves[ids[j]] = rows[j] (a tuple of per-row pytrees on the device); id 0 is dropped."""
+    stacked = jax.tree.map(lambda *r: jnp.stack(r), *rows)
     return jax.tree.map(
-        lambda x, r: x.at[_drop_target(ids, x.shape[0])].set(r.astype(x.dtype), mode="drop"), pool, rows
+        lambda x, r: x.at[_drop_target(ids, x.shape[0])].set(r.astype(x.dtype), mode="drop"), pool, stacked
     )
 
 
@@ -423,6 +429,10 @@ class Runner:
         self.num_snapshot_slots = num_snapshot_slots
         self.snapshots_per_chunk = snapshots_per_chunk if cfg.linear_attention_layers else 0
         self.reset_pools()
+        # the prefix cache's host tier: pinned host memory beside the pools' device where it exists
+        self.host_memory = (
+            HostMemory.for_device(self.device) if config.prefix_cache else HostMemory(self.device, False)
+        )
 
     @property
     def snapshot_slots(self) -> range:
@@ -438,6 +448,14 @@ class Runner:
         self.slot_sampling = SlotSampling(
             arrays=self._sampling_arrays([], [], self.num_slots),
             penalties=PenaltyState.zeros(self.num_slots, self.cfg.vocab_size),
+        )
+        # Committed to their device from the start. A program's outputs are committed when any input
+        # is (the prefix cache's uploads are: docs/prefix_cache.md), and jit compiles a program anew
+        # for committed inputs: pools committed only after warm-up would compile every bucket again.
+        # (For the same reason `decode` commits what it feeds: host arrays or the last dispatch's.)
+        self.device = next(iter(jax.tree.leaves(self.kv_pool)[0].devices()))
+        self.kv_pool, self.state_pool, self.slot_sampling = jax.device_put(
+            (self.kv_pool, self.state_pool, self.slot_sampling), self.device
         )
 
     def _sampling_arrays(self, params, seeds, batch: int) -> SamplingArrays:
@@ -501,6 +519,10 @@ class Runner:
         each numpy argument is a host-to-device copy per call."""
         if self.ngram_table is not None:
             raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+        # committed to the device, as the pools are: host ids or the last sample's, one program
+        tokens, positions, block_table, slots = (
+            jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots)
+        )
         self.kv_pool, self.state_pool, logits, next_positions = decode_forward_program(
             self.params, self.kv_pool, self.state_pool, tokens, positions, block_table, slots, cfg=self.cfg
         )
@@ -512,6 +534,7 @@ class Runner:
         """Dispatch the masked sample of `decode_forward`'s logits: (tokens on the device, for the
         next forward; the packed outputs, read them with `read_step`). with_top False: no top
         alternatives (every row's top ids and logprobs come back empty)."""
+        slots, active, mask = (jax.device_put(a, self.device) for a in (slots, active, mask))
         self.slot_sampling, tokens, packed = masked_sample_program(
             self.slot_sampling, logits, slots, active, mask, num_top=self.num_top if with_top else 0
         )
@@ -526,16 +549,18 @@ class Runner:
     def decode(self, batch: DecodeBatch):
         """Dispatch a decode; returns its outputs (read with read_decode). `last_feed` keeps, on the
         device, each row's last sampled token and whether it stopped, for next_decode_inputs."""
+        # host arrays, or device ones from the dispatch before (asynchronous decode): one program
+        fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps), self.device)
         self.kv_pool, self.state_pool, self.slot_sampling, out, self.last_feed = decode_program(
             self.params,
             self.kv_pool,
             self.state_pool,
             self.slot_sampling,
-            batch.tokens,
-            batch.positions,
+            fed[0],
+            fed[1],
             batch.block_table,
             batch.slots,
-            batch.max_steps,
+            fed[2],
             batch.ngram_rows,
             cfg=self.cfg,
             steps=batch.steps,
@@ -591,40 +616,38 @@ class Runner:
         for s, d in zip(_padded(src), _padded(dst)):
             self.state_pool = copy_rows_program(self.state_pool, s, d)
 
-    def read_blocks(self, ids: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+    def read_blocks(self, ids: Sequence[int]) -> list[HostData]:
         return self._read_rows(self.kv_pool, ids)
 
-    def read_states(self, slots: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+    def read_states(self, slots: Sequence[int]) -> list[HostData]:
         return self._read_rows(self.state_pool, slots)
 
-    def write_blocks(self, ids: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]) -> None:
+    def write_blocks(self, ids: Sequence[int], data: Sequence[HostData]) -> None:
         self.kv_pool = self._write_rows(self.kv_pool, ids, data)
 
-    def write_states(self, slots: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]) -> None:
+    def write_states(self, slots: Sequence[int], data: Sequence[HostData]) -> None:
         self.state_pool = self._write_rows(self.state_pool, slots, data)
 
-    @staticmethod
-    def _read_rows(pool, ids: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
-        out = []
-        for batch in _padded(ids):
-            leaves = [
-                np.asarray(x) for x in jax.tree.leaves(jax.device_get(gather_rows_program(pool, batch)))
-            ]
-            out.extend(tuple(leaf[i] for leaf in leaves) for i in range(ROW_PROGRAM_WIDTH))
-        return out[: len(ids)]
+    def to_host(self, data: HostData) -> HostData:
+        return self.host_memory.adopt(data)
 
-    @staticmethod
-    def _write_rows(pool, ids: Sequence[int], data: Sequence[tuple[np.ndarray, ...]]):
-        leaves, treedef = jax.tree.flatten(pool)
+    def _read_rows(self, pool, ids: Sequence[int]) -> list[HostData]:
+        """Host copies of pool rows (pinned host memory: the copies are still in flight on return)."""
+        out = []
         for start, batch in zip(range(0, len(ids), ROW_PROGRAM_WIDTH), _padded(ids)):
-            part = data[start : start + ROW_PROGRAM_WIDTH]
-            rows = []
-            for j, leaf in enumerate(leaves):
-                block = np.zeros((ROW_PROGRAM_WIDTH,) + leaf.shape[1:], leaf.dtype)
-                for i, row in enumerate(part):
-                    block[i] = row[j]
-                rows.append(block)
-            pool = scatter_rows_program(pool, batch, jax.tree.unflatten(treedef, rows))
+            rows = gather_rows_program(pool, batch)[: len(ids) - start]
+            out.extend(self.host_memory.store(rows))
+        return out
+
+    def _write_rows(self, pool, ids: Sequence[int], data: Sequence[HostData]):
+        """Upload host rows (either kind) into pool rows `ids`; padding repeats the first row (to id 0:
+        dropped), so every dispatch has the one compiled shape and uploads only real rows."""
+        treedef = jax.tree.structure(pool)
+        for start, batch in zip(range(0, len(ids), ROW_PROGRAM_WIDTH), _padded(ids)):
+            part = self.host_memory.load(data[start : start + ROW_PROGRAM_WIDTH])
+            part += [part[0]] * (ROW_PROGRAM_WIDTH - len(part))
+            rows = tuple(jax.tree.unflatten(treedef, list(row)) for row in part)
+            pool = scatter_rows_program(pool, batch, rows)
         return pool
 
     # ---- warm-up -------------------------------------------------------------------------------
@@ -661,13 +684,16 @@ class Runner:
                 empty = self.empty_decode(a, b)
                 out = self.decode(empty)
                 if self.config.async_decode and self.ngram_table is None:  # fed from the last one's outputs
-                    count = jnp.zeros(a, jnp.int32)
-                    tokens, positions, max_steps, _ = next_decode_inputs(
-                        *self.last_feed, count, empty.positions, count, steps=b
-                    )
-                    out = self.decode(
-                        dataclasses.replace(empty, tokens=tokens, positions=positions, max_steps=max_steps)
-                    )
+                    # as async_decode.py feeds it: the first follow-up from host positions and budget,
+                    # later ones from device arrays (jit keys its programs on which are committed)
+                    positions, budget = empty.positions, np.zeros(a, np.int32)
+                    for _ in range(2):
+                        tokens, positions, max_steps, budget = next_decode_inputs(
+                            *self.last_feed, out[0], positions, budget, steps=b
+                        )
+                        out = self.decode(
+                            dataclasses.replace(empty, tokens=tokens, positions=positions, max_steps=max_steps)
+                        )
             jax.block_until_ready(out)
             bar.update(1)
         bar.close()

@@ -39,6 +39,9 @@ class FakeDevice:
         for s, (row,) in zip(slots, data):
             self.state[s] = row
 
+    def to_host(self, data):
+        return tuple(np.array(a) for a in data)
+
 
 def make(stateful=True, num_blocks=9, host_bytes=1 << 20):
     blocks = BlockAllocator(num_blocks)

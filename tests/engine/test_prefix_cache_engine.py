@@ -2,18 +2,21 @@
 
 Hybrid (qwen3_next: Gated DeltaNet + attention, MoE) and dense (qwen3_dense) tiny checkpoints in
 float32. The reference for each prompt is the same engine with an empty cache (`clear()`), so the
-only difference between the two runs is where the prefix's KV and state came from.
+only difference between the two runs is where the prefix's KV and state came from. The engine is
+warmed up, and nothing may compile after that: moving entries to the host tier and back included.
 """
 
 from __future__ import annotations
 
 import logging
 
+import jax
 import numpy as np
 import pytest
 
 import infernix_jax
 from infernix_jax.cache.prefix_file import MAGIC
+from infernix_jax.cache.prefix_host import PINNED_HOST
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
@@ -69,10 +72,26 @@ def assert_same(hit, cold) -> None:
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
+@pytest.fixture(scope="module")
+def compilations():
+    """XLA compilations counted since the last engine of the `core` fixture finished its warm-up."""
+    counter = {"n": 0}
+
+    def listen(event: str, duration: float, **kwargs) -> None:
+        counter["n"] += event == "/jax/core/compile/backend_compile_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield counter
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_dense"])
-def core(request):
+def core(request, compilations):
+    """A warmed-up engine: none of the tests below may compile (moving entries between tiers included)."""
     model = infernix_jax.load(HF_FIXTURES / request.param, max_context=512)
-    return EngineCore(model.config, model.params, CONFIG)
+    core = EngineCore(model.config, model.params, CONFIG.replace(warmup=True, structured_output=False))
+    compilations["n"] = 0
+    return core
 
 
 def test_a_hit_mid_prompt_equals_a_cold_prefill(core):
@@ -117,7 +136,7 @@ def test_a_two_turn_chat_reuses_all_of_turn_one(core):
     assert_same(hit, cold)
 
 
-def test_evicted_to_host_and_back_gives_the_same_output(core):
+def test_evicted_to_host_and_back_gives_the_same_output_without_compiling(core, compilations):
     cache = core.prefix_cache
     cache.clear()
     target = prompt(130, 6)
@@ -128,11 +147,16 @@ def test_evicted_to_host_and_back_gives_the_same_output(core):
     for seed in range(10, 16):  # other prompts push the target's blocks out of the 16-block pool
         run(core, prompt(200, seed))
     assert cache.stats.evicted_to_host > 0
-    assert any(e.host is not None for e in cache.index.blocks.values())
+    host = [e.host for e in cache.index.blocks.values() if e.host is not None]
+    assert host, "blocks were evicted to the host tier"
+    pinned = core.runner.host_memory.pinned  # wherever the backend offers pinned_host (the CPU does)
+    for data in host:
+        assert all(a.sharding.memory_kind == PINNED_HOST if pinned else isinstance(a, np.ndarray) for a in data)
     hit = run(core, target + [7, 8, 9])
     assert hit[2] == 129
     assert cache.stats.hit_tokens_by_tier["host"] > before["host"], "the hit came back from host memory"
     assert_same(hit, cold)
+    assert compilations["n"] == 0, f"{compilations['n']} compilations after warm-up (here or in an earlier test)"
 
 
 def test_cached_blocks_are_never_freed_while_a_request_uses_them(core):
