@@ -230,7 +230,6 @@ class NVFP4Weight(QuantizedWeight):
             **nvfp4_tiles(*x2d.shape, self.shape[0]),
         )
 
-
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
         if self.ndim != 3 or jnp.ndim(self.tensor_scale) != 1:
             return None
@@ -320,7 +319,6 @@ class FP8Weight(QuantizedWeight):
         return fp8_matmul(
             x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
         )
-
 
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
         b = self.block_size

@@ -16,6 +16,7 @@ from infernix_jax.model.params import MoEParams
 from infernix_jax.weights.quant import (
     grouped_expert_matmul,
     grouped_kernel_ready,
+    grouped_tiles,
     kernel_mode,
     quantize_fp8,
     quantize_int8,
@@ -33,7 +34,9 @@ QUANTIZERS = {
 
 def _config() -> ModelConfig:
     base = ModelConfig.from_hf_config(json.loads((HF_FIXTURES / "qwen3_next" / "config.json").read_text()))
-    return dataclasses.replace(base, hidden_size=D, num_experts=E, num_experts_per_tok=TOP_K, mtp_num_layers=0)
+    return dataclasses.replace(
+        base, hidden_size=D, num_experts=E, num_experts_per_tok=TOP_K, mtp_num_layers=0
+    )
 
 
 def _block(fmt: str, seed: int = 0) -> MoEParams:
@@ -58,8 +61,8 @@ def _uses_pallas(fn, *args) -> bool:
     return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
 
 
-# Decode: 3 tokens, expert 5 shared by all three, expert 0 by two, five experts empty.
-DECODE_IDS = [[0, 5], [5, 2], [0, 5]]
+# Decode: 3 tokens, expert 5 shared by all three, expert 0 by two, five experts empty; and one token.
+ROUTINGS = {"decode": [[0, 5], [5, 2], [0, 5]], "one_token": [[6, 3]]}
 
 
 def _prefill_ids(tokens: int) -> np.ndarray:
@@ -69,10 +72,10 @@ def _prefill_ids(tokens: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
-@pytest.mark.parametrize("case", ["decode", "prefill"])
+@pytest.mark.parametrize("case", ["one_token", "decode", "prefill"])
 def test_kernel_expert_outputs_equal_the_reference_path(fmt, case):
     p = _block(fmt)
-    ids = jnp.asarray(DECODE_IDS if case == "decode" else _prefill_ids(24), jnp.int32)
+    ids = jnp.asarray(ROUTINGS[case] if case in ROUTINGS else _prefill_ids(24), jnp.int32)
     x = jax.random.normal(jax.random.key(1), (ids.shape[0], D), jnp.bfloat16)
     with kernel_mode("reference"):
         assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
@@ -137,3 +140,21 @@ def test_grouped_expert_matmul_rejects_mismatched_shapes():
         grouped_expert_matmul(jnp.zeros((4, D)), w, jnp.zeros((E + 1,), jnp.int32), tokens=2)
     with pytest.raises(ValueError, match="expected xs"):
         grouped_expert_matmul(jnp.zeros((4, D + 16)), w, jnp.zeros((E,), jnp.int32), tokens=2)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16])
+def test_decode_tiles_read_each_routed_expert_once(tokens):
+    """An expert gets at most `tokens` rows in decode; a work item of block_m >= tokens rows
+    holds all of them, so the kernel streams that expert's weights once."""
+    for fmt, block_size in (("nvfp4", None), ("fp8", None), ("fp8", 128)):
+        tiles = grouped_tiles(fmt, tokens, tokens * 10, block_size)
+        assert tiles["block_m"] >= tokens
+        assert tiles["variant"] == ("gemv" if tokens == 1 else "dot_t")
+
+
+def test_prefill_tiles_use_tensor_cores_and_fit_the_fp8_scale_block():
+    tiles = grouped_tiles("nvfp4", 256, 2560)
+    assert (tiles["variant"], tiles["block_m"]) == ("dot", 64)
+    for tokens in (1, 4, 256):
+        tiles = grouped_tiles("fp8", tokens, tokens * 10, block_size=32)
+        assert 32 % tiles["block_n"] == 0 and 32 % tiles["block_k"] == 0
