@@ -158,3 +158,29 @@ def test_prefill_tiles_use_tensor_cores_and_fit_the_fp8_scale_block():
     for tokens in (1, 4, 256):
         tiles = grouped_tiles("fp8", tokens, tokens * 10, block_size=32)
         assert 32 % tiles["block_n"] == 0 and 32 % tiles["block_k"] == 0
+
+
+def test_whole_forward_with_nvfp4_experts_is_the_same_through_the_kernel():
+    """A tiny hybrid MoE (32 experts, top-4, NVFP4 experts): prefill of 12 tokens, then one
+    decode step, in interpret mode and in reference mode."""
+    from infernix_jax.cache.sequence import init_cache
+    from infernix_jax.model.forward import forward
+    from tests.experts.tiny_moe import tiny_config, tiny_params
+
+    cfg = tiny_config()
+    params = tiny_params(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 13)), jnp.int32)
+
+    def run():
+        step = jax.jit(forward, static_argnums=4)
+        cache = init_cache(cfg, 1, 32)
+        prefill, _, cache = step(params, tokens[:, :12], jnp.arange(12)[None], cache, cfg)
+        decode, _, _ = step(params, tokens[:, 12:], jnp.full((1, 1), 12), cache, cfg)
+        return np.asarray(prefill), np.asarray(decode)
+
+    with kernel_mode("reference"):
+        want = run()
+    with kernel_mode("interpret"):
+        got = run()
+    for g, w in zip(got, want):
+        _close(g, w)
