@@ -2,7 +2,10 @@
 
     python -m bench.decode                                   # GPU: 27b and moe, ctx 8K/32K, batch 1/8
     python -m bench.decode --shapes 27b --contexts 1024,131072 --batches 1,8,64
+    python -m bench.decode --shapes 27b --contexts 8192 --batches 1 --weights nvfp4
+    python -m bench.decode --shapes moe --contexts 8192 --weights nvfp4
     python -m bench.decode --quick                           # tiny model, any machine
+    python -m bench.decode --quick --weights nvfp4
 
 For each (shape, context, batch) the engine runs decode dispatches of `--steps` steps over
 `batch` requests whose prompts of `context` tokens are already in the cache (zeros: decode cost
@@ -10,7 +13,13 @@ does not depend on KV values). Figure: generated tokens per second over all rows
 engine's own step loop (host work included). Ceiling: HBM read bandwidth measured in the same run
 divided by the bytes one step must read (weights with top-k experts, every row's KV, the state
 slots) times the batch. The record's details carry the host's share of decode time.
-Records go to bench/results/decode-<machine>.json.
+
+`--weights nvfp4|fp8` quantizes the random model's projections and routed experts on the device,
+leaf by leaf (bench.engine_setup.quantized_params); quantized weights count as their packed bytes
+plus scales in the ceiling. On a GPU, NVFP4 / FP8 weights run through the Pallas kernels
+(infernix_jax/weights/quant.py); on the CPU through the dequantizing reference. Record names
+carry the weight format ("decode 27b nvfp4 batch1 ctx8k"; the KV dtype follows it when not bf16).
+Records go to bench/results/decode-<machine>.json (`-<weights>` added for quantized weights).
 """
 
 from __future__ import annotations
@@ -24,11 +33,24 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import QUICK, Sizes, measure_hbm_read
-from bench.engine_setup import build_model, decode_bytes_per_step, make_core, place_prompts_without_compute
+from bench.engine_setup import (
+    WEIGHT_FORMATS,
+    build_model,
+    decode_bytes_per_step,
+    make_core,
+    place_prompts_without_compute,
+)
 from bench.record import context_label, git_commit, machine_name, make_record, write_records
 
 
-def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit):
+def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
+    """E.g. "decode 27b nvfp4 batch1 ctx8k"; a KV dtype other than bf16 follows the weights."""
+    formats = weights if kv_dtype == "bf16" else f"{weights} kv-{kv_dtype}"
+    return f"decode {shape} {formats} batch{batch} {context_label(context)}"
+
+
+def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit,
+            weights="bf16"):  # fmt: skip
     dtype = params.final_norm.dtype
     core = make_core(
         cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256,
@@ -54,9 +76,10 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
     ceiling = batch * bandwidth / step_bytes
     figure = tokens / wall
-    name = f"decode {shape} {kv_dtype} batch{batch} {context_label(context)}"
+    name = record_name(shape, weights, kv_dtype, batch, context)
     return make_record(name, figure, "tok/s", ceiling, "tok/s", machine=machine, commit=commit, details={
-        "batch": batch, "context": context, "steps_per_dispatch": steps, "dispatches": dispatches,
+        "weights": weights, "kv_dtype": kv_dtype, "batch": batch, "context": context,
+        "steps_per_dispatch": steps, "dispatches": dispatches,
         "bytes_per_step": step_bytes, "hbm_read_GBps": bandwidth / 1e9,
         "host_fraction": 1 - dispatches * device_s / wall,
         "host_fraction_not_waiting": 1 - device_wait / decode_wall if decode_wall > 0 else None,
@@ -95,6 +118,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
     parser.add_argument("--dispatches", type=int, default=8)
     parser.add_argument("--kv-dtype", default="bf16")
+    parser.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS,
+                        help="projections and experts in bf16, or quantized to nvfp4 / fp8 on the device")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (any machine)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -104,14 +129,15 @@ def main(argv: list[str] | None = None):
     bandwidth = measure_hbm_read(QUICK if args.quick else Sizes()).rate
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
-    out = args.out or f"decode-{slug}{'-quick' if args.quick else ''}.json"
+    suffix = ("" if args.weights == "bf16" else f"-{args.weights}") + ("-quick" if args.quick else "")
+    out = args.out or f"decode-{slug}{suffix}.json"
     records = []
     for shape in args.shapes.split(","):
-        cfg, params = build_model(shape, dtype)
+        cfg, params = build_model(shape, dtype, weights=args.weights)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches, args.kv_dtype,
-                                 bandwidth, machine, commit)  # fmt: skip
+                                 bandwidth, machine, commit, args.weights)  # fmt: skip
                 print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
                       f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
                 records.append(record)

@@ -6,24 +6,32 @@ Shapes (random bf16 weights built directly on the accelerator, no files):
 - ``moe``: Qwen3-Next-80B-A3B's layer shapes with 24 of its 48 layers (~40B parameters, 3B active
   per token at the full depth), so that bf16 weights fit on one H200.
 - ``tiny``: a small hybrid MoE for ``--quick`` runs on any machine.
+
+Weights (``WEIGHT_FORMATS``): ``bf16``, or ``nvfp4`` / ``fp8`` for every linear projection and
+routed expert stack, quantized on the device with the conversion recipes of the same names
+(router, norms, embeddings and lm_head stay in the model dtype, as ModelOpt leaves them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conversion.recipes import RECIPES, module_class
 from infernix_jax.cache import BLOCK_SIZE, kv_bytes_per_block, state_bytes_per_slot
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
 from infernix_jax.engine.request_state import Status
-from infernix_jax.model.params import init_params
+from infernix_jax.model.params import Decl, declare_params, init_params, param_dtype
+from infernix_jax.weights.hf import path_str
+from infernix_jax.weights.quant import quantize_fp8, quantize_nvfp4
 
 QWEN3_5_27B = dict(  # noqa: C408 - the shape of a config.json
     architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120,
@@ -49,24 +57,62 @@ TINY = dict(QWEN3_NEXT_24_LAYERS,
 SHAPES = {"27b": QWEN3_5_27B, "moe": QWEN3_NEXT_24_LAYERS, "tiny": TINY}
 
 
-def build_model(shape: str, dtype=jnp.bfloat16, seed: int = 0):
-    """(cfg, params) with random weights created on the default device."""
+WEIGHT_FORMATS = ("bf16", "nvfp4", "fp8")
+_QUANTIZERS = {"nvfp4": quantize_nvfp4, "fp8": quantize_fp8}
+
+
+def build_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, weights: str = "bf16"):
+    """(cfg, params) with random weights created on the default device; `weights` "nvfp4" or
+    "fp8" quantizes the projections and experts leaf by leaf (`quantized_params`)."""
     cfg = ModelConfig.from_hf_config(SHAPES[shape])
-    params = init_params(cfg, jax.random.key(seed), dtype, with_mtp=False)
-    return cfg, params
+    if weights == "bf16":
+        return cfg, init_params(cfg, jax.random.key(seed), dtype, with_mtp=False)
+    return cfg, quantized_params(cfg, jax.random.key(seed), dtype, weights)
+
+
+def quantized_params(cfg: ModelConfig, key: jax.Array, dtype, fmt: str):
+    """Random weights (the same values as `init_params` with this key) with every leaf that the
+    conversion recipe `fmt` quantizes stored in that format.
+
+    Each leaf is made, quantized and dropped before the next is made, so the peak is the
+    quantized model plus one leaf's working set, never the whole model in `dtype` (27B in bf16
+    is 54 GB). Leaves the format cannot hold (NVFP4 needs K % 16 == 0) stay in `dtype`."""
+    if fmt not in _QUANTIZERS:
+        raise ValueError(f"weights={fmt!r} must be one of {WEIGHT_FORMATS}")
+    recipe, quantize = RECIPES[fmt], _QUANTIZERS[fmt]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        declare_params(cfg, with_mtp=False), is_leaf=lambda x: isinstance(x, Decl)
+    )
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, decl), k in zip(flat, keys):
+        leaf = decl.make(k, param_dtype(decl, dtype), cfg.zero_centered_norm)
+        quantizable = recipe.format_for(module_class(path_str(path))) == fmt and leaf.ndim >= 2
+        if quantizable and not (fmt == "nvfp4" and leaf.shape[-1] % 16):
+            quantized = jax.block_until_ready(quantize(leaf))
+            del leaf  # the last reference: its device buffer is freed here
+            leaf = quantized
+        leaves.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# A routed expert stack leaf: .layers[i].moe.gate_proj / up_proj / down_proj (itself or a
+# quantized weight's packed data and scales), not the shared expert.
+_EXPERT_LEAF = re.compile(r"\.moe\.(gate_proj|up_proj|down_proj)(\.|$)")
 
 
 def weight_bytes_per_token(cfg: ModelConfig, params) -> int:
     """Bytes of weights one decode step must read: everything except the experts not routed to
     (at batch b up to b * top_k experts are read; this counts top_k, the batch-1 figure) and the
-    embedding table (one row is read)."""
+    embedding table (one row is read). Quantized weights count as stored: packed data plus every
+    scale, the per-expert scales of routed experts top_k / E of them like the data."""
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = jax.tree_util.keystr(path)
         size = math.prod(leaf.shape) * leaf.dtype.itemsize
         if name.startswith(".embed"):
-            size = leaf.shape[-1] * leaf.dtype.itemsize
-        elif cfg.num_experts and leaf.ndim >= 3 and leaf.shape[0] == cfg.num_experts:
+            size = size // leaf.shape[0]
+        elif cfg.num_experts and _EXPERT_LEAF.search(name) and leaf.shape[:1] == (cfg.num_experts,):
             size = size * cfg.num_experts_per_tok // cfg.num_experts
         total += size
     return total

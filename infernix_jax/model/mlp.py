@@ -21,11 +21,13 @@ from jax.experimental import io_callback
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.params import MLPParams, MoEParams
-from infernix_jax.weights.quant import dequantize, matmul, take
+from infernix_jax.weights.quant import dequantize, grouped_expert_matmul, grouped_kernel_ready, matmul, take
 
 # With few (token, expert) pairs, gather each pair's expert weights: it reads only the chosen experts
 # (the decode case). Once the pairs would read more than half of all experts, sort the pairs by
-# expert and run a grouped matmul, which reads every expert once.
+# expert and run a grouped matmul, which reads every expert once. NVFP4 / FP8 expert stacks skip
+# both when the grouped Pallas kernel runs (`grouped_kernel_ready`: on a GPU): it reads only the
+# routed experts, unpacking them in registers, for decode and prefill alike.
 GATHER_MIN_PAIRS = 64
 
 
@@ -59,22 +61,46 @@ def _pair_outputs(x: jax.Array, gate: Any, up: Any, down: Any) -> jax.Array:
     return jnp.einsum("nki,nkdi->nkd", h, down)
 
 
-def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
-    """Sort (token, expert) pairs by expert and run one grouped matmul per projection."""
-    n, k = ids.shape
+def _sort_pairs(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """ids [N, k] -> (order [N*k]: the flat (token, slot) pairs sorted by expert, stable;
+    group_sizes [E] int32: how many pairs each expert got)."""
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
-    token_of_pair = order // k
-    xs = jnp.take(x, token_of_pair, axis=0)  # [N*k, D] grouped by expert
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    return order, jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+
+
+def _unsort_pairs(ys: jax.Array, order: jax.Array, ids: jax.Array) -> jax.Array:
+    """Per-pair outputs [N*k, D] in sorted order -> [N, k, D] in (token, slot) order."""
+    out = jnp.zeros_like(ys).at[order].set(ys)
+    return out.reshape(*ids.shape, -1)
+
+
+def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+    """Sort (token, expert) pairs by expert and run one grouped matmul per projection."""
+    k = ids.shape[1]
+    order, group_sizes = _sort_pairs(ids, num_experts)
+    xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
     # every expert is read once here (prefill): quantized stacks are unpacked to x's dtype first
     gate_t = jnp.swapaxes(dequantize(p.gate_proj, x.dtype), 1, 2)  # [E, D, I]
     up_t = jnp.swapaxes(dequantize(p.up_proj, x.dtype), 1, 2)
     down_t = jnp.swapaxes(dequantize(p.down_proj, x.dtype), 1, 2)  # [E, I, D]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_t, group_sizes)) * jax.lax.ragged_dot(xs, up_t, group_sizes)
     ys = jax.lax.ragged_dot(h, down_t, group_sizes)  # [N*k, D] in sorted order
-    out = jnp.zeros_like(ys).at[order].set(ys)  # back to (token, slot) order
-    return out.reshape(n, k, -1)
+    return _unsort_pairs(ys, order, ids)
+
+
+def _experts_kernel(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+    """The grouped path over NVFP4 / FP8 stacks through the grouped kernel (`grouped_expert_matmul`),
+    which reads only the routed experts' packed bytes -> per-pair outputs [N, k, D]."""
+    n, k = ids.shape
+    order, group_sizes = _sort_pairs(ids, num_experts)
+    xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
+
+    def project(rows: jax.Array, w: Any) -> jax.Array:
+        return grouped_expert_matmul(rows, w, group_sizes, tokens=n)
+
+    h = jax.nn.silu(project(xs, p.gate_proj)) * project(xs, p.up_proj)  # [N*k, I]
+    return _unsort_pairs(project(h, p.down_proj), order, ids)
 
 
 def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -84,6 +110,8 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if isinstance(p.gate_proj, SlottedExperts):
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts)
+    elif grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj):
+        per_pair = _experts_kernel(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
         per_pair = _experts_gathered(p, xf, ids)
     else:

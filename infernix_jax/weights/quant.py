@@ -20,8 +20,11 @@ and the quantization formulas (ModelOpt's, reproduced bit for bit).
 
 Kernel dispatch: `matmul` uses a Pallas kernel when the default backend is a GPU, the weight is
 2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode);
-otherwise it dequantizes and lets XLA do the dot. `kernel_mode(...)` overrides this. The mode is
-read when a function is traced, so a jitted function keeps the choice it was traced with.
+otherwise it dequantizes and lets XLA do the dot. MoE expert stacks [E, N, K] in NVFP4 or FP8
+go through the grouped kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count:
+`grouped_kernel_ready` says whether it runs, `grouped_expert_matmul` runs it on rows sorted by
+expert. `kernel_mode(...)` overrides both. The mode is read when a function is traced, so a
+jitted function keeps the choice it was traced with.
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.moe_matmul import grouped_matmul, resolve_config
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, nvfp4_matmul
 
 Array = jax.Array
 KernelMode = Literal["auto", "reference", "kernel", "interpret"]
 
 SMALL_M_MAX = 64  # rows up to which the decode kernels beat dequantize + XLA dot
+GROUPED_DECODE_MAX_TOKENS = 16  # tokens up to which the grouped kernel reads each expert once (dot_t)
 NVFP4_BLOCK = 16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -83,6 +88,17 @@ def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
     if _mode == "kernel":
         return True, False
     return compat.on_gpu() and rows <= SMALL_M_MAX, False
+
+
+def _expert_kernel_choice() -> tuple[bool, bool]:
+    """(use the grouped expert kernel, in interpret mode): on a GPU in "auto", for any row count."""
+    if _mode == "reference":
+        return False, False
+    if _mode == "interpret":
+        return True, True
+    if _mode == "kernel":
+        return True, False
+    return compat.on_gpu(), False
 
 
 def _leaf_nbytes(a: Any) -> int:
@@ -124,6 +140,11 @@ class QuantizedWeight:
 
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array | None:
         """The Pallas path for x [M, K]; None when this format has no kernel."""
+        return None
+
+    def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
+        """(format, stored leaves, scale block size) for the grouped expert kernel over this
+        [E, N, K] stack; None when the kernel cannot read this format."""
         return None
 
     def matmul(self, x: Array) -> Array:
@@ -209,6 +230,11 @@ class NVFP4Weight(QuantizedWeight):
             **nvfp4_tiles(*x2d.shape, self.shape[0]),
         )
 
+    def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
+        if self.ndim != 3 or jnp.ndim(self.tensor_scale) != 1:
+            return None
+        return "nvfp4", (self.packed, self.block_scale, self.tensor_scale), None
+
 
 _register(NVFP4Weight, ("packed", "block_scale", "tensor_scale", "input_scale"))
 
@@ -293,6 +319,14 @@ class FP8Weight(QuantizedWeight):
         return fp8_matmul(
             x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
         )
+
+    def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
+        b = self.block_size
+        if self.ndim != 3 or (b is not None and (b < 16 or b & (b - 1))):
+            return None  # kernel tiles (powers of two >= 16) must divide the scale block
+        if b is None and jnp.ndim(self.scale) != 1:
+            return None
+        return "fp8", (self.data, self.scale), b
 
 
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
@@ -490,3 +524,64 @@ def expert_matmul(
         x.astype(jnp.float32), wf, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST
     )
     return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------- grouped expert kernel
+
+
+def grouped_kernel_ready(*stacks: Any) -> bool:
+    """True when the grouped MoE kernel runs for all these expert stacks [E, N, K]: each is NVFP4
+    or FP8 (per expert, or block-scaled with a power-of-two block >= 16) and the kernel mode
+    allows it ("auto": on a GPU; "interpret" / "kernel": always; "reference": never).
+    Read at trace time, like `kernel_mode`."""
+    use_kernel, _ = _expert_kernel_choice()
+    return use_kernel and all(
+        isinstance(w, QuantizedWeight) and w._grouped_operands() is not None for w in stacks
+    )
+
+
+def grouped_tiles(fmt: str, tokens: int, rows: int, block_size: int | None = None) -> dict[str, Any]:
+    """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
+
+    One token (decode at batch 1): "gemv", one row per item (no expert holds two rows).
+    Up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_t" with block_m 16 >= the rows any expert can
+    get, so each routed expert is streamed once (it won every batch 2-8 point of the H200 sweep,
+    bench/results/moe-kernels-nvidia-h200.json). More tokens (prefill): "dot" with block_m 64.
+    Block-scaled FP8 tiles are cut to divide the scale block.
+    """
+    if tokens <= 1:
+        tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
+    elif tokens <= GROUPED_DECODE_MAX_TOKENS:
+        tiles = {"variant": "dot_t", "block_m": 16, "block_n": 64}
+    else:
+        tiles = {"variant": "dot", "block_m": 64, "block_n": 64}
+    cfg = resolve_config(fmt, rows, **tiles)
+    if block_size is not None:
+        cfg = dataclasses.replace(
+            cfg, block_n=min(cfg.block_n, block_size), block_k=min(cfg.block_k, block_size)
+        )
+    return cfg.as_kwargs()
+
+
+def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int) -> Array:
+    """Rows xs [M, K] sorted by expert (group e = the next group_sizes[e] rows) times the stacked
+    expert weights w [E, N, K] -> [M, N] in xs's dtype; rows past sum(group_sizes) are zero.
+
+    Runs the grouped Pallas kernel, which unpacks only the routed experts' tiles in registers,
+    when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to xs's dtype and runs
+    `jax.lax.ragged_dot` (what the MoE block does for bf16 experts). `tokens` (static) is how
+    many tokens the M rows came from: it picks the kernel's tiles (`grouped_tiles`)."""
+    if len(w.shape) != 3 or xs.ndim != 2 or xs.shape[-1] != w.shape[-1]:
+        raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
+    use_kernel, interpret = _expert_kernel_choice()
+    operands = w._grouped_operands() if isinstance(w, QuantizedWeight) else None
+    if use_kernel and operands is not None:
+        fmt, leaves, block_size = operands
+        tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size)
+        return grouped_matmul(
+            xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles
+        )
+    w_t = jnp.swapaxes(dequantize(w, xs.dtype), 1, 2)  # [E, K, N]
+    return jax.lax.ragged_dot(xs, w_t, group_sizes.astype(jnp.int32))

@@ -1,0 +1,186 @@
+"""Quantized MoE experts through the grouped Pallas kernel (interpret mode on the CPU) give the
+same block output as the reference path, for decode batches and prefill chunks, with experts
+shared by several tokens and experts that get none."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.config import ModelConfig
+from infernix_jax.model import mlp
+from infernix_jax.model.params import MoEParams
+from infernix_jax.weights.quant import (
+    grouped_expert_matmul,
+    grouped_kernel_ready,
+    grouped_tiles,
+    kernel_mode,
+    quantize_fp8,
+    quantize_int8,
+    quantize_nvfp4,
+)
+from tests.conftest import HF_FIXTURES
+
+E, TOP_K, D, I = 8, 2, 64, 32
+QUANTIZERS = {
+    "nvfp4": quantize_nvfp4,
+    "fp8": quantize_fp8,
+    "fp8_block32": lambda w: quantize_fp8(w, block_size=32),
+}
+
+
+def _config() -> ModelConfig:
+    base = ModelConfig.from_hf_config(json.loads((HF_FIXTURES / "qwen3_next" / "config.json").read_text()))
+    return dataclasses.replace(
+        base, hidden_size=D, num_experts=E, num_experts_per_tok=TOP_K, mtp_num_layers=0
+    )
+
+
+def _block(fmt: str, seed: int = 0) -> MoEParams:
+    """A MoE block with quantized routed experts, a bf16 router and no shared expert."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    quantize = QUANTIZERS[fmt]
+    return MoEParams(
+        router=jax.random.normal(keys[0], (E, D), jnp.bfloat16),
+        gate_proj=quantize(0.2 * jax.random.normal(keys[1], (E, I, D))),
+        up_proj=quantize(0.2 * jax.random.normal(keys[2], (E, I, D))),
+        down_proj=quantize(0.2 * jax.random.normal(keys[3], (E, D, I))),
+    )
+
+
+def _close(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * scale)
+
+
+def _uses_pallas(fn, *args) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+# Decode: 3 tokens, expert 5 shared by all three, expert 0 by two, five experts empty; and one token.
+ROUTINGS = {"decode": [[0, 5], [5, 2], [0, 5]], "one_token": [[6, 3]]}
+
+
+def _prefill_ids(tokens: int) -> np.ndarray:
+    """Routing over experts {1, 3, 4, 6} only (the rest get no rows), distinct per token."""
+    rng = np.random.default_rng(7)
+    return np.stack([rng.choice([1, 3, 4, 6], TOP_K, replace=False) for _ in range(tokens)])
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTIZERS))
+@pytest.mark.parametrize("case", ["one_token", "decode", "prefill"])
+def test_kernel_expert_outputs_equal_the_reference_path(fmt, case):
+    p = _block(fmt)
+    ids = jnp.asarray(ROUTINGS[case] if case in ROUTINGS else _prefill_ids(24), jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (ids.shape[0], D), jnp.bfloat16)
+    with kernel_mode("reference"):
+        assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
+        want = jax.jit(mlp._experts_gathered)(p, x, ids)
+    with kernel_mode("interpret"):
+        assert grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
+        kernel_fn = jax.jit(lambda p, x, ids: mlp._experts_kernel(p, x, ids, E))
+        assert _uses_pallas(kernel_fn, p, x, ids)
+        got = kernel_fn(p, x, ids)
+    assert got.shape == (ids.shape[0], TOP_K, D) and got.dtype == x.dtype
+    _close(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_moe_block_output_is_the_same_in_kernel_and_reference_modes(fmt, tokens):
+    """The whole block (router, top-k, experts, combine): 3 tokens take the decode tiles and
+    40 tokens (80 pairs over 8 experts) the prefill tiles."""
+    cfg, p = _config(), _block(fmt, seed=2)
+    x = jax.random.normal(jax.random.key(3), (1, tokens, D), jnp.bfloat16)
+    _, ids = mlp.route(p.router, x.reshape(-1, D), TOP_K, cfg.norm_topk_prob)
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
+    assert counts.max() >= 2  # some expert serves several tokens
+    if tokens == 3:
+        assert (counts == 0).any()  # and some get none
+    with kernel_mode("reference"):
+        want = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
+    with kernel_mode("interpret"):
+        fn = jax.jit(lambda p, x: mlp.moe(p, x, cfg))
+        assert _uses_pallas(fn, p, x)
+        got = fn(p, x)
+    assert got.shape == x.shape
+    _close(got, want)
+
+
+def test_formats_without_a_grouped_kernel_keep_the_reference_path():
+    w = quantize_int8(jax.random.normal(jax.random.key(0), (E, I, D)))
+    nvfp4 = quantize_nvfp4(jax.random.normal(jax.random.key(0), (E, I, D)))
+    with kernel_mode("interpret"):
+        assert not grouped_kernel_ready(nvfp4, w)  # one stack the kernel cannot read: none use it
+        assert not grouped_kernel_ready(nvfp4, jnp.zeros((E, I, D), jnp.bfloat16))
+        xs = jax.random.normal(jax.random.key(1), (5, D), jnp.float32)
+        sizes = jnp.asarray([2, 0, 0, 3, 0, 0, 0, 0], jnp.int32)
+        fn = jax.jit(lambda xs, w, s: grouped_expert_matmul(xs, w, s, tokens=5))
+        assert not _uses_pallas(fn, xs, w, sizes)
+        got = fn(xs, w, sizes)
+    wf = np.asarray(w.dequantize(jnp.float32))
+    want = np.stack([np.asarray(xs[r]) @ wf[e].T for r, e in enumerate([0, 0, 3, 3, 3])])
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_mode_keeps_the_reference_path_on_the_cpu():
+    p = _block("nvfp4")
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU choice")
+    assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
+
+
+def test_grouped_expert_matmul_rejects_mismatched_shapes():
+    w = quantize_nvfp4(jax.random.normal(jax.random.key(0), (E, I, D)))
+    with pytest.raises(ValueError, match="group_sizes"):
+        grouped_expert_matmul(jnp.zeros((4, D)), w, jnp.zeros((E + 1,), jnp.int32), tokens=2)
+    with pytest.raises(ValueError, match="expected xs"):
+        grouped_expert_matmul(jnp.zeros((4, D + 16)), w, jnp.zeros((E,), jnp.int32), tokens=2)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16])
+def test_decode_tiles_read_each_routed_expert_once(tokens):
+    """An expert gets at most `tokens` rows in decode; a work item of block_m >= tokens rows
+    holds all of them, so the kernel streams that expert's weights once."""
+    for fmt, block_size in (("nvfp4", None), ("fp8", None), ("fp8", 128)):
+        tiles = grouped_tiles(fmt, tokens, tokens * 10, block_size)
+        assert tiles["block_m"] >= tokens
+        assert tiles["variant"] == ("gemv" if tokens == 1 else "dot_t")
+
+
+def test_prefill_tiles_use_tensor_cores_and_fit_the_fp8_scale_block():
+    tiles = grouped_tiles("nvfp4", 256, 2560)
+    assert (tiles["variant"], tiles["block_m"]) == ("dot", 64)
+    for tokens in (1, 4, 256):
+        tiles = grouped_tiles("fp8", tokens, tokens * 10, block_size=32)
+        assert 32 % tiles["block_n"] == 0 and 32 % tiles["block_k"] == 0
+
+
+def test_whole_forward_with_nvfp4_experts_is_the_same_through_the_kernel():
+    """A tiny hybrid MoE (32 experts, top-4, NVFP4 experts): prefill of 12 tokens, then one
+    decode step, in interpret mode and in reference mode."""
+    from infernix_jax.cache.sequence import init_cache
+    from infernix_jax.model.forward import forward
+    from tests.experts.tiny_moe import tiny_config, tiny_params
+
+    cfg = tiny_config()
+    params = tiny_params(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 13)), jnp.int32)
+
+    def run():
+        step = jax.jit(forward, static_argnums=4)
+        cache = init_cache(cfg, 1, 32)
+        prefill, _, cache = step(params, tokens[:, :12], jnp.arange(12)[None], cache, cfg)
+        decode, _, _ = step(params, tokens[:, 12:], jnp.full((1, 1), 12), cache, cfg)
+        return np.asarray(prefill), np.asarray(decode)
+
+    with kernel_mode("reference"):
+        want = run()
+    with kernel_mode("interpret"):
+        got = run()
+    for g, w in zip(got, want):
+        _close(g, w)
