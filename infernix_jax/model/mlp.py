@@ -26,8 +26,8 @@ from infernix_jax.weights.quant import dequantize, grouped_expert_matmul, groupe
 # With few (token, expert) pairs, gather each pair's expert weights: it reads only the chosen experts
 # (the decode case). Once the pairs would read more than half of all experts, sort the pairs by
 # expert and run a grouped matmul, which reads every expert once. NVFP4 / FP8 expert stacks skip
-# both when the grouped Pallas kernel runs (`grouped_kernel_ready`: on a GPU): it reads only the
-# routed experts, unpacking them in registers, for decode and prefill alike.
+# both when the grouped Pallas kernel runs (`grouped_kernel_ready`: on a GPU for decode-sized
+# batches): it reads only the routed experts, unpacking them in registers.
 GATHER_MIN_PAIRS = 64
 
 
@@ -110,7 +110,7 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if isinstance(p.gate_proj, SlottedExperts):
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts)
-    elif grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj):
+    elif grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=xf.shape[0]):
         per_pair = _experts_kernel(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
         per_pair = _experts_gathered(p, xf, ids)

@@ -90,15 +90,18 @@ def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
     return compat.on_gpu() and rows <= SMALL_M_MAX, False
 
 
-def _expert_kernel_choice() -> tuple[bool, bool]:
-    """(use the grouped expert kernel, in interpret mode): on a GPU in "auto", for any row count."""
+def _expert_kernel_choice(tokens: int | None = None) -> tuple[bool, bool]:
+    """(use the grouped expert kernel, in interpret mode). "auto": on a GPU, for decode-sized
+    token counts (<= GROUPED_DECODE_MAX_TOKENS: the tiles measured on the H200,
+    bench/results/moe-kernels-nvidia-h200.json); prefill keeps dequantize + ragged_dot there until
+    the kernel's prefill tiles are measured. "kernel" / "interpret": any token count."""
     if _mode == "reference":
         return False, False
     if _mode == "interpret":
         return True, True
     if _mode == "kernel":
         return True, False
-    return compat.on_gpu(), False
+    return compat.on_gpu() and (tokens is None or tokens <= GROUPED_DECODE_MAX_TOKENS), False
 
 
 def _leaf_nbytes(a: Any) -> int:
@@ -315,7 +318,11 @@ class FP8Weight(QuantizedWeight):
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
         tiles = {}  # per-tensor scale: the kernel's defaults by M (from the H200 sweep)
         if self.block_size is not None:  # tiles must divide the scale block; "dot" won at 128 blocks
-            tiles = {"variant": "dot", "block_n": min(64, self.block_size), "block_k": min(128, self.block_size)}
+            tiles = {
+                "variant": "dot",
+                "block_n": min(64, self.block_size),
+                "block_k": min(128, self.block_size),
+            }
         return fp8_matmul(
             x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
         )
@@ -529,12 +536,12 @@ def expert_matmul(
 # ----------------------------------------------------------------------- grouped expert kernel
 
 
-def grouped_kernel_ready(*stacks: Any) -> bool:
-    """True when the grouped MoE kernel runs for all these expert stacks [E, N, K]: each is NVFP4
-    or FP8 (per expert, or block-scaled with a power-of-two block >= 16) and the kernel mode
-    allows it ("auto": on a GPU; "interpret" / "kernel": always; "reference": never).
-    Read at trace time, like `kernel_mode`."""
-    use_kernel, _ = _expert_kernel_choice()
+def grouped_kernel_ready(*stacks: Any, tokens: int | None = None) -> bool:
+    """True when the grouped MoE kernel runs for all these expert stacks [E, N, K] and `tokens`
+    tokens: each stack is NVFP4 or FP8 (per expert, or block-scaled with a power-of-two block
+    >= 16) and the kernel mode allows it ("auto": on a GPU, decode-sized token counts;
+    "interpret" / "kernel": always; "reference": never). Read at trace time, like `kernel_mode`."""
+    use_kernel, _ = _expert_kernel_choice(tokens)
     return use_kernel and all(
         isinstance(w, QuantizedWeight) and w._grouped_operands() is not None for w in stacks
     )
@@ -575,7 +582,7 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
         raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
-    use_kernel, interpret = _expert_kernel_choice()
+    use_kernel, interpret = _expert_kernel_choice(tokens)
     operands = w._grouped_operands() if isinstance(w, QuantizedWeight) else None
     if use_kernel and operands is not None:
         fmt, leaves, block_size = operands

@@ -14,6 +14,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.model import mlp
 from infernix_jax.model.params import MoEParams
 from infernix_jax.weights.quant import (
+    GROUPED_DECODE_MAX_TOKENS,
     grouped_expert_matmul,
     grouped_kernel_ready,
     grouped_tiles,
@@ -132,6 +133,19 @@ def test_auto_mode_keeps_the_reference_path_on_the_cpu():
     if jax.default_backend() != "cpu":
         pytest.skip("checks the CPU choice")
     assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
+
+
+def test_auto_mode_on_a_gpu_runs_the_kernel_for_decode_batches_only(monkeypatch):
+    """On a GPU, decode-sized batches take the grouped kernel; prefill chunks keep dequantize +
+    ragged_dot until the kernel's prefill tiles are measured there."""
+    from pallas_kernels import compat
+
+    monkeypatch.setattr(compat, "on_gpu", lambda: True)
+    p = _block("nvfp4")
+    stacks = (p.gate_proj, p.up_proj, p.down_proj)
+    assert grouped_kernel_ready(*stacks, tokens=1)
+    assert grouped_kernel_ready(*stacks, tokens=GROUPED_DECODE_MAX_TOKENS)
+    assert not grouped_kernel_ready(*stacks, tokens=GROUPED_DECODE_MAX_TOKENS + 1)
 
 
 def test_grouped_expert_matmul_rejects_mismatched_shapes():
