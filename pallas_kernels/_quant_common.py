@@ -1,4 +1,4 @@
-"""Pieces shared by the quantized decode matmul kernels (nvfp4_matmul, fp8_matmul).
+"""Pieces shared by the quantized matmul kernels (nvfp4_matmul, fp8_matmul).
 
 * `MatmulConfig`: one kernel configuration (formulation + tiles + Triton knobs), the unit the
   benchmark sweeps over and the default tables are made of.
@@ -12,6 +12,10 @@
     - ``"dot_t"`` W_tile [bn, bk] @ x_tile.T -> [bn, 16] ("swap AB"): the big weight tile is the
       left operand, so with block_n >= 64 Hopper can issue wgmma with the dequantized tile
       straight from registers; x is the small right operand.
+* For large M (prefill), ``"tiled"``: the classic tensor-core GEMM. Grid of
+  (M tiles x N tiles) programs, each an x tile [block_m, bk] @ W_tile.T into a float32
+  [block_m, block_n] accumulator, the weight tile unpacked to bf16 in registers once per K step
+  and shared by all block_m rows. Programs are launched in grouped order (`grouped_tile`).
 * `e2m1_f16_bits`: NVFP4 (E2M1) decode by placing the 3 magnitude bits and the sign into a
   float16 bit pattern: value = fp16(bits) * 2**14 exactly, subnormals included (0.5 is the
   fp16 subnormal 2**-15; fp16 -> fp32 conversion keeps it, so no float32 subnormal ever exists).
@@ -27,10 +31,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import compat
 
-VARIANTS = ("gemv", "dot", "dot_t")
+DECODE_VARIANTS = ("gemv", "dot", "dot_t")  # small M; split_k allowed
+VARIANTS = (*DECODE_VARIANTS, "tiled")
 GEMV_MAX_M = 8  # the gemv formulation unrolls one accumulator per activation row
 DOT_BLOCK_M = 16  # Triton's minimum dot dimension: decode rows are padded up to it
 E2M1_F16_SCALE = 2.0**14  # e2m1(code) == float16(e2m1_f16_bits(code)) * E2M1_F16_SCALE
+PREFILL_M = 1 << 30  # DEFAULT_CONFIGS key of the entry serving every M above the decode entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,8 @@ class MatmulConfig:
     split_k: int = 1  # programs sharing one K loop; partial sums are added outside the kernel
     num_warps: int = 4
     num_stages: int = 3  # Triton software-pipelining depth of the K loop
+    block_m: int | None = None  # activation rows per program (None: the entry's default for M)
+    group_m: int = 8  # "tiled": M tiles per launch group (programs sharing a weight tile run together)
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
@@ -68,6 +76,8 @@ def resolve_config(
     split_k: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    block_m: int | None = None,
+    group_m: int | None = None,
 ) -> MatmulConfig:
     """The default configuration for M rows with every explicitly given field overriding it.
 
@@ -84,16 +94,39 @@ def resolve_config(
         "split_k": split_k,
         "num_warps": num_warps,
         "num_stages": num_stages,
+        "block_m": block_m,
+        "group_m": group_m,
     }
     cfg = dataclasses.replace(base, **{k: v for k, v in chosen.items() if v is not None})
     if is_gemv(cfg.variant) and m > GEMV_MAX_M:
         raise ValueError(f"variant='gemv' serves M <= {GEMV_MAX_M}; got M={m}")
+    if cfg.variant == "tiled" and cfg.split_k != 1:
+        raise ValueError(f"variant='tiled' takes split_k=1; got split_k={cfg.split_k}")
+    if cfg.group_m < 1:
+        raise ValueError(f"group_m={cfg.group_m} must be >= 1")
     return cfg
 
 
 def is_gemv(variant: str) -> bool:
     """True for the CUDA-core formulations ("gemv" and its variants), which take all rows at once."""
     return variant.startswith("gemv")
+
+
+def grouped_tile(pid: jax.Array, m_tiles: int, n_tiles: int, group_m: int) -> tuple[jax.Array, jax.Array]:
+    """(M tile, N tile) of program `pid` of a flat grid of m_tiles * n_tiles, in grouped order.
+
+    Consecutive programs walk down a group of `group_m` M tiles before moving to the next N
+    tile (the Triton matmul tutorial's "super-grouping"): the programs running at one time
+    share a few weight tiles and a few activation tiles, so both stay in L2, instead of every
+    program of a row-major order reading a different weight tile. The last group may be
+    shorter. A bijection of [0, m_tiles * n_tiles) onto the tiles (tests check it).
+    """
+    width = group_m * n_tiles
+    group = pid // width
+    first_m = group * group_m
+    size_m = jnp.minimum(m_tiles - first_m, group_m)
+    within = pid % width
+    return first_m + within % size_m, within // size_m
 
 
 def is_pow2(v: int) -> bool:
@@ -133,6 +166,11 @@ def dims_nt() -> tuple:
 def split_sum(partial: jax.Array) -> jax.Array:
     """Sum the split-K partial sums [split_k, ...] (a no-op reshape when split_k == 1)."""
     return partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
+
+
+def tiled_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
+    """(M tiles, N tiles) of the "tiled" formulation; its flat grid has their product."""
+    return compat.cdiv(m, block_m), compat.cdiv(n, block_n)
 
 
 def compiler_params(cfg: MatmulConfig):

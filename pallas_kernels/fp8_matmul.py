@@ -1,4 +1,4 @@
-"""FP8 (e4m3) weight x bf16 activation matmul for small M (decode): a Pallas GPU (Triton) kernel.
+"""FP8 (e4m3) weight x bf16 activation matmul (decode and prefill): a Pallas GPU (Triton) kernel.
 
     y[m, n] = sum_k x[m, k] * W[n, k],   W[n, k] = fp8[n, k] * s
 
@@ -12,7 +12,11 @@ the float32 sum once.
 Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md): "gemv"
 (float32 FMAs on CUDA cores, one [block_n, block_k] accumulator per row, M <= 8; a block scale
 is folded into the activation row), "dot" (x [16, bk] @ W.T, M padded to 16) and "dot_t"
-(W [bn, bk] @ x.T). The entry picks one by M from `DEFAULT_CONFIGS` unless told.
+(W [bn, bk] @ x.T), and for prefill "tiled" ([block_m, block_n] output tiles on a flat grid in
+grouped order, the weight tile cast to bf16 once per K step for all block_m rows, y written
+directly; with block scales a tile may span several scale rows: block_n a multiple of
+block_size, each row's scale applied to the K step's float32 product). The entry picks one by M
+from `DEFAULT_CONFIGS` unless told.
 
 Grid: (M tiles, N tiles, split_k), as in nvfp4_matmul; mask-free when N and K divide the tiles.
 """
@@ -37,6 +41,10 @@ DEFAULT_CONFIGS: dict[int, qc.MatmulConfig] = {
     1: qc.MatmulConfig("gemv", block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=3),
     8: qc.MatmulConfig("dot", block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=3),
     64: qc.MatmulConfig("dot", block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    # Prefill: not yet measured (`python -m bench.kernels --prefill` sweeps it).
+    qc.PREFILL_M: qc.MatmulConfig(
+        "tiled", block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3, block_m=128, group_m=8
+    ),
 }
 
 
@@ -133,7 +141,72 @@ def _fp8_kernel(
     compat.store(view, acc, mask=mask)
 
 
-def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, split_k) -> None:
+def _fp8_tiled_kernel(
+    x_ref,  # [M, K] activations (unpadded: rows past M are masked)
+    w_ref,  # [N, K] uint8: the bits of the float8_e4m3fn weight
+    scale_ref,  # [ceil(N/b), ceil(K/b)] float32 block scales; [1, 1] the per-tensor scale
+    out_ref,  # [M, N] in the output dtype, written once (no partial sums)
+    *,
+    m_size: int,
+    n_size: int,
+    k_size: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    group_m: int,
+    scale_block: int | None,
+    even_m: bool,
+    even_n: bool,
+    even_k: bool,
+):
+    """One [block_m, block_n] output tile of the prefill formulation ("tiled").
+
+    Per K step the [block_n, block_k] fp8 tile is cast to bf16 (exact) once and multiplied by
+    all block_m activation rows on tensor cores, accumulating in float32. Block scales multiply
+    each step's float32 product (block_k divides the scale block, so a step has one scale per
+    weight row); the per-tensor scale multiplies the sum once.
+    """
+    m_tiles, n_tiles = qc.tiled_grid(m_size, n_size, block_m, block_n)
+    i, j = qc.grouped_tile(compat.program_id(0), m_tiles, n_tiles, group_m)
+    row0, col0 = i * block_m, j * block_n
+    bm, bn, bk = block_m, block_n, block_k
+    m_mask = None if even_m else (row0 + jnp.arange(bm)) < m_size
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
+    compute_dtype = x_ref.dtype
+    f32 = jnp.float32
+    # Scale rows one tile spans: 1 when block_n <= b (one scalar), else block_n / b.
+    scale_rows = 1 if scale_block is None else max(1, bn // scale_block)
+
+    def row_scales(k0):
+        """The K step's scales: a scalar, or [1, bn] (one per weight row) when the tile spans rows."""
+        kb = jnp.minimum(k0 // scale_block, scale_ref.shape[1] - 1)  # a masked tail may overshoot
+        if scale_rows == 1:
+            return scale_ref[col0 // scale_block, kb]
+        first = col0 // scale_block
+        mask = None
+        if scale_ref.shape[0] % scale_rows:  # the last tile runs past the scale rows
+            mask = ((first + jnp.arange(scale_rows)) < scale_ref.shape[0])[:, None]
+        s = qc.load(scale_ref.at[compat.ds(first, scale_rows), compat.ds(kb, 1)], mask)  # [rows, 1]
+        return jnp.broadcast_to(s, (scale_rows, scale_block)).reshape(1, bn)
+
+    def step(t, acc):
+        k0 = t * bk
+        k_mask = None if even_k else (k0 + jnp.arange(bk)) < k_size
+        bits = qc.load(w_ref.at[compat.ds(col0, bn), compat.ds(k0, bk)], _mask2(n_mask, k_mask, (bn, bk)))
+        w = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(compute_dtype)
+        x = qc.load(x_ref.at[compat.ds(row0, bm), compat.ds(k0, bk)], _mask2(m_mask, k_mask, (bm, bk)))
+        part = jax.lax.dot_general(x, w, qc.dims_nt(), preferred_element_type=f32)  # [bm, bn]
+        return acc + (part if scale_block is None else part * row_scales(k0))
+
+    steps = compat.cdiv(k_size, bk)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), f32))
+    if scale_block is None:
+        acc = acc * scale_ref[0, 0]
+    view = out_ref.at[compat.ds(row0, bm), compat.ds(col0, bn)]
+    compat.store(view, acc.astype(out_ref.dtype), mask=_mask2(m_mask, n_mask, (bm, bn)))
+
+
+def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, split_k, variant="dot") -> None:
     """Raise ValueError naming the offending value when the inputs or tile sizes do not fit."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K]; got shape {x.shape}")
@@ -154,9 +227,16 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
                 f"block scale must be [ceil(N/{block_size}), ceil(K/{block_size})]={want}; "
                 f"got {tuple(scale.shape)}"
             )
-        for name, v in (("block_n", block_n), ("block_k", block_k)):
-            if block_size % v:
-                raise ValueError(f"{name}={v} must divide the scale block_size={block_size}")
+        if block_size % block_k:
+            raise ValueError(f"block_k={block_k} must divide the scale block_size={block_size}")
+        if variant == "tiled":  # a tile may span whole scale rows
+            if block_size % block_n and (block_n % block_size or not qc.is_pow2(block_size)):
+                raise ValueError(
+                    f"block_n={block_n} must divide the scale block_size={block_size} or be a "
+                    "multiple of it (a power of two)"
+                )
+        elif block_size % block_n:
+            raise ValueError(f"block_n={block_n} must divide the scale block_size={block_size}")
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if not qc.is_pow2(v) or v < 16:
             raise ValueError(f"{name}={v} must be a power of two >= 16")
@@ -175,6 +255,7 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
         "split_k",
         "num_warps",
         "num_stages",
+        "group_m",
         "out_dtype",
         "interpret",
     ),
@@ -192,6 +273,7 @@ def fp8_matmul(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    group_m: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -200,8 +282,9 @@ def fp8_matmul(
     `block_size=None`: `scale` is one float32; otherwise `scale` is float32
     [ceil(N/block_size), ceil(K/block_size)]. Every option left None comes from
     `DEFAULT_CONFIGS` for this M (the formulation too), given values override it; with block
-    scales the default tiles are capped to block_size. Tile sizes are powers of two; block_m is
-    the row tile of the dot formulations ("gemv" takes all M <= 8 rows in one program).
+    scales the default tiles are capped to block_size ("tiled": block_k only). Tile sizes are
+    powers of two; block_m is the row tile of the dot formulations ("gemv" takes all M <= 8 rows
+    in one program); group_m the M tiles per launch group of "tiled".
     """
     m = x.shape[0] if x.ndim == 2 else 0
     cfg = qc.resolve_config(
@@ -213,21 +296,27 @@ def fp8_matmul(
         split_k=split_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        block_m=block_m,
+        group_m=group_m,
     )
     if block_size is not None:  # defaults (not explicit tiles) shrink to fit inside a scale block
         cfg = dataclasses.replace(
             cfg,
-            block_n=cfg.block_n if block_n is not None else min(cfg.block_n, block_size),
+            block_n=cfg.block_n
+            if block_n is not None or (cfg.variant == "tiled" and qc.is_pow2(block_size))
+            else min(cfg.block_n, block_size),
             block_k=cfg.block_k if block_k is not None else min(cfg.block_k, block_size),
         )
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
-    block_m = min(compat.pow2_at_least(m, 16), 64) if block_m is None else block_m
-    validate_fp8_matmul(x, w, scale, block_size, block_m, cfg.block_n, cfg.block_k, cfg.split_k)
+    block_m = min(compat.pow2_at_least(m, 16), 64) if cfg.block_m is None else cfg.block_m
+    validate_fp8_matmul(x, w, scale, block_size, block_m, cfg.block_n, cfg.block_k, cfg.split_k, variant)
     k = x.shape[1]
     n = w.shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    if variant == "tiled":
+        return _tiled_call(x.astype(compute_dtype), w, scale, block_size, cfg, block_m, out_dtype, interpret)
     rows = m if gemv else block_m
     m_pad = m if gemv else compat.cdiv(m, block_m) * block_m
     xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
@@ -260,3 +349,32 @@ def fp8_matmul(
     if block_size is None:
         y = y * jnp.asarray(scale, jnp.float32).reshape(())
     return y.astype(out_dtype)
+
+
+def _tiled_call(x, w, scale, block_size, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret):
+    """The "tiled" (prefill) pallas_call: y [M, N] written by the kernel, nothing after it."""
+    (m, k), n = x.shape, w.shape[0]
+    m_tiles, n_tiles = qc.tiled_grid(m, n, block_m, cfg.block_n)
+    kernel = functools.partial(
+        _fp8_tiled_kernel,
+        m_size=m,
+        n_size=n,
+        k_size=k,
+        block_m=block_m,
+        block_n=cfg.block_n,
+        block_k=cfg.block_k,
+        group_m=cfg.group_m,
+        scale_block=block_size,
+        even_m=m % block_m == 0,
+        even_n=n % cfg.block_n == 0,
+        even_k=k % cfg.block_k == 0,
+    )
+    scale_arr = jnp.asarray(scale, jnp.float32)
+    return compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m_tiles * n_tiles,),
+        compiler_params=qc.compiler_params(cfg),
+        interpret=interpret,
+        name="fp8_matmul_tiled",
+    )(x, jax.lax.bitcast_convert_type(w, jnp.uint8), scale_arr.reshape(1, 1) if block_size is None else scale_arr)

@@ -1,4 +1,4 @@
-"""NVFP4 weight x bf16 activation matmul for small M (decode): a Pallas GPU (Triton) kernel.
+"""NVFP4 weight x bf16 activation matmul (decode and prefill): a Pallas GPU (Triton) kernel.
 
     y[m, n] = sum_k x[m, k] * W[n, k],
     W[n, k] = e2m1(code[n, k]) * float(block_scale[n, k // 16]) * tensor_scale
@@ -20,7 +20,10 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
   "gemv_bs"  as gemv, but products are first summed within each 16-element block and the block
              scale multiplies the [block_n, block_k/16] block sums (no scale broadcast);
   "dot"      x [16, bk] @ W.T on tensor cores, M padded to 16;
-  "dot_t"    W [bn, bk] @ x.T on tensor cores (weight tile as the left operand).
+  "dot_t"    W [bn, bk] @ x.T on tensor cores (weight tile as the left operand);
+  "tiled"    prefill (large M): [block_m, block_n] output tiles on a flat grid in grouped order,
+             each weight tile decoded to bf16 once per K step for all block_m rows; writes y
+             directly (tensor scale applied, no split K, no padding of x).
 The entry picks the formulation by M from `DEFAULT_CONFIGS` unless told.
 
 Grid: (M tiles, N tiles, split_k). split_k > 1 splits the K loop over programs (more programs
@@ -41,7 +44,8 @@ from pallas_kernels import compat
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t")
+DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t")
+VARIANTS = (*DECODE_VARIANTS, "tiled")
 
 # Default configuration by the largest M it serves (qc.pick_config): fill in from
 # `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
@@ -52,6 +56,10 @@ DEFAULT_CONFIGS: dict[int, qc.MatmulConfig] = {
     1: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
     8: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
     64: qc.MatmulConfig("dot", block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    # Prefill: not yet measured (`python -m bench.kernels --prefill` sweeps it).
+    qc.PREFILL_M: qc.MatmulConfig(
+        "tiled", block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3, block_m=128, group_m=8
+    ),
 }
 
 
@@ -191,6 +199,69 @@ def _nvfp4_kernel(
     compat.store(view, acc, mask=mask)
 
 
+def _nvfp4_tiled_kernel(
+    x_even_ref,  # [M, K/2] activation columns 0, 2, 4, ... (unpadded: rows past M are masked)
+    x_odd_ref,  # [M, K/2] activation columns 1, 3, 5, ...
+    packed_ref,  # [N, K/2] uint8, low nibble = even element
+    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
+    tensor_scale_ref,  # [1, 1] float32
+    out_ref,  # [M, N] in the output dtype, written once (no partial sums)
+    *,
+    m_size: int,
+    n_size: int,
+    half_k: int,
+    block_m: int,
+    block_n: int,
+    half_block_k: int,
+    group_m: int,
+    even_m: bool,
+    even_n: bool,
+    even_k: bool,
+):
+    """One [block_m, block_n] output tile of the prefill formulation ("tiled").
+
+    Per K step the [block_n, block_k/2] packed tile and its [block_n, block_k/16] scales are
+    decoded once into two bf16 tiles (low / high nibbles, exact) and multiplied by the even and
+    odd activation columns of all block_m rows on tensor cores, accumulating in float32.
+    """
+    m_tiles, n_tiles = qc.tiled_grid(m_size, n_size, block_m, block_n)
+    i, j = qc.grouped_tile(compat.program_id(0), m_tiles, n_tiles, group_m)
+    row0, col0 = i * block_m, j * block_n
+    bm, bn, bkh, bs = block_m, block_n, half_block_k, half_block_k // 8
+    m_mask = None if even_m else (row0 + jnp.arange(bm)) < m_size
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
+    compute_dtype = x_even_ref.dtype
+    f32 = jnp.float32
+
+    def step(t, acc):
+        kb = t * bkh  # byte column of this K step
+        k_mask = None if even_k else (kb + jnp.arange(bkh)) < half_k
+        s_mask = None if even_k else (kb // 8 + jnp.arange(bs)) < half_k // 8
+        packed = qc.load(
+            packed_ref.at[compat.ds(col0, bn), compat.ds(kb, bkh)], _mask2(n_mask, k_mask, (bn, bkh))
+        )
+        scale_bits = qc.load(
+            scale_ref.at[compat.ds(col0, bn), compat.ds(kb // 8, bs)], _mask2(n_mask, s_mask, (bn, bs))
+        )
+        scale = jax.lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn).astype(f32)
+        scale = scale * qc.E2M1_F16_SCALE  # [bn, bs]; exact (a power of two)
+        scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 8)).reshape(bn, bkh)
+        w_low = (qc.e2m1_f16_bits(packed, high=False) * scale).astype(compute_dtype)  # exact
+        w_high = (qc.e2m1_f16_bits(packed, high=True) * scale).astype(compute_dtype)
+        x_mask = _mask2(m_mask, k_mask, (bm, bkh))
+        xe = qc.load(x_even_ref.at[compat.ds(row0, bm), compat.ds(kb, bkh)], x_mask)
+        xo = qc.load(x_odd_ref.at[compat.ds(row0, bm), compat.ds(kb, bkh)], x_mask)
+        acc += jax.lax.dot_general(xe, w_low, qc.dims_nt(), preferred_element_type=f32)
+        acc += jax.lax.dot_general(xo, w_high, qc.dims_nt(), preferred_element_type=f32)
+        return acc
+
+    steps = compat.cdiv(half_k, bkh)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), f32))
+    y = (acc * tensor_scale_ref[0, 0]).astype(out_ref.dtype)
+    view = out_ref.at[compat.ds(row0, bm), compat.ds(col0, bn)]
+    compat.store(view, y, mask=_mask2(m_mask, n_mask, (bm, bn)))
+
+
 def validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, split_k) -> None:
     """Raise ValueError naming the offending value when the inputs or tile sizes do not fit."""
     if x.ndim != 2:
@@ -233,6 +304,7 @@ def default_block_m(m: int) -> int:
         "split_k",
         "num_warps",
         "num_stages",
+        "group_m",
         "out_dtype",
         "interpret",
     ),
@@ -250,6 +322,7 @@ def nvfp4_matmul(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    group_m: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -258,8 +331,9 @@ def nvfp4_matmul(
     Every option left None comes from `DEFAULT_CONFIGS` for this M (the formulation too: see the
     module docstring); given values override it. Tile sizes are powers of two; block_k counts K
     elements (block_k / 2 bytes per row per step). block_m is the row tile of the dot
-    formulations (default: M rounded up to a power of two in [16, 64]); "gemv" and "gemv_bs"
-    take all M <= 8 rows in one program. `interpret=True` runs the same kernel through the Pallas
+    formulations (default: the table's, else M rounded up to a power of two in [16, 64]); "gemv"
+    and "gemv_bs" take all M <= 8 rows in one program. group_m: M tiles per launch group of
+    "tiled" (`_quant_common.grouped_tile`). `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
     m, _k = x.shape if x.ndim == 2 else (0, 0)
@@ -273,16 +347,20 @@ def nvfp4_matmul(
         split_k=split_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        block_m=block_m,
+        group_m=group_m,
     )
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
-    block_m = default_block_m(m) if block_m is None else block_m
+    block_m = default_block_m(m) if cfg.block_m is None else cfg.block_m
     validate_nvfp4_matmul(
         x, packed, block_scale, tensor_scale, block_m, cfg.block_n, cfg.block_k, cfg.split_k
     )
     n, half_k = packed.shape
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    if variant == "tiled":
+        return _tiled_call(x.astype(compute_dtype), packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret)
     rows = m if gemv else block_m
     m_pad = m if gemv else compat.cdiv(m, block_m) * block_m
     xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
@@ -314,3 +392,38 @@ def nvfp4_matmul(
     y = y.T[:m] if variant == "dot_t" else y[:m]
     y = y * jnp.asarray(tensor_scale, jnp.float32).reshape(())
     return y.astype(out_dtype)
+
+
+def _tiled_call(x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret):
+    """The "tiled" (prefill) pallas_call: y [M, N] written by the kernel, nothing after it."""
+    m = x.shape[0]
+    n, half_k = packed.shape
+    half_block_k = cfg.block_k // 2
+    m_tiles, n_tiles = qc.tiled_grid(m, n, block_m, cfg.block_n)
+    kernel = functools.partial(
+        _nvfp4_tiled_kernel,
+        m_size=m,
+        n_size=n,
+        half_k=half_k,
+        block_m=block_m,
+        block_n=cfg.block_n,
+        half_block_k=half_block_k,
+        group_m=cfg.group_m,
+        even_m=m % block_m == 0,
+        even_n=n % cfg.block_n == 0,
+        even_k=half_k % half_block_k == 0,
+    )
+    return compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m_tiles * n_tiles,),
+        compiler_params=qc.compiler_params(cfg),
+        interpret=interpret,
+        name="nvfp4_matmul_tiled",
+    )(
+        x[:, 0::2],
+        x[:, 1::2],
+        packed,
+        jax.lax.bitcast_convert_type(block_scale, jnp.uint8),
+        jnp.asarray(tensor_scale, jnp.float32).reshape(1, 1),
+    )
