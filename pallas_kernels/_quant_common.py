@@ -82,9 +82,13 @@ def resolve_config(
     """The default configuration for M rows with every explicitly given field overriding it.
 
     An explicit variant that differs from the default keeps the default's tiles (they are valid
-    for every variant) unless those are given too.
+    for every variant) unless those are given too. An explicit split_k > 1 without a variant
+    keeps callers that pass decode tiles at any M working: where the table says "tiled" (no
+    split K) the largest decode entry is the base instead.
     """
     base = pick_config(table, m)
+    if variant is None and split_k is not None and split_k > 1 and base.variant == "tiled":
+        base = pick_config({k: c for k, c in table.items() if c.variant != "tiled"}, m)
     if variant is not None and variant not in variants:
         raise ValueError(f"variant={variant!r} must be one of {variants}")
     chosen = {

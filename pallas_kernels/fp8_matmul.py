@@ -377,4 +377,8 @@ def _tiled_call(x, w, scale, block_size, cfg: qc.MatmulConfig, block_m: int, out
         compiler_params=qc.compiler_params(cfg),
         interpret=interpret,
         name="fp8_matmul_tiled",
-    )(x, jax.lax.bitcast_convert_type(w, jnp.uint8), scale_arr.reshape(1, 1) if block_size is None else scale_arr)
+    )(
+        x,
+        jax.lax.bitcast_convert_type(w, jnp.uint8),
+        scale_arr.reshape(1, 1) if block_size is None else scale_arr,
+    )

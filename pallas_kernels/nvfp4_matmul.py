@@ -360,7 +360,9 @@ def nvfp4_matmul(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     if variant == "tiled":
-        return _tiled_call(x.astype(compute_dtype), packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret)
+        return _tiled_call(
+            x.astype(compute_dtype), packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret
+        )
     rows = m if gemv else block_m
     m_pad = m if gemv else compat.cdiv(m, block_m) * block_m
     xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
@@ -394,7 +396,9 @@ def nvfp4_matmul(
     return y.astype(out_dtype)
 
 
-def _tiled_call(x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret):
+def _tiled_call(
+    x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret
+):
     """The "tiled" (prefill) pallas_call: y [M, N] written by the kernel, nothing after it."""
     m = x.shape[0]
     n, half_k = packed.shape

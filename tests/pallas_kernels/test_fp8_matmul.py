@@ -1,4 +1,4 @@
-"""The FP8 decode kernel equals its float32 reference (interpret mode) and lowers to Triton."""
+"""The FP8 decode and prefill kernels equal its float32 reference (interpret mode) and lowers to Triton."""
 
 import functools
 
@@ -31,7 +31,7 @@ def _random_fp8(rng, m, n, k, block_size):
         (8, 33, 48, 32, {"block_n": 16, "block_k": 16, "split_k": 4}),  # idle split tail
     ],
 )
-@pytest.mark.parametrize("variant", qc.VARIANTS)
+@pytest.mark.parametrize("variant", qc.DECODE_VARIANTS)
 def test_kernel_matches_reference(variant, m, n, k, block_size, tiles):
     rng = np.random.default_rng(m * 1000 + n + k)
     x, w, scale = _random_fp8(rng, m, n, k, block_size)
@@ -75,7 +75,7 @@ def _shapes(m, n, k, block_size):
     )
 
 
-@pytest.mark.parametrize("variant", qc.VARIANTS)
+@pytest.mark.parametrize("variant", qc.DECODE_VARIANTS)
 @pytest.mark.parametrize("n,k,block_size", [(384, 512, None), (384, 512, 128), (100, 1000, None)])
 def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, block_size):
     fn = jax.jit(functools.partial(fp8_matmul, block_size=block_size, variant=variant, split_k=2))
@@ -121,3 +121,62 @@ def test_rejects_bad_inputs_naming_the_value(change, match):
     kwargs.update(change)
     with pytest.raises(ValueError, match=match):
         fp8_matmul(**kwargs, interpret=True, **tiles)
+
+
+# Prefill ("tiled"): ragged M / N / K, block scales with tiles inside and across scale blocks.
+TILED_CASES = [
+    (65, 70, 96, None, {"block_m": 32, "block_n": 32, "block_k": 32, "group_m": 2}),
+    (200, 130, 160, 32, {"block_m": 64, "block_n": 16, "block_k": 32, "group_m": 3}),  # tile inside a block
+    (256, 100, 96, 32, {"block_m": 64, "block_n": 64, "block_k": 32}),  # tile spans 2 scale rows, ragged
+    (256, 128, 256, None, {"block_m": 64, "block_n": 64, "block_k": 128}),  # no masks
+]
+
+
+@pytest.mark.parametrize("m,n,k,block_size,tiles", TILED_CASES)
+def test_tiled_formulation_matches_reference(m, n, k, block_size, tiles):
+    x, w, scale = _random_fp8(np.random.default_rng(m + n + k), m, n, k, block_size)
+    got = fp8_matmul(
+        x, w, scale, block_size=block_size, variant="tiled", out_dtype=jnp.float32, interpret=True, **tiles
+    )
+    want = reference_fp8_matmul(x, w, scale, block_size=block_size)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
+
+
+def test_tiled_is_the_default_past_the_decode_table():
+    assert qc.pick_config(DEFAULT_CONFIGS, 65).variant == "tiled"
+    assert "fp8_matmul_tiled" in compat.lower_for_cuda(fp8_matmul, *_shapes(4096, 256, 512, None))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,block_size,block_m,block_n,block_k",
+    [
+        (4096, 384, 1024, None, 256, 256, 128),
+        (4096, 384, 1024, 128, 128, 256, 128),  # a tile spans two scale rows
+        (1000, 300, 1000, 128, 128, 128, 64),  # ragged everywhere
+    ],
+)
+def test_tiled_large_tiles_lower_to_a_triton_call_for_cuda(m, n, k, block_size, block_m, block_n, block_k):
+    fn = jax.jit(
+        functools.partial(
+            fp8_matmul,
+            block_size=block_size,
+            variant="tiled",
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+        )
+    )
+    text = compat.lower_for_cuda(fn, *_shapes(m, n, k, block_size))
+    assert "xla.gpu.triton" in text and "fp8_matmul_tiled" in text
+
+
+def test_tiled_rejects_a_block_n_that_straddles_scale_blocks_unevenly():
+    x, w, scale = _random_fp8(np.random.default_rng(9), 65, 96, 64, 32)
+    with pytest.raises(ValueError, match="block_k=64 must divide"):
+        fp8_matmul(x, w, scale, block_size=32, variant="tiled", block_n=32, block_k=64, interpret=True)
+    x, w, scale = _random_fp8(np.random.default_rng(9), 65, 96, 96, 48)
+    with pytest.raises(ValueError, match="block_n=32 must divide"):
+        fp8_matmul(x, w, scale, block_size=48, variant="tiled", block_n=32, block_k=16, interpret=True)

@@ -1,4 +1,4 @@
-"""The NVFP4 decode kernel equals its float32 reference (interpret mode) and lowers to Triton."""
+"""The NVFP4 decode and prefill kernels equal its float32 reference (interpret mode) and lowers to Triton."""
 
 import functools
 
@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.nvfp4_matmul import (
+    DECODE_VARIANTS,
     DEFAULT_CONFIGS,
     E2M1_VALUES,
     VARIANTS,
@@ -50,7 +51,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
 @pytest.mark.parametrize("m,n,k,tiles", CASES)
 def test_kernel_matches_reference(variant, m, n, k, tiles):
     rng = np.random.default_rng(m * 1000 + n + k)
@@ -103,7 +104,7 @@ def test_default_output_dtype_is_the_activation_dtype():
     assert nvfp4_matmul(*args, block_n=32, block_k=64, interpret=True).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
 @pytest.mark.parametrize("n,k,split_k", [(384, 1024, 2), (100, 1536, 3)])  # mask-free, masked
 def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, split_k):
     shapes = (
@@ -152,3 +153,85 @@ def test_rejects_k_not_a_multiple_of_16():
             jnp.float32(1),
             interpret=True,
         )
+
+
+# Prefill ("tiled"): M past the decode range, ragged M / N / K edges and a mask-free case.
+TILED_CASES = [
+    (65, 70, 96, {"block_m": 32, "block_n": 32, "block_k": 32, "group_m": 2}),  # all edges ragged
+    (200, 130, 160, {"block_m": 64, "block_n": 64, "block_k": 64, "group_m": 3}),  # short last group
+    (256, 128, 256, {"block_m": 64, "block_n": 64, "block_k": 128}),  # tiles divide: no masks
+]
+
+
+@pytest.mark.parametrize("m,n,k,tiles", TILED_CASES)
+def test_tiled_formulation_matches_reference(m, n, k, tiles):
+    args = _random_nvfp4(np.random.default_rng(m + n + k), m, n, k)
+    got = nvfp4_matmul(*args, variant="tiled", out_dtype=jnp.float32, interpret=True, **tiles)
+    want = reference_nvfp4_matmul(*args)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * float(jnp.abs(want).max())
+    )
+
+
+def test_tiled_is_the_default_past_the_decode_table_and_writes_the_activation_dtype():
+    args = _random_nvfp4(np.random.default_rng(7), 65, 64, 128)
+    got = nvfp4_matmul(*args, block_m=32, block_n=32, block_k=64, interpret=True)
+    assert qc.pick_config(DEFAULT_CONFIGS, 65).variant == "tiled"
+    assert got.dtype == jnp.bfloat16
+    want = reference_nvfp4_matmul(*args)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2 * float(jnp.abs(want).max())
+    )
+
+
+@pytest.mark.parametrize(
+    "m,n,k,block_m,block_n,block_k",
+    [(4096, 384, 1024, 256, 256, 128), (4096, 384, 1024, 128, 128, 64), (1000, 100, 1536, 128, 256, 128)],
+)
+def test_tiled_large_tiles_lower_to_a_triton_call_for_cuda(m, n, k, block_m, block_n, block_k):
+    shapes = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    fn = jax.jit(
+        functools.partial(nvfp4_matmul, variant="tiled", block_m=block_m, block_n=block_n, block_k=block_k)
+    )
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert "xla.gpu.triton" in text and "nvfp4_matmul_tiled" in text
+
+
+def test_tiled_refuses_split_k():
+    args = _random_nvfp4(np.random.default_rng(8), 65, 32, 64)
+    with pytest.raises(ValueError, match="split_k=2"):
+        nvfp4_matmul(*args, variant="tiled", split_k=2, interpret=True)
+
+
+def test_decode_tiles_with_split_k_keep_a_split_k_formulation_past_the_decode_table():
+    """Callers passing split-K decode tiles (weights.quant.nvfp4_tiles) at M > 64 still run."""
+    cfg = qc.resolve_config(
+        DEFAULT_CONFIGS,
+        200,
+        variants=VARIANTS,
+        variant=None,
+        block_n=64,
+        block_k=256,
+        split_k=2,
+        num_warps=None,
+        num_stages=None,
+    )
+    assert cfg.variant == DEFAULT_CONFIGS[64].variant and cfg.split_k == 2
+
+
+@pytest.mark.parametrize("m_tiles,n_tiles,group_m", [(5, 3, 2), (4, 4, 8), (7, 2, 1), (3, 5, 3)])
+def test_grouped_program_order_visits_every_tile_once(m_tiles, n_tiles, group_m):
+    pids = jnp.arange(m_tiles * n_tiles)
+    i, j = jax.vmap(lambda p: qc.grouped_tile(p, m_tiles, n_tiles, group_m))(pids)
+    tiles = set(zip(np.asarray(i).tolist(), np.asarray(j).tolist()))
+    assert tiles == {(a, b) for a in range(m_tiles) for b in range(n_tiles)}
+    # The first group's programs cover group_m M tiles before moving to the next N tile.
+    first = min(group_m, m_tiles)
+    assert np.asarray(i)[:first].tolist() == list(range(first))
+    assert np.asarray(j)[:first].tolist() == [0] * first
