@@ -5,6 +5,8 @@
     python -m bench.kernels --quick          # tiny shapes through the Pallas interpreter (any machine)
     python -m bench.kernels --sweep          # GPU: every formulation and a broad tile grid per point
     python -m bench.kernels --sweep --sweep-budget-s 300 --formats nvfp4
+    python -m bench.kernels --prefill        # GPU, < 3 min: "tiled" kernel at M = 4096 and 1024
+    python -m bench.kernels --quick --prefill  # the same through the Pallas interpreter (any machine)
 
 For each (layer shape, format, batch) it times the Pallas kernel over random packed weights and
 reports bytes that must be read (packed weight + scales + activations + output) per second, as a
@@ -17,6 +19,12 @@ bench/results/kernels-<machine>.json.
 formulations (gemv / dot / dot_t, NVFP4 also gemv_bs), tiles, split-K, warps and stages, compiled
 in parallel and timed back to back against several weight copies (so the weights are not served
 from L2); every configuration's time goes into the point's record (`details["sweep"]`).
+
+`--prefill` times the "tiled" formulation at prefill sizes (M = 4096 and 1024) for every real
+shape and format against the bf16 tensor-core rate measured in the same run
+(bench.ceilings.measure_matmul), with a small tile sweep at M = 4096 (its winner and the default
+at 1024), XLA's dequantize-then-dot and a plain bf16 dot of the same shape beside it. Records:
+bench/results/kernels-prefill-<machine>.json.
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.ceilings import QUICK, Sizes, measure_hbm_read, median_seconds
+from bench.ceilings import QUICK, Sizes, measure_hbm_read, measure_matmul, median_seconds
 from bench.record import git_commit, machine_name, make_record, write_records
 from pallas_kernels import _quant_common as qc
+from pallas_kernels.fp8_matmul import DEFAULT_CONFIGS as FP8_DEFAULTS
 from pallas_kernels.fp8_matmul import fp8_matmul
+from pallas_kernels.nvfp4_matmul import DEFAULT_CONFIGS as NVFP4_DEFAULTS
 from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
 # Linear layers, weight [N, K] (HF [out, in]), by model.
@@ -161,7 +171,14 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--sweep", action="store_true", help="GPU: sweep formulations and tiles per point")
     parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="wall-clock cap of the sweep")
     parser.add_argument("--compile-threads", type=int, default=8, help="sweep: parallel XLA compiles")
+    parser.add_argument("--prefill", action="store_true", help="GPU: the tiled kernel at prefill sizes")
+    parser.add_argument("--prefill-ms", default="4096,1024", help="prefill: activation rows (M) per point")
+    parser.add_argument(
+        "--prefill-budget-s", type=float, default=150.0, help="prefill: wall-clock cap of the timed points"
+    )
     args = parser.parse_args(argv)
+    if args.prefill:
+        return run_prefill(args)
     if args.sweep:
         return run_sweep(args)
     interpret = args.quick or jax.default_backend() == "cpu"
@@ -296,13 +313,13 @@ def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bo
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 
 
-def _time_compiled(compiled, xs, ws, copies: int) -> float:
+def _time_compiled(compiled, xs, ws, copies: int, target_s: float = TARGET_TRIAL_S) -> float:
     """Seconds per matmul: calls queued back to back (dispatch overlaps the GPU), one sync per
-    trial, median of 3 trials."""
+    trial, median of 3 trials of about `target_s` each."""
     start = time.perf_counter()
     jax.block_until_ready(compiled(xs, ws))
     first = time.perf_counter() - start
-    reps = max(1, min(200, math.ceil(TARGET_TRIAL_S / max(first, 1e-6))))
+    reps = max(1, min(200, math.ceil(target_s / max(first, 1e-6))))
     trials = []
     for _ in range(3):
         start = time.perf_counter()
@@ -489,6 +506,228 @@ def run_sweep(args) -> list:
     print(f"wrote {path} ({len(records)} records)")
     if mismatches:
         raise AssertionError("kernel results differ from the reference:\n" + "\n".join(mismatches))
+    return records
+
+
+# ---------------------------------------------------------------------------------------- prefill
+
+PREFILL_TRIAL_S = 20e-3  # GPU time per timing trial at prefill sizes
+QUICK_PREFILL_MS = "96,65"  # --quick: rows of the interpret-mode smoke run
+# "tiled" configurations tried at the largest M, most promising first:
+# (block_m, block_n, block_k, num_warps, num_stages, group_m); block_k in K elements.
+PREFILL_TILES = [
+    (128, 128, 128, 8, 3, 8),
+    (128, 256, 64, 8, 3, 8),
+    (256, 128, 64, 8, 3, 8),
+    (128, 128, 64, 4, 4, 8),
+    (128, 256, 128, 8, 2, 8),
+    (64, 128, 128, 4, 4, 8),
+    (256, 128, 128, 8, 2, 8),
+    (128, 128, 128, 4, 3, 16),
+]
+QUICK_PREFILL_TILES = [(32, 32, 64, 4, 3, 2), (64, 64, 64, 4, 3, 8)]
+
+
+def prefill_configs(quick: bool) -> list[qc.MatmulConfig]:
+    """The "tiled" configurations of the prefill sweep (all valid for 128-element scale blocks)."""
+    tiles = QUICK_PREFILL_TILES if quick else PREFILL_TILES
+    return [
+        qc.MatmulConfig("tiled", bn, bk, 1, warps, stages, block_m=bm, group_m=group)
+        for bm, bn, bk, warps, stages, group in tiles
+    ]
+
+
+def _dequantize(fmt: str, weight: tuple, static: dict) -> jax.Array:
+    """The float32 weight [N, K], as weights.quant's dequantize computes it."""
+    from pallas_kernels.nvfp4_matmul import BLOCK, E2M1_VALUES
+
+    if fmt == "nvfp4":
+        packed, block_scale, tensor_scale = weight
+        table = jnp.asarray(E2M1_VALUES, jnp.float32)
+        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+        scales = jnp.repeat(block_scale.astype(jnp.float32), BLOCK, axis=-1)
+        return table[codes.astype(jnp.int32)] * scales * tensor_scale
+    data, scale = weight
+    if static.get("block_size") is None:
+        return data.astype(jnp.float32) * scale
+    b = static["block_size"]
+    full = jnp.repeat(jnp.repeat(scale, b, 0), b, 1)[: data.shape[0], : data.shape[1]]
+    return data.astype(jnp.float32) * full
+
+
+def _xla_prefill_fn(fmt: str, static: dict):
+    """What weights.quant runs for M > 64 today: dequantize the whole weight, cast it to the
+    activation dtype, one XLA dot with float32 accumulation."""
+
+    def one(x, *w):
+        wq = _dequantize(fmt, w, static).astype(x.dtype)
+        return jnp.einsum("mk,nk->mn", x, wq, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
+
+
+def _bf16_dot_fn():
+    """A plain bf16 dot of the same shape: what an unquantized layer costs."""
+    contract = (((1,), (1,)), ((), ()))
+
+    def one(x, w):
+        return jax.lax.dot_general(x, w, contract, preferred_element_type=jnp.bfloat16)
+
+    return jax.jit(lambda xs, ws: tuple(one(x, w[0]) for x, w in zip(xs, ws)))
+
+
+def prefill_point(fmt, n, k, m, weight, static, configs, *, deadline, pool, interpret) -> dict:
+    """Time `configs` (in compile batches until `deadline`; the first batch always), the XLA
+    fallback and a bf16 dot; the fastest configuration that matches the reference wins."""
+    xs = (jax.random.normal(jax.random.key(m + k), (m, k), jnp.bfloat16),)
+    ws = (weight,)
+    chunk = max(1, getattr(pool, "_max_workers", 1))
+    results: dict[qc.MatmulConfig, float | str] = {}
+    compiled_ok = {}
+    for start in range(0, len(configs), chunk):
+        if start and time.perf_counter() > deadline:
+            break
+        batch = configs[start : start + chunk]
+        for cfg, comp in _compile_all(fmt, batch, static, xs, ws, pool, interpret).items():
+            if isinstance(comp, Exception):
+                results[cfg] = f"{type(comp).__name__}: {str(comp)[:160]}"
+                continue
+            try:
+                results[cfg] = _time_compiled(comp, xs, ws, 1, PREFILL_TRIAL_S)
+                compiled_ok[cfg] = comp
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: recorded, sweep goes on
+                results[cfg] = f"{type(e).__name__}: {str(e)[:160]}"
+    xla_s = _time_compiled(_xla_prefill_fn(fmt, static), xs, ws, 1, PREFILL_TRIAL_S)
+    w_bf16 = ((_dequantize(fmt, weight, static).astype(jnp.bfloat16),),)
+    bf16_s = _time_compiled(_bf16_dot_fn(), xs, w_bf16, 1, PREFILL_TRIAL_S)
+    want = _xla_fn(fmt, static)(xs[0], *weight)  # the float32 reference
+    best, errors = None, []
+    for seconds, cfg in sorted(
+        ((t, c) for c, t in results.items() if isinstance(t, float)), key=lambda tc: tc[0]
+    ):
+        rel = _rel_err(compiled_ok[cfg](xs, ws)[0], want)
+        if rel <= 2e-2:
+            best = (seconds, cfg, rel)
+            break
+        errors.append(f"{fmt} {n}x{k} m{m} {cfg}: differs from the reference by {rel:.3g} of max|y|")
+        print(f"  MISMATCH {errors[-1]}", file=sys.stderr)
+    table = [
+        {**dataclasses.asdict(c), **({"s": t} if isinstance(t, float) else {"error": t})}
+        for c, t in sorted(results.items(), key=lambda ct: ct[1] if isinstance(ct[1], float) else 1e9)
+    ]
+    return {"best": best, "xla_s": xla_s, "bf16_s": bf16_s, "table": table, "mismatches": errors}
+
+
+def _prefill_record(model, layer, fmt, n, k, m, res, ceiling, *, machine, commit, interpret):
+    seconds, cfg, rel_err = res["best"]
+    flops = 2 * m * n * k
+    return make_record(
+        f"prefill matmul {model} {layer} {n}x{k} {fmt} m{m}",
+        flops / seconds / 1e12,
+        "TFLOP/s",
+        ceiling.figure,
+        "TFLOP/s",
+        machine=machine,
+        commit=commit,
+        details={
+            "m": m,
+            "n": n,
+            "k": k,
+            "format": fmt,
+            "flops": flops,
+            "median_s": seconds,
+            "max_rel_err_vs_reference": rel_err,
+            "tiles": dataclasses.asdict(cfg),
+            "xla_dequant_dot_s": res["xla_s"],
+            "xla_dequant_dot_tflop_s": flops / res["xla_s"] / 1e12,
+            "bf16_dot_s": res["bf16_s"],
+            "bf16_dot_tflop_s": flops / res["bf16_s"] / 1e12,
+            "speedup_vs_xla_dequant_dot": res["xla_s"] / seconds,
+            "ceiling": ceiling.name,
+            "sweep": res["table"],
+            "interpret": interpret,
+            "jax": jax.__version__,
+        },
+    )
+
+
+def run_prefill(args) -> list:
+    """`--prefill`: see the module docstring. Writes the records after every point; raises at the
+    end when a configuration disagreed with the reference or a point had no valid result."""
+    t0 = time.perf_counter()
+    interpret = args.quick or jax.default_backend() == "cpu"
+    formats = args.formats.split(",")
+    ms = sorted({int(v) for v in (QUICK_PREFILL_MS if args.quick else args.prefill_ms).split(",")})[::-1]
+    shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
+    machine, commit = machine_name(), git_commit()
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    out_path = args.out or f"kernels-prefill-{slug}{'-quick' if args.quick else ''}.json"
+    points = _sweep_points(shapes, formats, ms)
+    configs = prefill_configs(args.quick)
+    bf16 = measure_matmul(jnp.bfloat16, QUICK if args.quick else Sizes())
+    print(f"{bf16.name}: {bf16.figure:.1f} TFLOP/s")
+    print(
+        f"prefill: {len(points)} shape x format points at M {ms}: {len(configs)} tile configs at "
+        f"M={ms[0]}, its winner and the default below; budget {args.prefill_budget_s:.0f} s"
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.compile_threads))
+    records, failures, path, done = [], [], None, 0
+    for fmt, (n, k), names in points:
+        weight, static, _ = _random_weight(fmt, n, k, jax.random.key(n * 7 + k))
+        defaults = NVFP4_DEFAULTS if fmt == "nvfp4" else FP8_DEFAULTS
+        winner = None
+        for m in ms:
+            left = args.prefill_budget_s - (time.perf_counter() - t0)
+            share = left / max(1, len(points) * len(ms) - done)
+            done += 1
+            if left <= 0:
+                print(f"prefill budget spent: skipping {fmt} {n}x{k} m{m}")
+                continue
+            if m == ms[0]:  # the sweep: 1.5 shares; the smaller Ms: winner and default, 0.5 share
+                point_configs, deadline = configs, time.perf_counter() + 1.5 * share
+            else:
+                default = qc.pick_config(defaults, m)
+                point_configs = list(dict.fromkeys(c for c in (winner, default) if c is not None))
+                deadline = time.perf_counter() + 0.5 * share
+            res = prefill_point(
+                fmt, n, k, m, weight, static, point_configs, deadline=deadline, pool=pool, interpret=interpret
+            )
+            failures += res["mismatches"]
+            if res["best"] is None:
+                failures.append(f"{fmt} {n}x{k} m{m}: no configuration ran and matched the reference")
+                print(f"  {failures[-1]}", file=sys.stderr)
+                continue
+            if m == ms[0]:
+                winner = res["best"][1]
+            for model, layer in names:
+                records.append(
+                    _prefill_record(
+                        model,
+                        layer,
+                        fmt,
+                        n,
+                        k,
+                        m,
+                        res,
+                        bf16,
+                        machine=machine,
+                        commit=commit,
+                        interpret=interpret,
+                    )
+                )
+            rec, flops = records[-1], 2 * m * n * k
+            print(
+                f"{fmt:12s} {n:6d}x{k:<6d} m{m:<5d} {rec.figure:7.1f} TFLOP/s {rec.fraction:6.1%} of bf16  "
+                f"(xla dequant+dot {flops / res['xla_s'] / 1e12:6.1f}, bf16 dot "
+                f"{flops / res['bf16_s'] / 1e12:6.1f})  {len(res['table'])} configs  best {res['best'][1]}  "
+                f"[{time.perf_counter() - t0:.0f} s]",
+                flush=True,
+            )
+            path = write_records(records, out_path)  # after every point: a timeout keeps what ran
+    pool.shutdown()
+    print(f"wrote {path} ({len(records)} records)")
+    if failures:
+        raise AssertionError("prefill benchmark failures:\n" + "\n".join(failures))
     return records
 
 
