@@ -57,6 +57,7 @@ from pallas_kernels.paged_attention import (
 BLOCK_Q_CHOICES = (16, 32, 64, 128, 256)
 BLOCK_KV_CHOICES = (16, 32, 64, 128, 256)
 INT8_MAX = 127.0
+LOG2_E = 1.4426950408889634
 # max |out - exact| / max |exact| that qk_int8 adds on random (standard normal) q and k at
 # head_dim 16..256 (tests/pallas_kernels/test_flash_prefill.py checks it).
 QK_INT8_TOLERANCE = 3e-2
@@ -175,13 +176,16 @@ def _prefill_kernel(
     total_steps = jax.lax.div(last + block_kv, block_kv)
     free_steps = jnp.minimum(jax.lax.div(first + 1, block_kv), total_steps)  # every query sees all of them
 
+    # Scores are kept in log2 units and exponentiated with exp2 (one ex2.approx instruction on
+    # the GPU; exp lowers to libdevice's __nv_expf, a range reduction around it).
+    score_scale = sm_scale * LOG2_E
     q = compat.load(q_ref.at[b, compat.ds(t0, block_q), h], mask=rows[:, None], other=0)  # [bq, Dh]
     if qk_int8:
         qf = q.astype(jnp.float32)
         q_absmax = jnp.max(jnp.abs(qf), axis=1)
         q_scale = jnp.where(q_absmax > 0, q_absmax / INT8_MAX, 1.0)  # [bq]
         q = jnp.clip(jnp.floor(qf / q_scale[:, None] + 0.5), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-        row_scale = q_scale * sm_scale
+        row_scale = q_scale * score_scale
     else:
         q = q.astype(compute_dtype)
     sub = min(block_kv, PAGE_SIZE)  # tokens a page sub-tile holds
@@ -198,7 +202,7 @@ def _prefill_kernel(
         return compat.load(view) if valid is None else compat.load(view, mask=valid, other=0.0)
 
     def scores(k, page, offset, valid):
-        """[bq, sub] float32 scores (softmax scale included) of one page sub-tile."""
+        """[bq, sub] float32 scores of one page sub-tile, in log2 units (softmax scale * log2 e included)."""
         if qk_int8:
             if k.dtype == jnp.int8:
                 k_codes, col_scale = k, None
@@ -213,7 +217,7 @@ def _prefill_kernel(
         else:
             col_scale = None
             s = jax.lax.dot_general(q, k.astype(compute_dtype), dims_qk, preferred_element_type=jnp.float32)
-            s = s * sm_scale
+            s = s * score_scale
         if scaled:
             k_scale = load_scale(ks_ref, page, offset, valid)
             col_scale = k_scale if col_scale is None else col_scale * k_scale
@@ -235,16 +239,18 @@ def _prefill_kernel(
         m_new = m
         for s, *_ in parts:
             m_new = jnp.maximum(m_new, jnp.max(s, axis=1))  # finite: slot 0 is every query's first step
-        alpha = jnp.exp(m - m_new)
+        alpha = jnp.exp2(m - m_new)
         acc = acc * alpha[:, None]
         l = l * alpha
         for s, page, offset, valid in parts:
-            p = jnp.exp(s - m_new[:, None])  # [bq, sub]
+            p = jnp.exp2(s - m_new[:, None])  # [bq, sub]
             l = l + jnp.sum(p, axis=1)
             if scaled:
                 p = p * load_scale(vs_ref, page, offset, valid)[None, :]
             v = load_tile(v_ref, page, offset, valid).astype(compute_dtype)
-            acc = acc + jax.lax.dot_general(p.astype(compute_dtype), v, dims_pv, preferred_element_type=jnp.float32)
+            acc = acc + jax.lax.dot_general(
+                p.astype(compute_dtype), v, dims_pv, preferred_element_type=jnp.float32
+            )
         return m_new, l, acc
 
     init = (
@@ -346,7 +352,9 @@ def paged_prefill_attention(
     256 whole pages) per loop step. `qk_int8` runs Q.K^T as an int8 dot (module docstring).
     Output in `out_dtype` (default q.dtype). `interpret=True` runs the Pallas interpreter (CPU).
     """
-    validate_prefill_attention(q, k_pages, v_pages, block_table, positions, k_scales, v_scales, block_q, block_kv)
+    validate_prefill_attention(
+        q, k_pages, v_pages, block_table, positions, k_scales, v_scales, block_q, block_kv
+    )
     batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     scaled = k_pages.dtype in SCALED_PAGE_DTYPES

@@ -5,6 +5,7 @@ the pool, and the INT8 Q.K option against exact scores within its stated toleran
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -154,10 +155,12 @@ def test_chunked_prefill_equals_one_chunk():
     rng = np.random.default_rng(4)
     whole = _chunk_positions([0], 150)
     q, k_pages, v_pages, table, _, _, _ = _random_case(rng, "bf16", whole, 4, 2, 16, max_blocks=3)
-    run = functools.partial(paged_prefill_attention, block_q=32, block_kv=64, out_dtype=jnp.float32, interpret=True)
+    run = functools.partial(
+        paged_prefill_attention, block_q=32, block_kv=64, out_dtype=jnp.float32, interpret=True
+    )
     at_once = run(q, k_pages, v_pages, table, whole)
     cuts = [0, 64, 100, 150]
-    for start, stop in zip(cuts[:-1], cuts[1:]):
+    for start, stop in itertools.pairwise(cuts):
         part = run(q[:, start:stop], k_pages, v_pages, table, whole[:, start:stop])
         np.testing.assert_allclose(np.asarray(part), np.asarray(at_once[:, start:stop]), rtol=1e-6, atol=1e-6)
 
@@ -184,7 +187,9 @@ def test_quantize_int8_rows_round_trips_within_half_a_step():
 def test_qk_int8_matches_its_reference_and_exact_scores_within_tolerance(fmt, case):
     starts, lengths, tokens, heads, kv_heads, head_dim, max_blocks, tiles = case
     rng = np.random.default_rng(10 + tokens)
-    args = _random_case(rng, fmt, _chunk_positions(starts, tokens, lengths), heads, kv_heads, head_dim, max_blocks)
+    args = _random_case(
+        rng, fmt, _chunk_positions(starts, tokens, lengths), heads, kv_heads, head_dim, max_blocks
+    )
     got = paged_prefill_attention(*args, qk_int8=True, out_dtype=jnp.float32, interpret=True, **tiles)
     quantized = reference_prefill_attention(*args, qk_int8=True)
     _assert_close(got, quantized, 2e-2)  # the same int8 scores; P.V in bf16
@@ -193,7 +198,8 @@ def test_qk_int8_matches_its_reference_and_exact_scores_within_tolerance(fmt, ca
 
 
 @pytest.mark.parametrize(
-    "fmt,qk_int8,block_kv", [("bf16", False, 64), ("int8", True, 128), ("fp8", False, 128), ("bf16", True, 32)]
+    "fmt,qk_int8,block_kv",
+    [("bf16", False, 64), ("int8", True, 128), ("fp8", False, 128), ("bf16", True, 32)],
 )
 def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, qk_int8, block_kv):
     # Qwen3.5-27B's attention: 24 q heads over 4 KV heads of 256; a 4096-token chunk, 32K context.
@@ -256,11 +262,19 @@ def test_rejects_bad_inputs_naming_the_value(change, match):
 
 def test_rejects_scales_on_unscaled_pages_and_non_power_of_two_head_dim():
     kwargs = _good_inputs()
-    bf16 = {"k_pages": kwargs["k_pages"].astype(jnp.bfloat16), "v_pages": kwargs["v_pages"].astype(jnp.bfloat16)}
+    bf16 = {
+        "k_pages": kwargs["k_pages"].astype(jnp.bfloat16),
+        "v_pages": kwargs["v_pages"].astype(jnp.bfloat16),
+    }
     with pytest.raises(ValueError, match="unscaled"):
         paged_prefill_attention(**{**kwargs, **bf16}, interpret=True)
     odd = jnp.ones((3, PAGE_SIZE, 2, 24), jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim=24 must be a power of two"):
         paged_prefill_attention(
-            jnp.ones((1, 8, 4, 24), jnp.bfloat16), odd, odd, kwargs["block_table"], kwargs["positions"], interpret=True
+            jnp.ones((1, 8, 4, 24), jnp.bfloat16),
+            odd,
+            odd,
+            kwargs["block_table"],
+            kwargs["positions"],
+            interpret=True,
         )
