@@ -639,6 +639,21 @@ class EngineCore:
         event.error = message
         return event
 
+    def _pools_lost(self) -> bool:
+        """Whether the runner's pools can no longer be used after a failed dispatch: donated to it
+        (deleted), or the outputs of the failed program itself. Dispatch is asynchronous, so a
+        program that fails while running (an expert read in its host callback) has already handed
+        its outputs to the runner; reading them raises the program's error."""
+        runner = self.runner
+        leaves = jax.tree.leaves((runner.kv_pool, runner.state_pool, runner.slot_sampling))
+        if any(x.is_deleted() for x in leaves if hasattr(x, "is_deleted")):
+            return True
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:  # noqa: BLE001 - any error of the failed program poisons its outputs
+            return True
+        return False
+
     def _fail_step(self, states: list[RequestState], exc: Exception, events: list[TokenEvent]) -> None:
         """A dispatch raised: end its requests with an error. The pools were donated to the failed
         call, so they are rebuilt empty and every other running request is recomputed."""
@@ -646,11 +661,7 @@ class EngineCore:
         for state in states:
             if state.status != Status.FINISHED:
                 events.append(self._fail(state, message))
-        if any(
-            x.is_deleted()
-            for x in jax.tree.leaves((self.runner.kv_pool, self.runner.state_pool))
-            if hasattr(x, "is_deleted")
-        ):
+        if self._pools_lost():
             self.runner.reset_pools()
             if self.prefix_cache is not None:
                 self.prefix_cache.on_pools_reset()
