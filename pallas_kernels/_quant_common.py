@@ -172,6 +172,31 @@ def split_sum(partial: jax.Array) -> jax.Array:
     return partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
 
 
+def accumulate_and_store(step, steps, *, variant, rows, bn, gemv_width, out_ref, split, row0, col0, n_mask):
+    """Run a decode kernel's K loop (`step(t, acc)`) and store its float32 partial sums in
+    out_ref [split_k, M, N] ("dot": [M, N] tiles; "dot_t": [N, M] tiles; gemv formulations: one
+    [bn, gemv_width] accumulator per activation row, summed over K once after the loop)."""
+    if is_gemv(variant):
+        zeros = tuple(jnp.zeros((bn, gemv_width), jnp.float32) for _ in range(rows))
+        acc = jax.lax.fori_loop(0, steps, step, zeros)
+        for r in range(rows):
+            compat.store(
+                out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],
+                acc[r].sum(axis=1)[None, :],
+                mask=None if n_mask is None else n_mask[None, :],
+            )
+        return
+    shape = (rows, bn) if variant == "dot" else (bn, rows)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    if variant == "dot":
+        view = out_ref.at[split, compat.ds(row0, rows), compat.ds(col0, bn)]
+        mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)
+    else:
+        view = out_ref.at[split, compat.ds(col0, bn), compat.ds(row0, rows)]
+        mask = None if n_mask is None else jnp.broadcast_to(n_mask[:, None], shape)
+    compat.store(view, acc, mask=mask)
+
+
 def tiled_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
     """(M tiles, N tiles) of the "tiled" formulation; its flat grid has their product."""
     return compat.cdiv(m, block_m), compat.cdiv(n, block_n)

@@ -48,10 +48,8 @@ from pallas_kernels import compat
 from pallas_kernels.paged_attention import (
     PAGE_SIZE,
     QUERY_DTYPES,
-    SCALE_DTYPE,
     SCALED_PAGE_DTYPES,
-    UNSCALED_PAGE_DTYPES,
-    _is_pow2,
+    validate_paged_kv,
 )
 
 BLOCK_Q_CHOICES = (16, 32, 64, 128, 256)
@@ -277,36 +275,7 @@ def validate_prefill_attention(
     if q.dtype not in QUERY_DTYPES:
         raise ValueError(f"q must be bf16, f16 or f32; got {q.dtype}")
     batch, tokens, heads, head_dim = q.shape
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [N, P, K, Dh]; got shape {k_pages.shape}")
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(
-            f"v_pages {v_pages.dtype} {v_pages.shape} must match k_pages {k_pages.dtype} {k_pages.shape}"
-        )
-    _n, page, kv_heads, page_dim = k_pages.shape
-    if page != PAGE_SIZE:
-        raise ValueError(f"pages must hold {PAGE_SIZE} tokens (k_pages dim 1); got {page}")
-    if page_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != page head_dim {page_dim}")
-    if not _is_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 (a Triton tile)")
-    if heads % kv_heads:
-        raise ValueError(f"q heads {heads} must be a multiple of the KV heads {kv_heads}")
-    scaled = k_pages.dtype in SCALED_PAGE_DTYPES
-    if not scaled and k_pages.dtype not in UNSCALED_PAGE_DTYPES:
-        raise ValueError(f"pages must be bf16, f16, f32, int8 or float8_e4m3fn; got {k_pages.dtype}")
-    if scaled:
-        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if s is None:
-                raise ValueError(f"{k_pages.dtype} pages need {name} [N, P, K] float32; got None")
-            if s.shape != k_pages.shape[:3] or s.dtype != SCALE_DTYPE:
-                raise ValueError(f"{name} must be float32 {k_pages.shape[:3]}; got {s.dtype} {s.shape}")
-    elif k_scales is not None or v_scales is not None:
-        raise ValueError(f"{k_pages.dtype} pages are unscaled; k_scales / v_scales must be None")
-    if block_table.ndim != 2 or block_table.shape[0] != batch or block_table.dtype != jnp.int32:
-        raise ValueError(
-            f"block_table must be int32 [B={batch}, M]; got {block_table.dtype} {block_table.shape}"
-        )
+    validate_paged_kv(heads, head_dim, batch, k_pages, v_pages, block_table, k_scales, v_scales)
     if positions.shape != (batch, tokens) or positions.dtype != jnp.int32:
         raise ValueError(
             f"positions must be int32 [B={batch}, T={tokens}]; got {positions.dtype} {positions.shape}"

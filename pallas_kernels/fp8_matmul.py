@@ -121,24 +121,10 @@ def _fp8_kernel(
             part = jax.lax.dot_general(w, x, qc.dims_nt(), preferred_element_type=jnp.float32)
         return acc + (part if s is None else part * s)
 
-    if gemv:
-        acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bn, bk), jnp.float32) for _ in range(rows)))
-        for r in range(rows):
-            compat.store(
-                out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],
-                acc[r].sum(axis=1)[None, :],
-                mask=None if n_mask is None else n_mask[None, :],
-            )
-        return
-    shape = (rows, bn) if variant == "dot" else (bn, rows)
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
-    if variant == "dot":
-        view = out_ref.at[split, compat.ds(i * rows, rows), compat.ds(col0, bn)]
-        mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)
-    else:
-        view = out_ref.at[split, compat.ds(col0, bn), compat.ds(i * rows, rows)]
-        mask = None if n_mask is None else jnp.broadcast_to(n_mask[:, None], shape)
-    compat.store(view, acc, mask=mask)
+    qc.accumulate_and_store(
+        step, steps, variant=variant, rows=rows, bn=bn, gemv_width=bk, out_ref=out_ref, split=split,
+        row0=i * rows, col0=col0, n_mask=n_mask,
+    )  # fmt: skip
 
 
 def _fp8_tiled_kernel(

@@ -193,18 +193,10 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-def validate_paged_attention(
-    q, k_pages, v_pages, block_table, lengths, k_scales, v_scales, partition_size, block_tokens
-) -> None:
-    """Raise ValueError naming the offending value when the inputs or tile sizes do not fit.
-
-    partition_size None (the default, chosen from the shapes) is not checked.
-    """
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, H, Dh] (one decode token per row); got shape {q.shape}")
-    if q.dtype not in QUERY_DTYPES:
-        raise ValueError(f"q must be bf16, f16 or f32; got {q.dtype}")
-    batch, heads, head_dim = q.shape
+def validate_paged_kv(heads, head_dim, batch, k_pages, v_pages, block_table, k_scales, v_scales) -> None:
+    """Raise ValueError naming the offending value when a paged KV pool (pages, scales, block table)
+    does not fit queries of `heads` heads of `head_dim` for `batch` rows (shared by the decode and
+    prefill kernels)."""
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages must be [N, P, K, Dh]; got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
@@ -235,6 +227,21 @@ def validate_paged_attention(
         raise ValueError(
             f"block_table must be int32 [B={batch}, M]; got {block_table.dtype} {block_table.shape}"
         )
+
+
+def validate_paged_attention(
+    q, k_pages, v_pages, block_table, lengths, k_scales, v_scales, partition_size, block_tokens
+) -> None:
+    """Raise ValueError naming the offending value when the inputs or tile sizes do not fit.
+
+    partition_size None (the default, chosen from the shapes) is not checked.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, Dh] (one decode token per row); got shape {q.shape}")
+    if q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"q must be bf16, f16 or f32; got {q.dtype}")
+    batch, heads, head_dim = q.shape
+    validate_paged_kv(heads, head_dim, batch, k_pages, v_pages, block_table, k_scales, v_scales)
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be int32 [B={batch}]; got {lengths.dtype} {lengths.shape}")
     if block_tokens not in (16, 32, 64):
