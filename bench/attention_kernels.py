@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import statistics
 import sys
 import time
@@ -34,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.ceilings import QUICK, Sizes, measure_hbm_read
-from bench.record import context_label, git_commit, machine_name, make_record, write_records
+from bench.ceilings import QUICK, Sizes, measure_hbm_read, relative_error
+from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.kv_pool import PagedKV
 from pallas_kernels.paged_attention import (
     PAGE_SIZE,
@@ -172,11 +171,6 @@ def _xla_fn(scale: float):
     return _over_copies(attend)
 
 
-def _rel_err(got: jax.Array, want: jax.Array) -> float:
-    diff = jnp.max(jnp.abs(got.astype(jnp.float32) - want))
-    return float(diff / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
-
-
 @dataclass
 class PointResult:
     """What one (shape, format, batch, context) point measured; times are seconds per call."""
@@ -234,7 +228,7 @@ def bench_point(
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile here: report, go on
             print(f"  {fmt} b{batch} {context_label(context)} {config}: {type(e).__name__}: {str(e)[:160]}")
             continue
-        rel_err = _rel_err(got, want)
+        rel_err = relative_error(got, want)
         if not rel_err <= MAX_REL_ERR:  # also catches NaN
             raise AssertionError(
                 f"{shape} {fmt} batch{batch} ctx{context} {config}: kernel differs from the reference "
@@ -250,7 +244,7 @@ def bench_point(
         kernel_only_s = pipelined_seconds(lambda: partials(arg_sets), sizes, calls) / copies
     xla = _xla_fn(shape.head_dim**-0.5)
     xla_sets = tuple(pools)
-    xla_rel_err = _rel_err(xla(xla_sets)[0], want)
+    xla_rel_err = relative_error(xla(xla_sets)[0], want)
     xla_s = pipelined_seconds(lambda: xla(xla_sets), sizes, calls) / copies
     return PointResult(sweep, kernel_only_s, xla_s, xla_rel_err, kv_bytes, copies)
 
@@ -382,7 +376,7 @@ def main(argv: list[str] | None = None):
                         f"  {d['config']}",
                         flush=True,
                     )
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     path = write_records(
         records, args.out or f"attention-kernels-{slug}{'-quick' if args.quick else ''}.json"
     )

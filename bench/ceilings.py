@@ -20,7 +20,6 @@ each ceiling with the vendor's datasheet peak where this module knows the device
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bench.record import BenchRecord, git_commit, machine_name, make_record, write_records
+from bench.record import BenchRecord, git_commit, machine_name, machine_slug, make_record, write_records
 
 GiB = 1 << 30
 
@@ -99,6 +98,13 @@ def median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> list[flo
         jax.block_until_ready(fn())
         timings.append(time.perf_counter() - start)
     return timings
+
+
+def relative_error(got: jax.Array, want: jax.Array) -> float:
+    """max |got - want| over max |want| (float32): how a kernel's output is checked against its
+    reference before its time counts."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
 
 
 def _random_bf16(num_bytes: int, seed: int, columns: int = 8192) -> jax.Array:
@@ -249,10 +255,6 @@ def ceiling_records(measurements: dict[str, Measurement], machine: str, commit: 
     return records
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
 def main(argv: list[str] | None = None) -> list[BenchRecord]:
     parser = argparse.ArgumentParser(prog="python -m bench.ceilings", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes that run anywhere (CPU tests)")
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> list[BenchRecord]:
     measurements = measure_ceilings(QUICK if args.quick else Sizes(), fp8=not args.no_fp8)
     records = ceiling_records(measurements, machine, commit)
     suffix = "-quick" if args.quick else ""
-    path = write_records(records, args.out or f"ceilings-{_slug(machine)}{suffix}.json")
+    path = write_records(records, args.out or f"ceilings-{machine_slug(machine)}{suffix}.json")
     for r in records:
         of_peak = (
             f"  ({r.fraction:.0%} of the {r.ceiling:g} {r.ceiling_unit} datasheet peak)" if r.fraction else ""

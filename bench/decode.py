@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import time
 
 import jax
@@ -40,7 +39,7 @@ from bench.engine_setup import (
     make_core,
     place_prompts_without_compute,
 )
-from bench.record import context_label, git_commit, machine_name, make_record, write_records
+from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 
 
 def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None):
     machine, commit = machine_name(), git_commit()
     bandwidth = measure_hbm_read(QUICK if args.quick else Sizes()).rate
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     suffix = ("" if args.weights == "bf16" else f"-{args.weights}") + ("-quick" if args.quick else "")
     out = args.out or f"decode-{slug}{suffix}.json"
     records = []

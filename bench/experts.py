@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import time
 
 import jax
@@ -33,7 +32,7 @@ import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_host_to_device
 from bench.engine_setup import QWEN3_NEXT_24_LAYERS, TINY, place_prompts_without_compute
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None):
     bandwidth = measure_host_to_device(QUICK if args.quick else Sizes()).rate
     shape = "tiny-moe32" if args.quick else f"qwen3-next-80b-a3b {layers}of{FULL_LAYERS}layers"
     batches = [int(b) for b in args.batches.split(",")]
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
     for label, budget in [*budgets.items(), ("all-resident", None)]:

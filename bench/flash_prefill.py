@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 import sys
 from dataclasses import asdict, dataclass
 
@@ -38,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.attention_kernels import SHAPES, AttentionShape, pipelined_seconds, random_paged_kv
-from bench.ceilings import QUICK, Sizes, measure_matmul
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.ceilings import QUICK, Sizes, measure_matmul, relative_error
+from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.kv_pool import PagedKV
 from pallas_kernels.flash_prefill import paged_prefill_attention, reference_prefill_attention
 
@@ -111,11 +110,6 @@ def workload_label(workload: Workload, at_end_only: bool) -> str:
     return f"prefill{_tokens(workload.context)}-chunks{_tokens(workload.chunk)}"
 
 
-def _rel_err(got: jax.Array, want: jax.Array) -> float:
-    diff = jnp.max(jnp.abs(got.astype(jnp.float32) - want))
-    return float(diff / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
-
-
 def _kernel_fn(config: PrefillConfig, qk_int8: bool, interpret: bool):
     return jax.jit(
         functools.partial(
@@ -138,7 +132,7 @@ def _check(fn, q, kv: PagedKV, positions, rows: np.ndarray, max_rel_err: float, 
     want = _reference(
         q[:, rows], kv.k_pages, kv.v_pages, kv.block_table, positions[:, rows], kv.k_scales, kv.v_scales
     )
-    rel_err = _rel_err(got[:, rows], want)
+    rel_err = relative_error(got[:, rows], want)
     if not rel_err <= max_rel_err:  # also catches NaN
         raise AssertionError(f"{what}: kernel differs from the reference by {rel_err:.3g} of max|out|")
     return rel_err
@@ -319,7 +313,7 @@ def main(argv: list[str] | None = None):
                 f"(xla path {xla_words} TFLOP/s)  {rec.details['config']}",
                 flush=True,
             )
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     path = write_records(records, args.out or f"flash-prefill-{slug}{'-quick' if args.quick else ''}.json")
     print(f"wrote {path}")
     if failed:

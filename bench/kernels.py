@@ -34,7 +34,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
-import re
 import statistics
 import sys
 import time
@@ -42,8 +41,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.ceilings import QUICK, Sizes, measure_hbm_read, measure_matmul, median_seconds
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.ceilings import QUICK, Sizes, measure_hbm_read, measure_matmul, median_seconds, relative_error
+from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from pallas_kernels import _quant_common as qc
 from pallas_kernels.fp8_matmul import DEFAULT_CONFIGS as FP8_DEFAULTS
 from pallas_kernels.fp8_matmul import fp8_matmul
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None):
                         f"{name:60s} {rec.figure:8.1f} GB/s  {rec.fraction:6.1%} of HBM  "
                         f"(xla {moved / xla_seconds / 1e9:7.1f} GB/s)  tiles {tiles}"
                     )
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     path = write_records(records, args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json")
     print(f"wrote {path}")
     return records
@@ -354,11 +353,6 @@ def _compile_all(fmt, configs, static, xs, ws, pool, interpret=False):
     return out
 
 
-def _rel_err(got: jax.Array, want: jax.Array) -> float:
-    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
-
-
 def sweep_point(fmt, n, k, batch, weights, static, *, deadline: float, pool, interpret=False) -> dict:
     """Time the coarse grid until 65% of the time to `deadline` is spent, then warps x stages
     around the two best until the deadline; returns the point's summary (best, XLA time, table)."""
@@ -395,7 +389,7 @@ def sweep_point(fmt, n, k, batch, weights, static, *, deadline: float, pool, int
     want = xla(xs, weights)[0] if xla_s is not None else None
     best, errors = None, []
     for seconds, cfg in sorted((t, c) for c, t in results.items() if isinstance(t, float)):
-        rel = _rel_err(compiled_ok[cfg](xs, weights)[0], want) if want is not None else float("nan")
+        rel = relative_error(compiled_ok[cfg](xs, weights)[0], want) if want is not None else float("nan")
         if rel <= 2e-2:
             best = (seconds, cfg, rel)
             break
@@ -426,7 +420,7 @@ def run_sweep(args) -> list:
     interpret = args.quick or jax.default_backend() == "cpu"
     shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
     machine, commit = machine_name(), git_commit()
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     out_path = args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, batches)
     n_configs = sum(len(sweep_configs(fmt, n, k, b)) for fmt, (n, k), _ in points for b in batches)
@@ -605,7 +599,7 @@ def prefill_point(fmt, n, k, m, weight, static, configs, *, deadline, pool, inte
     for seconds, cfg in sorted(
         ((t, c) for c, t in results.items() if isinstance(t, float)), key=lambda tc: tc[0]
     ):
-        rel = _rel_err(compiled_ok[cfg](xs, ws)[0], want)
+        rel = relative_error(compiled_ok[cfg](xs, ws)[0], want)
         if rel <= 2e-2:
             best = (seconds, cfg, rel)
             break
@@ -660,7 +654,7 @@ def run_prefill(args) -> list:
     ms = sorted({int(v) for v in (QUICK_PREFILL_MS if args.quick else args.prefill_ms).split(",")})[::-1]
     shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
     machine, commit = machine_name(), git_commit()
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     out_path = args.out or f"kernels-prefill-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, ms)
     configs = prefill_configs(args.quick)

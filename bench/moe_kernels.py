@@ -29,7 +29,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
-import re
 import sys
 import time
 
@@ -37,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.ceilings import QUICK, Sizes, measure_hbm_read
+from bench.ceilings import QUICK, Sizes, measure_hbm_read, relative_error
 from bench.kernels import _time_compiled
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from pallas_kernels.moe_matmul import GroupedConfig, grouped_matmul, reference_grouped_matmul
 
 
@@ -159,11 +158,6 @@ def _compile(fns: dict, routes, weight, pool) -> dict:
     return out
 
 
-def _rel_err(got: jax.Array, want: jax.Array) -> float:
-    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-    return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
-
-
 def bench_projection(fmt, proj, n, k, batches, routings, args, *, shape, hbm, pool, machine, commit):
     """Records of one (format, projection) over batches x routing kinds; mismatches as strings."""
     weight, static, per_expert = random_stack(fmt, shape.num_experts, n, k, jax.random.key(n + k))
@@ -196,7 +190,9 @@ def bench_projection(fmt, proj, n, k, batches, routings, args, *, shape, hbm, po
                     table.append({**row, "error": f"{type(comp).__name__}: {str(comp)[:160]}"})
                     continue
                 got = comp(routes, weight)
-                rel = max(_rel_err(g, w) for g, w in zip(got, want)) if want is not None else float("nan")
+                rel = (
+                    max(relative_error(g, w) for g, w in zip(got, want)) if want is not None else float("nan")
+                )
                 if not rel <= MAX_REL_ERR:
                     msg = f"{fmt} {proj} batch{batch} {kind} {cfg}: differs from the reference by {rel:.3g}"
                     print(f"  MISMATCH {msg}", file=sys.stderr)
@@ -279,7 +275,7 @@ def main(argv: list[str] | None = None) -> list:
     batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,2,4,8")).split(",")]
     routings = args.routing.split(",")
     machine, commit = machine_name(), git_commit()
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     out_path = args.out or f"moe-kernels-{slug}{'-quick' if args.quick else ''}.json"
     t0 = time.perf_counter()
     hbm = measure_hbm_read(QUICK if args.quick else Sizes())

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.engine_setup import SHAPES, place_prompts_without_compute
-from bench.record import git_commit, machine_name, make_record, write_records
+from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None):
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     print(
         "wrote",
         write_records(records, args.out or f"ngram-memory-{slug}{'-quick' if args.quick else ''}.json"),

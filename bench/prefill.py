@@ -15,7 +15,6 @@ per attention layer). Records go to bench/results/prefill-<machine>.json.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
 import jax
@@ -24,7 +23,7 @@ import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_matmul
 from bench.engine_setup import build_model, make_core, weight_bytes_per_token
-from bench.record import context_label, git_commit, machine_name, make_record, write_records
+from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
 
 
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None):
                       f"ttft {record.details['ttft_s']:.3f}s", flush=True)  # fmt: skip
                 records.append(record)
         del params
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     print("wrote", write_records(records, args.out or f"prefill-{slug}{'-quick' if args.quick else ''}.json"))
     return records
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Iterable
@@ -68,8 +69,13 @@ def make_record(
 
 
 def context_label(tokens: int) -> str:
-    """"ctx8k" for whole thousands of 1024 tokens and up, else "ctx300" (for record names)."""
+    """ "ctx8k" for whole thousands of 1024 tokens and up, else "ctx300" (for record names)."""
     return f"ctx{tokens // 1024}k" if tokens >= 1024 else f"ctx{tokens}"
+
+
+def machine_slug(machine: str) -> str:
+    """The machine's name as it appears in result file names ("NVIDIA H200" -> "nvidia-h200")."""
+    return re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
 
 
 def machine_name() -> str:

@@ -55,7 +55,6 @@ import argparse
 import dataclasses
 import gc
 import math
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.engine_setup import build_model, place_prompts_without_compute
-from bench.record import context_label, git_commit, machine_name, make_record, write_records
+from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
@@ -364,7 +363,7 @@ def main(argv: list[str] | None = None):
                           f"verify step {d['verify_step_ms']:.2f} ms", flush=True)  # fmt: skip
                     records.append(record)
         del params
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     print(
         "wrote",
         write_records(records, args.out or f"speculative-{slug}{'-quick' if args.quick else ''}.json"),

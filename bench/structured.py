@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import statistics
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.engine_setup import SHAPES, build_model, make_core
-from bench.record import context_label, git_commit, machine_name, make_record, write_records
+from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.chat.tokenizer import Tokenizer
 from infernix_jax.engine.constrained import ConstrainedOutput, allow_all
@@ -382,7 +381,7 @@ def main(argv: list[str] | None = None):
     machine, commit = machine_name(), git_commit()
     tokenizer = qwen3_tokenizer(args.tokenizer)
     backend = default_backend(tokenizer)
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-")
+    slug = machine_slug(machine)
     if args.breakdown:
         constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(LONG_SCHEMA)))
         records = run_breakdown(args, constraint, machine, commit)

@@ -32,6 +32,6 @@ def test_quick_prefill_writes_a_record_per_layer_and_m(tmp_path):
 
 
 def test_quick_prefill_fails_when_the_kernel_disagrees_with_the_reference(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernels, "_rel_err", lambda got, want: 0.5)
+    monkeypatch.setattr(kernels, "relative_error", lambda got, want: 0.5)
     with pytest.raises(AssertionError, match="differs from the reference"):
         _run(tmp_path)
