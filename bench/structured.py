@@ -26,14 +26,18 @@ back to back on the device (device-resident arguments, then numpy ones as upload
 (c) masked_sample_program alone (with and without the top-k alternatives, mask resident or
 uploaded); (d) forward + sample chained on the device (all-ones mask), with no read, then with a
 read of every step, then on the engine's schedule (forward t+1 dispatched before reading t) with no
-matcher; (e) the engine's constrained loop; (f) the same loop instrumented: host time per step in
-each part (forward / sample dispatch calls, the read, matcher advance, fill_mask, the rest of the
-loop, and the engine step around the loop). Records: bench/results/structured-breakdown-<machine>.json.
+matcher; then masked_decode_step_program (forward and sample in one program) chained, without and
+with a read of every step; (e) the engine's constrained loop, split and fused
+(`EngineConfig.constrained_decode`; the record's figure is the fused one, the default); (f) the
+fused loop instrumented: host time per step in each part (dispatch calls, the read, matcher
+advance, fill_mask, the rest of the loop, and the engine step around the loop).
+Records: bench/results/structured-breakdown-<machine>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -288,10 +292,22 @@ def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, co
 
     parts["d_engine_schedule"] = _chain(tokens, engine_schedule)
 
+    def fused(read: bool = False):  # one masked forward+sample program per step
+        current[0], _, packed = runner.decode_step_masked(current[0], positions_d, table_d, slots_d, ones_d, False)
+        return runner.read_step(packed)[0] if read else packed
+
+    parts["d_fused"] = _chain(tokens, fused)
+    parts["d_fused_read_each"] = _chain(tokens, lambda: fused(read=True))
+
     for state in rows:  # (e): the same rows, now under the schema
         core.constraints[state.request_id] = ConstrainedOutput(constraint, state.request.sampling)
+    config = core.config
+    core.config = dataclasses.replace(config, constrained_decode="split")
+    constrained_split = _engine_rate(core, batch, tokens)
+    core.config = dataclasses.replace(config, constrained_decode="fused")
     constrained = _engine_rate(core, batch, tokens)
-    watch = Stopwatch()  # (f): the same loop, instrumented
+    watch = Stopwatch()  # (f): the fused loop, instrumented
+    runner.decode_step_masked = watch.wrap("step_dispatch", runner.decode_step_masked)
     runner.decode_forward = watch.wrap("forward_dispatch", runner.decode_forward)
     runner.sample_masked = watch.wrap("sample_dispatch", runner.sample_masked)
     runner.read_step = watch.wrap("read_incl_device_wait", runner.read_step)
@@ -306,8 +322,9 @@ def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, co
     host["outside_loop"] = instrumented["ms"] - host["loop"]
     for state in rows:
         core.abort(state.request_id)
-    return {"free": free, "parts": parts, "constrained": constrained, "instrumented": instrumented,
-            "host_ms_per_step": host, "steps_per_dispatch": steps}  # fmt: skip
+    core.config = config
+    return {"free": free, "parts": parts, "constrained": constrained, "constrained_split": constrained_split,
+            "instrumented": instrumented, "host_ms_per_step": host, "steps_per_dispatch": steps}  # fmt: skip
 
 
 BREAKDOWN_ROWS = (  # (label, where in the result, key)
@@ -320,7 +337,10 @@ BREAKDOWN_ROWS = (  # (label, where in the result, key)
     ("(d) forward+sample chained, no reads", "parts", "d_chain"),
     ("(d) forward+sample, read each step", "parts", "d_chain_read_each"),
     ("(d) engine's schedule, no matcher", "parts", "d_engine_schedule"),
-    ("(e) engine constrained loop", "constrained", None),
+    ("(d) fused step, no reads", "parts", "d_fused"),
+    ("(d) fused step, read each step", "parts", "d_fused_read_each"),
+    ("(e) engine constrained loop, split", "constrained_split", None),
+    ("(e) engine constrained loop, fused", "constrained", None),
 )
 
 

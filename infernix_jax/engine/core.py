@@ -88,6 +88,25 @@ class EngineMetrics:
         return 1.0 - self.decode_device_wait_s / self.decode_wall_s
 
 
+class _ConstrainedRun:
+    """What one constrained decode (`EngineCore._run_decode_constrained`) collects, step by step:
+    each row's kept tokens, logprobs and alternatives, its constraint status, whether it still
+    decodes, and whether it was fed once more after it stopped (the split path)."""
+
+    def __init__(self, plan: SchedulerOutput, steps: int, num_top: int, with_top: bool):
+        b = plan.decode_batch
+        self.plan, self.steps, self.with_top = plan, steps, with_top
+        self.live = np.zeros(b, bool)
+        self.live[: len(plan.decode)] = True
+        self.fed_after_stop = np.zeros(b, bool)
+        self.statuses = [OK] * len(plan.decode)
+        self.counts = np.zeros(b, np.int32)
+        self.tokens = np.zeros((steps, b), np.int32)
+        self.logprobs = np.zeros((steps, b), np.float32)
+        self.top_ids = np.zeros((steps, b, num_top), np.int32)
+        self.top_logprobs = np.zeros((steps, b, num_top), np.float32)
+
+
 def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -> int:
     """KV blocks in the pool (the null block included), from kv_capacity or the memory budget."""
     per_sequence = config.max_blocks_per_sequence
@@ -475,24 +494,13 @@ class EngineCore:
         events.append(self._final_event(state))
 
     def _run_decode_constrained(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
-        """Decode a batch holding constrained rows, one device round trip per token.
-
-        Step t dispatches the forward of the tokens sampled at t - 1 straight from the device (JAX
-        dispatch is asynchronous), then, while the device runs it, reads those tokens back, feeds
-        them to the matchers, checks stop tokens and fills the masks of step t; then it dispatches
-        the masked sample. A row that stopped at t - 1 is fed once more (the request has ended, so
-        what the extra token writes is never read) but does not sample. Free rows of the batch
-        sample with an all-ones mask: the same keys, penalties and stops as in decode_program, so
-        their tokens are the ones the multi-step program would give.
-
-        Per step the host uploads only the masks: the block table and slots go up once, the
-        positions come from the forward before (re-uploaded only when a row stops feeding), which
-        rows sample only when that changes; one transfer reads a step back, and the top-k
-        alternatives are computed only when a row of the batch asked for them.
-        """
+        """Decode a batch holding constrained rows, one device round trip per token: the host needs
+        each row's last token to fill its next mask. Free rows of the batch sample with an all-ones
+        mask: the same keys, penalties and stops as in decode_program, so their tokens are the ones
+        the multi-step program would give. `EngineConfig.constrained_decode` picks the programs
+        (`_constrained_fused`, `_constrained_split`)."""
         b = plan.decode_batch
         batch = self.runner.empty_decode(b, 1)
-        live = np.zeros(b, bool)
         for i, row in enumerate(plan.decode):
             state = row.request
             batch.tokens[i] = state.token_at(row.position)
@@ -500,73 +508,117 @@ class EngineCore:
             batch.block_table[i, : len(state.blocks)] = state.blocks
             batch.slots[i] = state.slot
             batch.max_steps[i] = row.max_steps
-            live[i] = True
         steps = int(batch.max_steps.max())
         with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in plan.decode)
-        k = self.runner.num_top
-        tokens = np.zeros((steps, b), np.int32)
-        logprobs = np.zeros((steps, b), np.float32)
-        top_ids = np.zeros((steps, b, k), np.int32)
-        top_logprobs = np.zeros((steps, b, k), np.float32)
-        counts = np.zeros(b, np.int32)
-        statuses = [OK] * len(plan.decode)
-        pending, sampling_rows = None, live  # the last dispatched sample, read one step later
-        wait = 0.0
+        run = _ConstrainedRun(plan, steps, self.runner.num_top, with_top)
         try:
-            current, block_table, slots = jax.device_put((batch.tokens, batch.block_table, batch.slots))
-            positions, fed = None, None  # device positions of the next forward; the rows they feed
-            active, active_rows = None, None  # device copy of sampling_rows, and the rows it holds
-            for step in range(steps + 1):
-                feed = live & (step < batch.max_steps)  # may still hold a row the pending sample stops
-                logits = None
-                if step < steps and feed.any():
-                    if fed is None or not np.array_equal(feed, fed):
-                        positions = jax.device_put(
-                            np.where(feed, batch.positions + step, -1).astype(np.int32)
-                        )
-                        fed = feed
-                    logits, positions = self.runner.decode_forward(current, positions, block_table, slots)
-                if pending is not None:  # read the previous step's tokens while this forward runs
-                    t0 = time.perf_counter()
-                    step_tokens, step_logprobs, step_top_ids, step_top_logprobs = self.runner.read_step(
-                        pending
-                    )
-                    wait += time.perf_counter() - t0
-                    live = live.copy()
-                    for i in np.flatnonzero(sampling_rows):
-                        state = plan.decode[i].request
-                        status, kept = self._follow_constraint(state, step_tokens[i : i + 1])
-                        if kept:
-                            n = counts[i]
-                            tokens[n, i], logprobs[n, i] = step_tokens[i], step_logprobs[i]
-                            if with_top:
-                                top_ids[n, i], top_logprobs[n, i] = step_top_ids[i], step_top_logprobs[i]
-                            counts[i] += 1
-                        statuses[i] = status
-                        if status != OK or int(step_tokens[i]) in state.tracker.stop_token_ids:
-                            live[i] = False
-                if logits is None:
-                    break
-                sampling_rows = live & feed
-                if active_rows is None or not np.array_equal(sampling_rows, active_rows):
-                    active, active_rows = jax.device_put(sampling_rows), sampling_rows
-                mask = allow_all(b, self.runner.mask_words)  # host work overlapped with the forward
-                for i in np.flatnonzero(sampling_rows):
-                    constrained = self.constraints.get(plan.decode[i].request.request_id)
-                    if constrained is not None:
-                        constrained.fill_mask(mask[i])
-                current, pending = self.runner.sample_masked(logits, slots, active, mask, with_top)
+            if self.config.constrained_decode_mode == "split":
+                wait = self._constrained_split(run, batch)
+            else:
+                wait = self._constrained_fused(run, batch)
         except Exception as exc:  # noqa: BLE001 - as in _run_decode
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
-        sampled = Sampled(tokens, counts, logprobs, top_ids, top_logprobs)
+        sampled = Sampled(run.tokens, run.counts, run.logprobs, run.top_ids, run.top_logprobs)
         for i, row in enumerate(plan.decode):
-            if not live[i]:  # it stopped and was fed once more: its slot is one token past num_computed
+            if run.fed_after_stop[i]:  # its slot is one token past num_computed (split only)
                 row.request.cacheable_state = False
-            count = int(counts[i])
+            count = int(run.counts[i])
             row.request.num_computed += count
             self._accept(row.request, sampled, i, count, events)
-            self._settle_constraint(row.request, statuses[i], events)
+            self._settle_constraint(row.request, run.statuses[i], events)
+        return wait
+
+    def _constrained_masks(self, run: _ConstrainedRun, rows: np.ndarray) -> np.ndarray:
+        """The packed masks of a constrained step: each constrained row's from its matcher, all
+        ones elsewhere."""
+        mask = allow_all(len(run.live), self.runner.mask_words)
+        for i in np.flatnonzero(rows):
+            constrained = self.constraints.get(run.plan.decode[i].request.request_id)
+            if constrained is not None:
+                constrained.fill_mask(mask[i])
+        return mask
+
+    def _record_constrained_step(self, run: _ConstrainedRun, rows: np.ndarray, read) -> None:
+        """Feed one step's tokens (`read`: read_step's four arrays) of the rows that sampled to
+        their constraints and stop rules; a row that stops or breaks its grammar leaves `run.live`."""
+        step_tokens, step_logprobs, step_top_ids, step_top_logprobs = read
+        run.live = run.live.copy()
+        for i in np.flatnonzero(rows):
+            state = run.plan.decode[i].request
+            status, kept = self._follow_constraint(state, step_tokens[i : i + 1])
+            if kept:
+                n = run.counts[i]
+                run.tokens[n, i], run.logprobs[n, i] = step_tokens[i], step_logprobs[i]
+                if run.with_top:
+                    run.top_ids[n, i], run.top_logprobs[n, i] = step_top_ids[i], step_top_logprobs[i]
+                run.counts[i] += 1
+            run.statuses[i] = status
+            if status != OK or int(step_tokens[i]) in state.tracker.stop_token_ids:
+                run.live[i] = False
+
+    def _constrained_fused(self, run: _ConstrainedRun, batch) -> float:
+        """One masked forward+sample dispatch per token (`masked_decode_step_program`): the host
+        reads step t's tokens, advances the matchers and fills the masks of step t + 1, then
+        dispatches it. The device idles for that host work, but a token costs one dispatch, and on
+        a GPU the launches of a one-step program are what a token costs (docs/structured_output.md).
+        A row that stops is not fed again. Per step the host uploads only the masks (the positions
+        and tokens come from the step before; positions are re-uploaded only when a row stops)."""
+        current, block_table, slots = jax.device_put((batch.tokens, batch.block_table, batch.slots))
+        positions, fed = None, None
+        wait = 0.0
+        for step in range(run.steps):
+            feed = run.live & (step < batch.max_steps)
+            if not feed.any():
+                break
+            if fed is None or not np.array_equal(feed, fed):
+                positions = jax.device_put(np.where(feed, batch.positions + step, -1).astype(np.int32))
+                fed = feed
+            mask = self._constrained_masks(run, feed)
+            current, positions, packed = self.runner.decode_step_masked(
+                current, positions, block_table, slots, mask, run.with_top
+            )
+            t0 = time.perf_counter()
+            read = self.runner.read_step(packed)
+            wait += time.perf_counter() - t0
+            self._record_constrained_step(run, feed, read)
+        return wait
+
+    def _constrained_split(self, run: _ConstrainedRun, batch) -> float:
+        """Two dispatches per token, pipelined with the host: step t dispatches the forward of the
+        tokens sampled at t - 1 straight from the device (JAX dispatch is asynchronous), then, while
+        the device runs it, reads those tokens back, feeds them to the matchers, checks stop tokens
+        and fills the masks of step t; then it dispatches the masked sample. A row that stopped at
+        t - 1 is fed once more (the request has ended, so what the extra token writes is never read)
+        but does not sample. Per step the host uploads only the masks: the block table and slots go
+        up once, the positions come from the forward before (re-uploaded only when a row stops
+        feeding), which rows sample only when that changes."""
+        pending, sampling_rows = None, run.live  # the last dispatched sample, read one step later
+        wait = 0.0
+        current, block_table, slots = jax.device_put((batch.tokens, batch.block_table, batch.slots))
+        positions, fed = None, None  # device positions of the next forward; the rows they feed
+        active, active_rows = None, None  # device copy of sampling_rows, and the rows it holds
+        for step in range(run.steps + 1):
+            feed = run.live & (step < batch.max_steps)  # may still hold a row the pending sample stops
+            logits = None
+            if step < run.steps and feed.any():
+                if fed is None or not np.array_equal(feed, fed):
+                    positions = jax.device_put(np.where(feed, batch.positions + step, -1).astype(np.int32))
+                    fed = feed
+                logits, positions = self.runner.decode_forward(current, positions, block_table, slots)
+            if pending is not None:  # read the previous step's tokens while this forward runs
+                t0 = time.perf_counter()
+                read = self.runner.read_step(pending)
+                wait += time.perf_counter() - t0
+                self._record_constrained_step(run, sampling_rows, read)
+            if logits is None:
+                break
+            run.fed_after_stop |= feed & ~run.live
+            sampling_rows = run.live & feed
+            if active_rows is None or not np.array_equal(sampling_rows, active_rows):
+                active, active_rows = jax.device_put(sampling_rows), sampling_rows
+            mask = self._constrained_masks(run, sampling_rows)  # host work overlapped with the forward
+            current, pending = self.runner.sample_masked(logits, slots, active, mask, run.with_top)
         return wait
 
     def _cache_chunk(self, chunk) -> None:

@@ -8,10 +8,13 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
   stop-token and length checks, cache writes) entirely on the device; a row that stops feeds
   padding (position -1) for the remaining steps, so nothing more is written for it.
 - `set_slot_program`: install one request's sampling settings and penalty state in its slot.
-- `decode_forward_program` [batch] and `masked_sample_program` [batch]: one decode step split in
-  two for constrained rows (structured output): the forward returns the logits and stays on the
-  device while the host computes the rows' token masks, then the sample applies them. Prefill
-  always takes a packed mask (all ones for rows without a constraint).
+- `masked_decode_step_program` [batch]: one decode step (forward and sample) under a packed token
+  mask, for batches holding constrained rows (structured output): the host fills each row's mask
+  from the token before, so these rows advance one token per dispatch. Prefill always takes a
+  packed mask (all ones for rows without a constraint).
+- `decode_forward_program` [batch] and `masked_sample_program` [batch]: the same step split in two
+  (`EngineConfig.constrained_decode = "split"`): the host computes the masks while the forward
+  runs, at the cost of a second dispatch per token.
 
 The pools (KV pages, GDN state slots) and the per-slot sampling state are donated (on accelerators, see infernix_jax/jit.py) to every
 program and updated in place. Per-slot sampling state lives on the device so that a dispatch
@@ -240,6 +243,60 @@ def next_decode_inputs(
     return current, positions + count, max_steps, budget
 
 
+def _forward_one(params, kv_pool, state_pool, tokens, positions, block_table, slots, cfg):
+    """One decode forward (T = 1): (pools, f32 logits [b, v], next positions: each fed row one
+    further, -1 stays -1)."""
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    logits, _, cache = forward(params, tokens[:, None], positions[:, None], cache, cfg)
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    next_positions = jnp.where(positions >= 0, positions + 1, -1).astype(jnp.int32)
+    return kv_pool, state_pool, logits[:, 0].astype(jnp.float32), next_positions
+
+
+def _sample_packed(slot_sampling, logits, slots, active, mask, num_top):
+    """Sample one token per row under its mask, record it in the active rows' penalty state:
+    (slot_sampling, tokens i32 [b], packed i32 [b, 2 + 2 k]: token, logprob bits, k top ids,
+    k top logprob bits; read in one transfer with `unpack_step`)."""
+    arrays, penalties = slot_sampling.rows(slots)
+    out = sample(
+        logits, arrays, penalties, row_keys(arrays, penalties.num_generated), mask, num_top_logprobs=num_top
+    )
+    penalties = update_penalty_state(penalties, out.tokens, active)
+    slot_sampling = slot_sampling.with_penalties(jnp.where(active, slots, SCRATCH_SLOT), penalties)
+    as_int = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    packed = jnp.concatenate(
+        [out.tokens[:, None], as_int(out.logprobs)[:, None], out.top_ids, as_int(out.top_logprobs)], axis=1
+    )
+    return slot_sampling, out.tokens, packed
+
+
+@partial(jit, static_argnames=("cfg", "num_top"), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
+def masked_decode_step_program(
+    params: Params,
+    kv_pool: KVPool,
+    state_pool: StatePool,
+    slot_sampling: SlotSampling,
+    tokens: jax.Array,  # i32 [b]: the token each row feeds
+    positions: jax.Array,  # i32 [b]: its position; -1 for rows that feed nothing (and do not sample)
+    block_table: jax.Array,  # i32 [b, m]
+    slots: jax.Array,  # i32 [b]
+    mask: jax.Array,  # i32 [b, ceil(v / 32)]: packed allowed tokens (all ones for free rows)
+    *,
+    cfg: ModelConfig,
+    num_top: int,
+):
+    """One decode step under a mask: (pools, slot_sampling, the tokens each row feeds next (its
+    sample, or its input when it fed nothing), next positions, packed outputs as
+    `masked_sample_program`'s). Free rows sample with the same keys, penalties and stops as in
+    decode_program, so they give the tokens the multi-step program would."""
+    kv_pool, state_pool, logits, next_positions = _forward_one(
+        params, kv_pool, state_pool, tokens, positions, block_table, slots, cfg
+    )
+    active = positions >= 0
+    slot_sampling, sampled, packed = _sample_packed(slot_sampling, logits, slots, active, mask, num_top)
+    return kv_pool, state_pool, slot_sampling, jnp.where(active, sampled, tokens), next_positions, packed
+
+
 @partial(jit, static_argnames=("cfg",), donate_argnames=("kv_pool", "state_pool"))
 def decode_forward_program(
     params: Params,
@@ -255,11 +312,7 @@ def decode_forward_program(
     """One decode forward without sampling: f32 logits [b, v] stay on the device for the sample.
     Also returns the positions of the next step (each fed row one further, -1 stays -1), so that a
     run of steps over the same rows uploads its positions once."""
-    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
-    logits, _, cache = forward(params, tokens[:, None], positions[:, None], cache, cfg)
-    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
-    next_positions = jnp.where(positions >= 0, positions + 1, -1).astype(jnp.int32)
-    return kv_pool, state_pool, logits[:, 0].astype(jnp.float32), next_positions
+    return _forward_one(params, kv_pool, state_pool, tokens, positions, block_table, slots, cfg)
 
 
 @partial(jit, static_argnames=("num_top",), donate_argnames=("slot_sampling",))
@@ -278,17 +331,7 @@ def masked_sample_program(
     host reads packed into one i32 [b, 2 + 2 k] array, so reading a step is one transfer: columns
     token, logprob (f32 bits), k top ids, k top logprobs (f32 bits). num_top 0 skips the top-k over
     the vocabulary (no row of the batch asked for alternatives)."""
-    arrays, penalties = slot_sampling.rows(slots)
-    out = sample(
-        logits, arrays, penalties, row_keys(arrays, penalties.num_generated), mask, num_top_logprobs=num_top
-    )
-    penalties = update_penalty_state(penalties, out.tokens, active)
-    slot_sampling = slot_sampling.with_penalties(jnp.where(active, slots, SCRATCH_SLOT), penalties)
-    as_int = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    packed = jnp.concatenate(
-        [out.tokens[:, None], as_int(out.logprobs)[:, None], out.top_ids, as_int(out.top_logprobs)], axis=1
-    )
-    return slot_sampling, out.tokens, packed
+    return _sample_packed(slot_sampling, logits, slots, active, mask, num_top)
 
 
 def unpack_step(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -511,6 +554,41 @@ class Runner:
         )
         return out
 
+    def decode_step_masked(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        block_table: jax.Array,
+        slots: jax.Array,
+        mask: np.ndarray,
+        with_top: bool = True,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Dispatch one masked decode step (returns at once): (the tokens each row feeds next and the
+        next positions, both left on the device for the next step; the packed outputs, read them
+        with `read_step`). Rows at position -1 feed nothing and do not sample. Pass device arrays
+        where the caller can: each numpy argument is a host-to-device copy per call."""
+        if self.ngram_table is not None:
+            raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+        tokens, positions, block_table, slots, mask = (
+            jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)
+        )
+        self.kv_pool, self.state_pool, self.slot_sampling, tokens, positions, packed = (
+            masked_decode_step_program(
+                self.params,
+                self.kv_pool,
+                self.state_pool,
+                self.slot_sampling,
+                tokens,
+                positions,
+                block_table,
+                slots,
+                mask,
+                cfg=self.cfg,
+                num_top=self.num_top if with_top else 0,
+            )
+        )
+        return tokens, positions, packed
+
     def decode_forward(
         self, tokens: jax.Array, positions: jax.Array, block_table: jax.Array, slots: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
@@ -673,13 +751,7 @@ class Runner:
             if kind == "prefill":
                 out = self.prefill(self.empty_prefill(a, b))
             elif kind == "constrained decode":  # with and without top alternatives
-                empty = self.empty_decode(a, 1)
-                logits, _ = self.decode_forward(
-                    empty.tokens, np.full(a, -1, np.int32), empty.block_table, empty.slots
-                )
-                mask = allow_all(a, self.mask_words)
-                idle = np.zeros(a, bool)
-                out = [self.sample_masked(logits, empty.slots, idle, mask, top) for top in (True, False)]
+                out = self._warm_constrained(a)
             else:
                 empty = self.empty_decode(a, b)
                 out = self.decode(empty)
@@ -698,6 +770,25 @@ class Runner:
             bar.update(1)
         bar.close()
         return time.perf_counter() - start
+
+    def _warm_constrained(self, batch: int) -> list:
+        """Compile the constrained decode programs of one batch bucket on idle rows (position -1: no
+        writes, no samples), fed as core.py feeds them: host arrays first, then the device arrays
+        the step before returned."""
+        empty = self.empty_decode(batch, 1)
+        idle = np.full(batch, -1, np.int32)
+        mask = allow_all(batch, self.mask_words)
+        out = []
+        for top in (True, False):
+            if self.config.constrained_decode_mode == "split":
+                logits, _ = self.decode_forward(empty.tokens, idle, empty.block_table, empty.slots)
+                out.append(self.sample_masked(logits, empty.slots, np.zeros(batch, bool), mask, top))
+                continue
+            tokens, positions, _ = self.decode_step_masked(
+                empty.tokens, idle, empty.block_table, empty.slots, mask, top
+            )
+            out.append(self.decode_step_masked(tokens, positions, empty.block_table, empty.slots, mask, top))
+        return out
 
 
 def _progress(total: int, desc: str, enabled: bool):

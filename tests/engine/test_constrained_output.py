@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput
 from infernix_jax.engine.protocol import SamplingParams
@@ -121,3 +122,17 @@ def test_a_continuation_after_thinking_is_constrained_at_once():
     output = ConstrainedOutput(constraint.begun(), SamplingParams())
     assert output.active and allowed(output) == {5}
     assert output.slot_sampling() == SamplingParams()
+
+
+def test_constrained_decode_mode_resolves_auto_per_backend_and_rejects_unknown_modes(monkeypatch):
+    import jax
+
+    from infernix_jax.engine.config import EngineConfig
+
+    assert EngineConfig(constrained_decode="fused").constrained_decode_mode == "fused"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert EngineConfig().constrained_decode_mode == "split"  # cheap dispatches: overlap the mask
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert EngineConfig().constrained_decode_mode == "fused"  # launch-bound: one dispatch a token
+    with pytest.raises(ValueError, match="constrained_decode must be auto, fused or split"):
+        EngineConfig(constrained_decode="fast")

@@ -1,11 +1,14 @@
-"""The split constrained decode after warm-up: masks are obeyed and nothing compiles, with and
-without logprobs (its sample program has a variant without the top-k alternatives).
+"""Constrained decode after warm-up, fused and split (`EngineConfig.constrained_decode`): masks
+are obeyed and nothing compiles, with and without logprobs (the programs have variants without the
+top-k alternatives).
 
 The engine is test_engine_core's (the hybrid MoE fixture, the same small buckets), so in one test
 session the two share compiled programs; the grammar is a scripted token sequence.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import pytest
@@ -21,10 +24,11 @@ from tests.engine.test_engine_core import COMPILE_EVENT, MAX_CONTEXT, SMALL, pro
 SCRIPT = [11, 40, 5, 33, 60, 21]  # the only output the grammar allows, then END
 
 
-@pytest.fixture(scope="module")
-def core():
+@pytest.fixture(scope="module", params=["fused", "split"])
+def core(request):
     model = infernix_jax.load(HF_FIXTURES / "qwen3_next", max_context=MAX_CONTEXT)
-    return EngineCore(model.config, model.params, SMALL, model.tokenizer, model.eos_token_ids())
+    config = dataclasses.replace(SMALL, constrained_decode=request.param)
+    return EngineCore(model.config, model.params, config, model.tokenizer, model.eos_token_ids())
 
 
 def test_constrained_batches_follow_the_grammar_without_compiling(core):

@@ -9,6 +9,7 @@ samples completed for its assertion to mean something.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 
@@ -206,3 +207,30 @@ def test_logprobs_come_back_from_constrained_batches(llm, backend, prompt):
         tokens, logprobs = together[f"person-{i}"]
         assert tokens and [lp.token_id for lp in logprobs] == tokens
         assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
+
+
+def test_fused_and_split_constrained_decode_give_the_same_tokens(llm, backend, prompt):
+    # The two ways of decoding a constrained batch (one masked forward+sample program per token, or
+    # a forward and a masked sample) draw the same keys under the same masks: same tokens, same
+    # logprobs, for constrained and free rows alike.
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+
+    def batch():
+        sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=9, logprobs=2)
+        return [GenerationRequest("free", prompt, sampling)] + sampled_requests(
+            "person", prompt, json_constraint, 3, max_tokens=24, logprobs=1
+        )
+
+    core = llm.core
+    results = {}
+    for mode in ("fused", "split"):
+        saved = core.config
+        core.config = dataclasses.replace(saved, constrained_decode=mode)
+        try:
+            results[mode] = _tokens_and_logprobs(core, batch())
+        finally:
+            core.config = saved
+    for request_id, (tokens, logprobs) in results["fused"].items():
+        split_tokens, split_logprobs = results["split"][request_id]
+        assert tokens and tokens == split_tokens, request_id
+        assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in split_logprobs], abs=1e-5)
