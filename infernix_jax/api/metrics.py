@@ -106,6 +106,11 @@ class ServerMetrics:
         self.spec_accepted_tokens = Gauge(
             "infernix_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r
         )
+        self.spec_forced_draft_tokens = Gauge(
+            "infernix_spec_decode_forced_draft_tokens",
+            "Draft tokens a grammar forced (structured output)",
+            registry=r,
+        )
         self.spec_mean_accepted_length = Gauge(
             "infernix_spec_decode_mean_accepted_length",
             "Tokens emitted per request per verify step (accepted drafts + 1)",
@@ -131,6 +136,7 @@ class ServerMetrics:
         self.spec_rows.set(stats.spec_rows)
         self.spec_drafted_tokens.set(stats.spec_drafted_tokens)
         self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
+        self.spec_forced_draft_tokens.set(stats.spec_forced_draft_tokens)
         rows = stats.spec_rows
         self.spec_mean_accepted_length.set((stats.spec_accepted_tokens + rows) / rows if rows else 0.0)
 

@@ -109,6 +109,14 @@ class ConstrainedOutput:
         self.matcher.rollback(consumed)
         return consumed
 
+    def forced_drafts(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next, as speculative drafts (verified under the
+        window's masks like any other draft, so the output is unchanged); [] in the free part and
+        while the first token decides between thinking and the grammar."""
+        if self.matcher is None or self.undecided or limit <= 0:
+            return []
+        return self.matcher.forced_tokens()[:limit]
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens constrained tokens (rejected speculative drafts)."""
         if self.matcher is not None:

@@ -69,6 +69,7 @@ class EngineMetrics:
     drafted_tokens: int = 0  # speculative: draft tokens proposed and verified
     accepted_tokens: int = 0  # speculative: draft tokens accepted
     spec_dispatches: int = 0  # speculative: verify dispatches (steps)
+    forced_draft_tokens: int = 0  # speculative: drafts a grammar forced (structured output)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -293,6 +294,7 @@ class EngineCore:
             spec_rows=self.metrics.spec_rows,
             spec_drafted_tokens=self.metrics.drafted_tokens,
             spec_accepted_tokens=self.metrics.accepted_tokens,
+            spec_forced_draft_tokens=self.metrics.forced_draft_tokens,
         )
 
     # ---- one step ------------------------------------------------------------------------------

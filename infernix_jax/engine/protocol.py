@@ -161,6 +161,7 @@ class EngineStats:
     spec_rows: int = 0  # row-steps verified (one per row per verify dispatch)
     spec_drafted_tokens: int = 0  # draft tokens (tree nodes) verified
     spec_accepted_tokens: int = 0  # draft tokens accepted
+    spec_forced_draft_tokens: int = 0  # drafts a grammar forced (structured output)
 
 
 class Engine(Protocol):

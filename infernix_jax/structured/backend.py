@@ -36,6 +36,12 @@ class Matcher(Protocol):
         """Undo the last num_tokens consumed tokens (rejected speculative drafts)."""
         ...
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here (a key of a fixed schema, closing brackets), in the
+        tokenization the library considers canonical; [] when the next token is a choice. The
+        engine only drafts them: sampling under the masks decides what is generated."""
+        ...
+
     @property
     def finished(self) -> bool:
         """An end-of-sequence token completed the grammar: generation must stop."""

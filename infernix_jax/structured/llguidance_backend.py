@@ -85,6 +85,11 @@ class LLGuidanceMatcher:
             self._inner.rollback(num_tokens)
             self._finished = False
 
+    def forced_tokens(self) -> list[int]:
+        if self._finished or self._inner.is_error():
+            return []
+        return [int(t) for t in self._inner.compute_ff_tokens()]
+
     @property
     def finished(self) -> bool:
         return self._finished

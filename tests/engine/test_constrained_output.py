@@ -43,6 +43,9 @@ class Sequence:
     def rollback(self, num_tokens: int) -> None:
         del self.consumed[len(self.consumed) - num_tokens :]
 
+    def forced_tokens(self) -> list[int]:  # one allowed token per step: all of it is forced
+        return [] if self.failed else self.tokens[len(self.consumed) :] + [END]
+
     @property
     def finished(self) -> bool:
         return bool(self.consumed) and self.consumed[-1] == END and not self.failed
@@ -136,3 +139,15 @@ def test_constrained_decode_mode_resolves_auto_per_backend_and_rejects_unknown_m
     assert EngineConfig().constrained_decode_mode == "fused"  # launch-bound: one dispatch a token
     with pytest.raises(ValueError, match="constrained_decode must be auto, fused or split"):
         EngineConfig(constrained_decode="fast")
+
+
+def test_forced_drafts_only_where_the_grammar_applies():
+    output = ConstrainedOutput(RequestConstraint(Grammar([5, 6, 7])), SamplingParams())
+    assert output.forced_drafts(2) == [5, 6]
+    assert output.forced_drafts(0) == []
+    thinking = ConstrainedOutput(
+        RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE), SamplingParams()
+    )
+    assert thinking.forced_drafts(4) == []  # free until </think>
+    assert thinking.advance(THINK_CLOSE) == OK
+    assert thinking.forced_drafts(4) == [5, END]

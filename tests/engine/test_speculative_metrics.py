@@ -15,12 +15,19 @@ def scrape(stats: EngineStats) -> dict[str, float]:
 
 def test_speculation_counters_are_exported():
     samples = scrape(
-        EngineStats(spec_verify_steps=10, spec_rows=25, spec_drafted_tokens=90, spec_accepted_tokens=40)
+        EngineStats(
+            spec_verify_steps=10,
+            spec_rows=25,
+            spec_drafted_tokens=90,
+            spec_accepted_tokens=40,
+            spec_forced_draft_tokens=12,
+        )
     )
     assert samples["infernix_spec_decode_verify_steps"] == 10
     assert samples["infernix_spec_decode_verified_rows"] == 25
     assert samples["infernix_spec_decode_draft_tokens"] == 90
     assert samples["infernix_spec_decode_accepted_tokens"] == 40
+    assert samples["infernix_spec_decode_forced_draft_tokens"] == 12
     assert samples["infernix_spec_decode_mean_accepted_length"] == (40 + 25) / 25
 
 

@@ -89,3 +89,34 @@ def test_sampled_output_with_speculation_is_valid_json(spec_llm, backend, prompt
             completed += 1
     assert completed >= 1  # a random model writes long strings: many samples end on max_tokens
     assert metrics.drafted_tokens > drafted and metrics.accepted_tokens > accepted
+
+
+def test_tokens_the_grammar_forces_are_drafted_and_verified_in_windows(spec_llm, backend, prompt):
+    # Qwen3 writes each digit as its own token, so this regex allows exactly one token at every step:
+    # all of it is forced. Forced tokens go into the verify window as drafts: the 10 digits and the
+    # end come out of the prefill's sample plus two windows of 5, not one token per round trip.
+    grammar = RequestConstraint(backend.compile(ConstraintSpec.regex("1234567890")))
+    metrics = spec_llm.core.metrics
+    dispatches, forced = metrics.spec_dispatches, metrics.forced_draft_tokens
+    outputs = generate(
+        spec_llm.core,
+        [
+            GenerationRequest(
+                "digits", prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=1), constraint=grammar
+            )
+        ],
+    )
+    assert outputs["digits"].text == "1234567890" and outputs["digits"].finish_reason == FINISH_STOP
+    assert metrics.forced_draft_tokens - forced >= 8
+    assert metrics.spec_dispatches - dispatches <= 3
+
+
+def test_forced_drafts_follow_the_grammar_and_leave_the_matcher_where_it_was(backend, qwen3_tokenizer):
+    spec = ConstraintSpec.json_schema(SCHEMA)
+    out = ConstrainedOutput(RequestConstraint(backend.compile(spec)), SamplingParams())
+    forced = out.forced_drafts(16)
+    assert qwen3_tokenizer.decode(forced).startswith('{"name')  # the object and its first key
+    assert out.forced_drafts(2) == forced[:2]
+    for token in forced:
+        assert out.advance(token) == "ok"
+    assert out.forced_drafts(16)[:1] != forced[:1]  # it moved on with the consumed tokens

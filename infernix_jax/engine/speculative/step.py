@@ -143,11 +143,16 @@ class Speculation:
             if self.tree:
                 n = self._fill_tree(batch, i, row.position, context, device_drafts, limit, vocab)
             else:
-                drafts = self.drafter.propose(context, device_drafts, limit)
-                drafts = [t for t in drafts[:limit] if 0 <= t < vocab][:limit]
                 constrained = core.constraints.get(state.request_id)
+                forced = constrained.forced_drafts(limit) if constrained is not None else []
+                if forced:  # what the grammar forces, then the drafter's guess past it (not MTP's
+                    drafts = forced + self.drafter.propose(context + forced, (), limit - len(forced))
+                else:  # chain: that continues the pending token, not the forced ones)
+                    drafts = self.drafter.propose(context, device_drafts, limit)
+                drafts = [t for t in drafts[:limit] if 0 <= t < vocab][:limit]
                 if constrained is not None:  # drafts the grammar refuses are cut; masks per position
                     drafts = drafts[: constrained.fill_window_masks(drafts, batch.masks[i])]
+                core.metrics.forced_draft_tokens += min(len(forced), len(drafts))
                 n = len(drafts)
                 batch.tokens[i, 1 : 1 + n] = drafts
                 batch.positions[i, : 1 + n] = np.arange(row.position, row.position + 1 + n)
