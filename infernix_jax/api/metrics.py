@@ -111,6 +111,11 @@ class ServerMetrics:
             "Draft tokens a grammar forced (structured output)",
             registry=r,
         )
+        self.structured_forced_tokens = Gauge(
+            "infernix_structured_forced_tokens",
+            "Output tokens a grammar forced, fed without a sample of their own (structured output)",
+            registry=r,
+        )
         self.spec_mean_accepted_length = Gauge(
             "infernix_spec_decode_mean_accepted_length",
             "Tokens emitted per request per verify step (accepted drafts + 1)",
@@ -137,6 +142,7 @@ class ServerMetrics:
         self.spec_drafted_tokens.set(stats.spec_drafted_tokens)
         self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
         self.spec_forced_draft_tokens.set(stats.spec_forced_draft_tokens)
+        self.structured_forced_tokens.set(stats.structured_forced_tokens)
         rows = stats.spec_rows
         self.spec_mean_accepted_length.set((stats.spec_accepted_tokens + rows) / rows if rows else 0.0)
 

@@ -39,9 +39,10 @@ class EngineConfig:
     warmup: bool = True  # compile every bucket at start (with a progress bar)
     structured_output: bool = True  # warm-up also compiles the one-step masked decode programs
     # how a batch with constrained rows decodes (docs/structured_output.md): "fused", one masked
-    # forward+sample program per token; "split", a forward and a masked sample per token, the mask
-    # computed while the forward runs; "auto": split on the CPU, fused on accelerators
-    constrained_decode: str = "auto"
+    # forward+sample program per sampled token, the tokens a grammar forces fed in the same
+    # dispatch; "split", a forward and a masked sample per token, the mask computed while the
+    # forward runs
+    constrained_decode: str = "fused"
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
     prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts
@@ -111,8 +112,8 @@ class EngineConfig:
             errors.append(
                 f"spec_tree_nodes must be in [0, 15] (verify windows <= 16), got {self.spec_tree_nodes}"
             )
-        if self.constrained_decode not in ("auto", "fused", "split"):
-            errors.append(f"constrained_decode must be auto, fused or split, got {self.constrained_decode!r}")
+        if self.constrained_decode not in ("fused", "split"):
+            errors.append(f"constrained_decode must be fused or split, got {self.constrained_decode!r}")
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         if errors:
@@ -178,18 +179,6 @@ class EngineConfig:
     def spec_tree(self) -> bool:
         """Verify windows are trees of candidate branches (tree verification)."""
         return self.spec_tree_width > 1
-
-    @property
-    def constrained_decode_mode(self) -> str:
-        """"fused" or "split": constrained_decode with "auto" resolved for the default backend. A
-        one-step program's launches cost a GPU about as much host time as its device time (the
-        H200 breakdown in docs/structured_output.md), so there a token should cost one dispatch;
-        on the CPU a dispatch is cheap and the split overlaps the mask with the forward."""
-        if self.constrained_decode != "auto":
-            return self.constrained_decode
-        import jax
-
-        return "split" if jax.default_backend() == "cpu" else "fused"
 
     @property
     def spec_uses_mtp(self) -> bool:

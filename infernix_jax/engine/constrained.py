@@ -117,6 +117,21 @@ class ConstrainedOutput:
             return []
         return self.matcher.forced_tokens()[:limit]
 
+    def take_forced(self, limit: int, stop_ids, scratch: np.ndarray) -> list[int]:
+        """Follow up to `limit` tokens the grammar forces and return them: each must be the only
+        token its mask allows, so sampling would pick it whatever the logits (the output is
+        unchanged; a forced token that is a stop id is left to the sampler). The matcher advances
+        past them. `scratch`: an int32 [model words] row to fill masks into."""
+        taken: list[int] = []
+        for token in self.forced_drafts(limit):
+            if token in stop_ids:
+                break
+            self.fill_mask(scratch)
+            if not _only(scratch, token) or self.advance(token) != OK:
+                break
+            taken.append(token)
+        return taken
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens constrained tokens (rejected speculative drafts)."""
         if self.matcher is not None:
@@ -126,6 +141,15 @@ class ConstrainedOutput:
 def _allows(row: np.ndarray, token: int) -> bool:
     """Whether a packed mask row allows `token`."""
     return 0 <= token < 32 * len(row) and bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def _only(row: np.ndarray, token: int) -> bool:
+    """Whether a packed mask row allows `token` and nothing else."""
+    if not _allows(row, token):
+        return False
+    word = token // 32
+    others = np.count_nonzero(row[:word]) + np.count_nonzero(row[word + 1 :])
+    return others == 0 and int(row[word]) == int(np.uint32(1 << (token % 32)).view(np.int32))
 
 
 def allow_all(batch: int, words: int) -> np.ndarray:

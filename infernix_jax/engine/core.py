@@ -43,7 +43,7 @@ from infernix_jax.engine.protocol import (
     TokenLogprob,
 )
 from infernix_jax.engine.request_state import OutputTracker, RequestState, Status
-from infernix_jax.engine.runner import Runner, Sampled, enable_compilation_cache
+from infernix_jax.engine.runner import FORCED_WINDOW, Runner, Sampled, enable_compilation_cache
 from infernix_jax.engine.sampling import resolve_seed
 from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
 from infernix_jax.engine.scoring import Scorer
@@ -70,6 +70,7 @@ class EngineMetrics:
     accepted_tokens: int = 0  # speculative: draft tokens accepted
     spec_dispatches: int = 0  # speculative: verify dispatches (steps)
     forced_draft_tokens: int = 0  # speculative: drafts a grammar forced (structured output)
+    forced_tokens: int = 0  # structured output: tokens a grammar forced, fed without a sample of their own
 
     @property
     def mean_accepted_length(self) -> float:
@@ -295,6 +296,7 @@ class EngineCore:
             spec_drafted_tokens=self.metrics.drafted_tokens,
             spec_accepted_tokens=self.metrics.accepted_tokens,
             spec_forced_draft_tokens=self.metrics.forced_draft_tokens,
+            structured_forced_tokens=self.metrics.forced_tokens,
         )
 
     # ---- one step ------------------------------------------------------------------------------
@@ -514,7 +516,7 @@ class EngineCore:
         with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in plan.decode)
         run = _ConstrainedRun(plan, steps, self.runner.num_top, with_top)
         try:
-            if self.config.constrained_decode_mode == "split":
+            if self.config.constrained_decode == "split":
                 wait = self._constrained_split(run, batch)
             else:
                 wait = self._constrained_fused(run, batch)
@@ -560,31 +562,81 @@ class EngineCore:
                 run.live[i] = False
 
     def _constrained_fused(self, run: _ConstrainedRun, batch) -> float:
-        """One masked forward+sample dispatch per token (`masked_decode_step_program`): the host
-        reads step t's tokens, advances the matchers and fills the masks of step t + 1, then
-        dispatches it. The device idles for that host work, but a token costs one dispatch, and on
-        a GPU the launches of a one-step program are what a token costs (docs/structured_output.md).
-        A row that stops is not fed again. Per step the host uploads only the masks (the positions
-        and tokens come from the step before; positions are re-uploaded only when a row stops)."""
-        current, block_table, slots = jax.device_put((batch.tokens, batch.block_table, batch.slots))
-        positions, fed = None, None
+        """One masked forward+sample dispatch per sampled token (`masked_decode_step_program`):
+        the host reads step t's tokens, advances the matchers and fills the masks of step t + 1,
+        then dispatches it. The device idles for that host work, but a token costs one dispatch, and
+        on a GPU the launches of a one-step program are what a token costs
+        (docs/structured_output.md). Where a row's grammar forces its next tokens (each the only
+        one its mask allows), they are taken as outputs at once and fed with the pending token in
+        one `masked_window_program` dispatch, which samples the token after them. A row that stops
+        is not fed again. Per step the host uploads the masks; the tokens and positions stay on the
+        device from one plain step to the next."""
+        b, runner = len(run.live), self.runner
+        block_table, slots = jax.device_put((batch.block_table, batch.slots))
+        pending = batch.tokens.copy()  # host view: each row's next token to feed, and its position
+        position = batch.positions.copy()
+        generated = np.zeros(b, np.int32)
+        current = positions = fed = None  # device tokens / positions of a plain step, the rows they feed
+        scratch = np.zeros(runner.mask_words, np.int32)
         wait = 0.0
-        for step in range(run.steps):
-            feed = run.live & (step < batch.max_steps)
+        while True:
+            feed = run.live & (generated < batch.max_steps)
             if not feed.any():
                 break
-            if fed is None or not np.array_equal(feed, fed):
-                positions = jax.device_put(np.where(feed, batch.positions + step, -1).astype(np.int32))
-                fed = feed
+            room = batch.max_steps - generated
+            forced = {} if run.with_top else self._take_forced(run, feed, room, scratch)
             mask = self._constrained_masks(run, feed)
-            current, positions, packed = self.runner.decode_step_masked(
-                current, positions, block_table, slots, mask, run.with_top
-            )
+            if forced:
+                window = np.zeros((b, FORCED_WINDOW), np.int32)
+                window_positions = np.full((b, FORCED_WINDOW), -1, np.int32)
+                for i in np.flatnonzero(feed):
+                    row = [int(pending[i]), *forced.get(i, ())]
+                    window[i, : len(row)] = row
+                    window_positions[i, : len(row)] = position[i] + np.arange(len(row))
+                current, positions, packed = runner.decode_window_masked(
+                    window, window_positions, block_table, slots, mask
+                )
+                fed = None  # the next plain step uploads its positions
+            else:
+                if fed is None or not np.array_equal(feed, fed):
+                    current = jax.device_put(pending)
+                    positions = jax.device_put(np.where(feed, position, -1).astype(np.int32))
+                    fed = feed
+                current, positions, packed = runner.decode_step_masked(
+                    current, positions, block_table, slots, mask, run.with_top
+                )
             t0 = time.perf_counter()
-            read = self.runner.read_step(packed)
+            read = runner.read_step(packed)
             wait += time.perf_counter() - t0
+            for i in np.flatnonzero(feed):
+                taken = len(forced.get(i, ()))
+                position[i] += 1 + taken
+                generated[i] += 1 + taken
+                pending[i] = read[0][i]
             self._record_constrained_step(run, feed, read)
         return wait
+
+    def _take_forced(self, run: _ConstrainedRun, feed: np.ndarray, room: np.ndarray, scratch) -> dict:
+        """{row: tokens its grammar forces next}, recorded as the row's outputs (logprob 0, the only
+        token allowed), for the fed rows that did not ask for logprobs; each row keeps room for the
+        token sampled after them. Empty when no row has any. (Not called while a row of the batch
+        wants top alternatives: the window program has no top-k.)"""
+        forced: dict[int, list[int]] = {}
+        for i in np.flatnonzero(feed):
+            state = run.plan.decode[i].request
+            constrained = self.constraints.get(state.request_id)
+            if constrained is None or state.request.sampling.logprobs is not None:
+                continue
+            limit = min(FORCED_WINDOW - 1, int(room[i]) - 1)
+            tokens = constrained.take_forced(limit, state.tracker.stop_token_ids, scratch)
+            for token in tokens:
+                run.tokens[run.counts[i], i] = token
+                run.logprobs[run.counts[i], i] = 0.0
+                run.counts[i] += 1
+            if tokens:
+                forced[i] = tokens
+                self.metrics.forced_tokens += len(tokens)
+        return forced
 
     def _constrained_split(self, run: _ConstrainedRun, batch) -> float:
         """Two dispatches per token, pipelined with the host: step t dispatches the forward of the

@@ -162,6 +162,7 @@ class EngineStats:
     spec_drafted_tokens: int = 0  # draft tokens (tree nodes) verified
     spec_accepted_tokens: int = 0  # draft tokens accepted
     spec_forced_draft_tokens: int = 0  # drafts a grammar forced (structured output)
+    structured_forced_tokens: int = 0  # outputs a grammar forced, fed without a sample of their own
 
 
 class Engine(Protocol):

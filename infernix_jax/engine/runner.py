@@ -12,6 +12,9 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
   mask, for batches holding constrained rows (structured output): the host fills each row's mask
   from the token before, so these rows advance one token per dispatch. Prefill always takes a
   packed mask (all ones for rows without a constraint).
+- `masked_window_program` [batch, 8]: the same with each row's pending token followed by up to 7
+  tokens its grammar forces (a fixed key, a closing bracket), which are outputs already: a
+  constrained row advances several tokens in one dispatch where its grammar leaves no choice.
 - `decode_forward_program` [batch] and `masked_sample_program` [batch]: the same step split in two
   (`EngineConfig.constrained_decode = "split"`): the host computes the masks while the forward
   runs, at the cost of a second dispatch per token.
@@ -253,11 +256,16 @@ def _forward_one(params, kv_pool, state_pool, tokens, positions, block_table, sl
     return kv_pool, state_pool, logits[:, 0].astype(jnp.float32), next_positions
 
 
-def _sample_packed(slot_sampling, logits, slots, active, mask, num_top):
+def _sample_packed(slot_sampling, logits, slots, active, mask, num_top, forced=None):
     """Sample one token per row under its mask, record it in the active rows' penalty state:
     (slot_sampling, tokens i32 [b], packed i32 [b, 2 + 2 k]: token, logprob bits, k top ids,
-    k top logprob bits; read in one transfer with `unpack_step`)."""
+    k top logprob bits; read in one transfer with `unpack_step`). `forced` (tokens i32 [b, f],
+    valid bool [b, f]): outputs the grammar forced before this sample, recorded first (penalties,
+    and the token index that keys the sample)."""
     arrays, penalties = slot_sampling.rows(slots)
+    if forced is not None:
+        for tokens, valid in zip(forced[0].T, forced[1].T):
+            penalties = update_penalty_state(penalties, tokens, valid)
     out = sample(
         logits, arrays, penalties, row_keys(arrays, penalties.num_generated), mask, num_top_logprobs=num_top
     )
@@ -295,6 +303,41 @@ def masked_decode_step_program(
     active = positions >= 0
     slot_sampling, sampled, packed = _sample_packed(slot_sampling, logits, slots, active, mask, num_top)
     return kv_pool, state_pool, slot_sampling, jnp.where(active, sampled, tokens), next_positions, packed
+
+
+FORCED_WINDOW = 8  # tokens a masked window step feeds per row: the pending one + up to 7 forced
+
+
+@partial(jit, static_argnames=("cfg",), donate_argnames=("kv_pool", "state_pool", "slot_sampling"))
+def masked_window_program(
+    params: Params,
+    kv_pool: KVPool,
+    state_pool: StatePool,
+    slot_sampling: SlotSampling,
+    tokens: jax.Array,  # i32 [b, w]: the pending token, then the tokens the grammar forced after it
+    positions: jax.Array,  # i32 [b, w]: their positions; -1 past a row's tokens (all -1: idle row)
+    block_table: jax.Array,  # i32 [b, m]
+    slots: jax.Array,  # i32 [b]
+    mask: jax.Array,  # i32 [b, ceil(v / 32)]: the allowed tokens after the row's last fed token
+    *,
+    cfg: ModelConfig,
+):
+    """A masked decode step that feeds several tokens per row: each row's pending token and the
+    tokens its grammar forced after it (outputs already, recorded in the penalty state here), then
+    one sample after the last of them. Returns what `masked_decode_step_program` returns (no top
+    alternatives: rows that want logprobs are never fed forced tokens)."""
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    fed = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+    last = jnp.maximum(fed - 1, 0)
+    logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last[:, None])
+    kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
+    active = fed > 0
+    forced = (tokens[:, 1:], positions[:, 1:] >= 0)
+    slot_sampling, sampled, packed = _sample_packed(
+        slot_sampling, logits[:, 0].astype(jnp.float32), slots, active, mask, 0, forced
+    )
+    next_positions = jnp.where(active, positions[:, 0] + fed, -1).astype(jnp.int32)
+    return kv_pool, state_pool, slot_sampling, jnp.where(active, sampled, tokens[:, 0]), next_positions, packed
 
 
 @partial(jit, static_argnames=("cfg",), donate_argnames=("kv_pool", "state_pool"))
@@ -589,6 +632,30 @@ class Runner:
         )
         return tokens, positions, packed
 
+    def decode_window_masked(
+        self, tokens: np.ndarray, positions: np.ndarray, block_table: jax.Array, slots: jax.Array, mask: np.ndarray
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Dispatch a masked window step (`masked_window_program`; tokens and positions [b,
+        FORCED_WINDOW]): returns what `decode_step_masked` returns."""
+        if self.ngram_table is not None:
+            raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+        tokens, positions, block_table, slots, mask = (
+            jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)
+        )
+        self.kv_pool, self.state_pool, self.slot_sampling, tokens, positions, packed = masked_window_program(
+            self.params,
+            self.kv_pool,
+            self.state_pool,
+            self.slot_sampling,
+            tokens,
+            positions,
+            block_table,
+            slots,
+            mask,
+            cfg=self.cfg,
+        )
+        return tokens, positions, packed
+
     def decode_forward(
         self, tokens: jax.Array, positions: jax.Array, block_table: jax.Array, slots: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
@@ -780,7 +847,7 @@ class Runner:
         mask = allow_all(batch, self.mask_words)
         out = []
         for top in (True, False):
-            if self.config.constrained_decode_mode == "split":
+            if self.config.constrained_decode == "split":
                 logits, _ = self.decode_forward(empty.tokens, idle, empty.block_table, empty.slots)
                 out.append(self.sample_masked(logits, empty.slots, np.zeros(batch, bool), mask, top))
                 continue
@@ -788,6 +855,11 @@ class Runner:
                 empty.tokens, idle, empty.block_table, empty.slots, mask, top
             )
             out.append(self.decode_step_masked(tokens, positions, empty.block_table, empty.slots, mask, top))
+        if self.config.constrained_decode == "fused":  # forced tokens (no top alternatives)
+            window = np.zeros((batch, FORCED_WINDOW), np.int32)
+            out.append(
+                self.decode_window_masked(window, np.full_like(window, -1), empty.block_table, empty.slots, mask)
+            )
         return out
 
 

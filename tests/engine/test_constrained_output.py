@@ -127,17 +127,12 @@ def test_a_continuation_after_thinking_is_constrained_at_once():
     assert output.slot_sampling() == SamplingParams()
 
 
-def test_constrained_decode_mode_resolves_auto_per_backend_and_rejects_unknown_modes(monkeypatch):
-    import jax
-
+def test_constrained_decode_is_fused_unless_split_is_asked_for():
     from infernix_jax.engine.config import EngineConfig
 
-    assert EngineConfig(constrained_decode="fused").constrained_decode_mode == "fused"
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert EngineConfig().constrained_decode_mode == "split"  # cheap dispatches: overlap the mask
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert EngineConfig().constrained_decode_mode == "fused"  # launch-bound: one dispatch a token
-    with pytest.raises(ValueError, match="constrained_decode must be auto, fused or split"):
+    assert EngineConfig().constrained_decode == "fused"
+    assert EngineConfig(constrained_decode="split").constrained_decode == "split"
+    with pytest.raises(ValueError, match="constrained_decode must be fused or split"):
         EngineConfig(constrained_decode="fast")
 
 

@@ -21,6 +21,7 @@ def test_speculation_counters_are_exported():
             spec_drafted_tokens=90,
             spec_accepted_tokens=40,
             spec_forced_draft_tokens=12,
+            structured_forced_tokens=30,
         )
     )
     assert samples["infernix_spec_decode_verify_steps"] == 10
@@ -28,6 +29,7 @@ def test_speculation_counters_are_exported():
     assert samples["infernix_spec_decode_draft_tokens"] == 90
     assert samples["infernix_spec_decode_accepted_tokens"] == 40
     assert samples["infernix_spec_decode_forced_draft_tokens"] == 12
+    assert samples["infernix_structured_forced_tokens"] == 30
     assert samples["infernix_spec_decode_mean_accepted_length"] == (40 + 25) / 25
 
 

@@ -210,15 +210,19 @@ def test_logprobs_come_back_from_constrained_batches(llm, backend, prompt):
 
 
 def test_fused_and_split_constrained_decode_give_the_same_tokens(llm, backend, prompt):
-    # The two ways of decoding a constrained batch (one masked forward+sample program per token, or
-    # a forward and a masked sample) draw the same keys under the same masks: same tokens, same
-    # logprobs, for constrained and free rows alike.
+    # The two ways of decoding a constrained batch (one masked forward+sample program per token, with
+    # the tokens a grammar forces fed in one window; or a forward and a masked sample per token) draw
+    # the same keys under the same masks: the same tokens for constrained and free rows alike, the
+    # same logprobs where asked for. Forced tokens are taken only for rows without logprobs, and not
+    # while a row wants top alternatives (test_logprobs_come_back_from_constrained_batches).
     json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
 
     def batch():
-        sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=9, logprobs=2)
-        return [GenerationRequest("free", prompt, sampling)] + sampled_requests(
-            "person", prompt, json_constraint, 3, max_tokens=24, logprobs=1
+        sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=9, logprobs=0)
+        return (
+            [GenerationRequest("free", prompt, sampling)]
+            + sampled_requests("person", prompt, json_constraint, 3, max_tokens=24)
+            + sampled_requests("logged", prompt, json_constraint, 1, max_tokens=24, logprobs=0)
         )
 
     core = llm.core
@@ -226,11 +230,41 @@ def test_fused_and_split_constrained_decode_give_the_same_tokens(llm, backend, p
     for mode in ("fused", "split"):
         saved = core.config
         core.config = dataclasses.replace(saved, constrained_decode=mode)
+        forced = core.metrics.forced_tokens
         try:
             results[mode] = _tokens_and_logprobs(core, batch())
         finally:
             core.config = saved
+        if mode == "fused":
+            assert core.metrics.forced_tokens > forced  # the schema's keys and punctuation
     for request_id, (tokens, logprobs) in results["fused"].items():
         split_tokens, split_logprobs = results["split"][request_id]
         assert tokens and tokens == split_tokens, request_id
-        assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in split_logprobs], abs=1e-5)
+        assert [lp.logprob for lp in logprobs] == pytest.approx(
+            [lp.logprob for lp in split_logprobs], abs=1e-5
+        )
+
+
+def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monkeypatch):
+    # Qwen3 writes each digit as its own token: every token of this regex is forced. In fused mode
+    # the first digit is the prefill's sample (or, when the prompt is in the prefix cache already, a
+    # forced token too); the rest and the end need 3 dispatches (the engine's steps allow 4 tokens
+    # per row: up to 3 forced + 1 sampled each), not 10.
+    grammar = constraint(backend, ConstraintSpec.regex("1234567890"))
+    core = llm.core
+    dispatches = {"n": 0}
+    for name in ("decode_window_masked", "decode_step_masked"):
+        method = getattr(core.runner, name)
+
+        def counted(*args, method=method, **kwargs):
+            dispatches["n"] += 1
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(core.runner, name, counted)
+    monkeypatch.setattr(core, "config", dataclasses.replace(core.config, constrained_decode="fused"))
+    before = core.metrics.forced_tokens
+    sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=4)
+    output = generate(core, [GenerationRequest("digits", prompt, sampling, constraint=grammar)])["digits"]
+    assert output.text == "1234567890" and output.finish_reason == FINISH_STOP
+    assert core.metrics.forced_tokens - before in (7, 8)
+    assert dispatches["n"] == 3
