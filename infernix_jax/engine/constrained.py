@@ -127,7 +127,10 @@ class ConstrainedOutput:
             if token in stop_ids:
                 break
             self.fill_mask(scratch)
-            if not _only(scratch, token) or self.advance(token) != OK:
+            if not _only(scratch, token):
+                break
+            if self.advance(token) != OK:  # it completes the grammar (an end token kept by
+                self.matcher.rollback(1)  # ignore_eos): left to the sampler and the stop rules
                 break
             taken.append(token)
         return taken

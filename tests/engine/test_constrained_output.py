@@ -146,3 +146,29 @@ def test_forced_drafts_only_where_the_grammar_applies():
     assert thinking.forced_drafts(4) == []  # free until </think>
     assert thinking.advance(THINK_CLOSE) == OK
     assert thinking.forced_drafts(4) == [5, END]
+
+
+def test_take_forced_stops_before_stop_ids_and_the_grammar_end():
+    scratch = np.zeros(WORDS + 1, np.int32)
+    output = ConstrainedOutput(RequestConstraint(Grammar([5, 6])), SamplingParams())
+    assert output.take_forced(8, stop_ids=(END,), scratch=scratch) == [5, 6]
+    assert allowed(output) == {END}  # the matcher moved past them
+    # END not a stop id (ignore_eos): it completes the grammar, so it is left to the sampler
+    output = ConstrainedOutput(RequestConstraint(Grammar([5])), SamplingParams())
+    assert output.take_forced(8, stop_ids=(), scratch=scratch) == [5]
+    assert allowed(output) == {END} and output.advance(END) == DONE
+    output = ConstrainedOutput(RequestConstraint(Grammar([5, 6, 7])), SamplingParams())
+    assert output.take_forced(2, stop_ids=(), scratch=scratch) == [5, 6]
+
+
+def test_only_one_allowed_token_counts_as_forced():
+    from infernix_jax.engine.constrained import _only
+
+    row = np.zeros(3, np.int32)
+    row[1] = np.int32(1 << 3)  # token 35 alone
+    assert _only(row, 35) and not _only(row, 36)
+    row[2] = np.int32(1)  # and token 64
+    assert not _only(row, 35)
+    row[:] = 0
+    row[0] = np.int32(np.uint32(1 << 31).view(np.int32))  # token 31: the sign bit
+    assert _only(row, 31)
