@@ -293,7 +293,8 @@ def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, co
     parts["d_engine_schedule"] = _chain(tokens, engine_schedule)
 
     def fused(read: bool = False):  # one masked forward+sample program per step
-        current[0], _, packed = runner.decode_step_masked(current[0], positions_d, table_d, slots_d, ones_d, False)
+        step = runner.decode_step_masked(current[0], positions_d, table_d, slots_d, ones_d, False)
+        current[0], packed = step[0], step[2]
         return runner.read_step(packed)[0] if read else packed
 
     parts["d_fused"] = _chain(tokens, fused)

@@ -593,7 +593,7 @@ class EngineCore:
                     row = [int(pending[i]), *forced.get(i, ())]
                     window[i, : len(row)] = row
                     window_positions[i, : len(row)] = position[i] + np.arange(len(row))
-                current, positions, packed = runner.decode_window_masked(
+                current, positions, packed = runner.decode_step_masked(
                     window, window_positions, block_table, slots, mask
                 )
                 fed = None  # the next plain step uploads its positions

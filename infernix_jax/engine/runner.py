@@ -337,7 +337,8 @@ def masked_window_program(
         slot_sampling, logits[:, 0].astype(jnp.float32), slots, active, mask, 0, forced
     )
     next_positions = jnp.where(active, positions[:, 0] + fed, -1).astype(jnp.int32)
-    return kv_pool, state_pool, slot_sampling, jnp.where(active, sampled, tokens[:, 0]), next_positions, packed
+    tokens = jnp.where(active, sampled, tokens[:, 0])
+    return kv_pool, state_pool, slot_sampling, tokens, next_positions, packed
 
 
 @partial(jit, static_argnames=("cfg",), donate_argnames=("kv_pool", "state_pool"))
@@ -608,51 +609,20 @@ class Runner:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Dispatch one masked decode step (returns at once): (the tokens each row feeds next and the
         next positions, both left on the device for the next step; the packed outputs, read them
-        with `read_step`). Rows at position -1 feed nothing and do not sample. Pass device arrays
-        where the caller can: each numpy argument is a host-to-device copy per call."""
+        with `read_step`). Rows at position -1 feed nothing and do not sample. tokens and positions
+        [b]: one token per row (`masked_decode_step_program`); [b, FORCED_WINDOW]: a row's pending
+        token and the tokens its grammar forced (`masked_window_program`, no top alternatives).
+        Pass device arrays where the caller can: each numpy argument is a host-to-device copy."""
         if self.ngram_table is not None:
             raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
-        tokens, positions, block_table, slots, mask = (
-            jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)
-        )
-        self.kv_pool, self.state_pool, self.slot_sampling, tokens, positions, packed = (
-            masked_decode_step_program(
-                self.params,
-                self.kv_pool,
-                self.state_pool,
-                self.slot_sampling,
-                tokens,
-                positions,
-                block_table,
-                slots,
-                mask,
-                cfg=self.cfg,
-                num_top=self.num_top if with_top else 0,
-            )
-        )
-        return tokens, positions, packed
-
-    def decode_window_masked(
-        self, tokens: np.ndarray, positions: np.ndarray, block_table: jax.Array, slots: jax.Array, mask: np.ndarray
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Dispatch a masked window step (`masked_window_program`; tokens and positions [b,
-        FORCED_WINDOW]): returns what `decode_step_masked` returns."""
-        if self.ngram_table is not None:
-            raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
-        tokens, positions, block_table, slots, mask = (
-            jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)
-        )
-        self.kv_pool, self.state_pool, self.slot_sampling, tokens, positions, packed = masked_window_program(
-            self.params,
-            self.kv_pool,
-            self.state_pool,
-            self.slot_sampling,
-            tokens,
-            positions,
-            block_table,
-            slots,
-            mask,
-            cfg=self.cfg,
+        args = [jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)]
+        if np.ndim(tokens) == 2:
+            program = partial(masked_window_program, cfg=self.cfg)
+        else:
+            num_top = self.num_top if with_top else 0
+            program = partial(masked_decode_step_program, cfg=self.cfg, num_top=num_top)
+        self.kv_pool, self.state_pool, self.slot_sampling, tokens, positions, packed = program(
+            self.params, self.kv_pool, self.state_pool, self.slot_sampling, *args
         )
         return tokens, positions, packed
 
@@ -857,9 +827,8 @@ class Runner:
             out.append(self.decode_step_masked(tokens, positions, empty.block_table, empty.slots, mask, top))
         if self.config.constrained_decode == "fused":  # forced tokens (no top alternatives)
             window = np.zeros((batch, FORCED_WINDOW), np.int32)
-            out.append(
-                self.decode_window_masked(window, np.full_like(window, -1), empty.block_table, empty.slots, mask)
-            )
+            idle_window = np.full_like(window, -1)
+            out.append(self.decode_step_masked(window, idle_window, empty.block_table, empty.slots, mask))
         return out
 
 

@@ -253,14 +253,13 @@ def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monke
     grammar = constraint(backend, ConstraintSpec.regex("1234567890"))
     core = llm.core
     dispatches = {"n": 0}
-    for name in ("decode_window_masked", "decode_step_masked"):
-        method = getattr(core.runner, name)
+    method = core.runner.decode_step_masked
 
-        def counted(*args, method=method, **kwargs):
-            dispatches["n"] += 1
-            return method(*args, **kwargs)
+    def counted(*args, **kwargs):
+        dispatches["n"] += 1
+        return method(*args, **kwargs)
 
-        monkeypatch.setattr(core.runner, name, counted)
+    monkeypatch.setattr(core.runner, "decode_step_masked", counted)
     monkeypatch.setattr(core, "config", dataclasses.replace(core.config, constrained_decode="fused"))
     before = core.metrics.forced_tokens
     sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=4)
