@@ -8,8 +8,9 @@ the grammar's (the first mask allows both).
 
 The engine asks `needs_host_each_token()` to choose a request's decode path: a row whose next token
 is constrained cannot run several decode steps on the device per dispatch (its mask depends on the
-token before), so its dispatch goes through the one-step logits -> mask -> sample split (see
-EngineCore._run_decode_constrained and docs/structured_output.md). A free row of a constrained
+token before), so its batch decodes one host round trip per sampled token, the tokens its grammar
+forces taken without a sample of their own (`take_forced`; EngineCore._run_decode_constrained and
+docs/structured_output.md). A free row of a constrained
 request (still thinking) runs the normal multi-step program with `starts_after_token` added to its
 stop ids, so the device stops it right after </think> and the next dispatch is constrained.
 """
