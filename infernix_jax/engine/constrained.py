@@ -10,9 +10,9 @@ The engine asks `needs_host_each_token()` to choose a request's decode path: a r
 is constrained cannot run several decode steps on the device per dispatch (its mask depends on the
 token before), so its batch decodes one host round trip per sampled token, the tokens its grammar
 forces taken without a sample of their own (`take_forced`; EngineCore._run_decode_constrained and
-docs/structured_output.md). A free row of a constrained
-request (still thinking) runs the normal multi-step program with `starts_after_token` added to its
-stop ids, so the device stops it right after </think> and the next dispatch is constrained.
+docs/structured_output.md). A free row of a constrained request (still thinking) runs the normal
+multi-step program with `starts_after_token` added to its stop ids, so the device stops it right
+after </think> and the next dispatch is constrained.
 """
 
 from __future__ import annotations
