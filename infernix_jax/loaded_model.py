@@ -234,14 +234,20 @@ def demo_model_dir() -> Path:
     return path
 
 
-def load(path: str | os.PathLike | None = None, dtype=None, max_context: int | None = None) -> Model:
+def load(
+    path: str | os.PathLike | None = None, dtype=None, max_context: int | None = None, experts: str = "device"
+) -> Model:
     """Load a model folder: a Hugging Face checkpoint (config.json, safetensors, tokenizer files;
     ModelOpt NVFP4 / FP8 included) or an artifact written by `python -m conversion` (recognised by
-    its metadata record). Quantized weights keep their format; other weights take `dtype`."""
+    its metadata record). Quantized weights keep their format; other weights take `dtype`.
+
+    experts: where the routed expert stacks go: "device", "host" (RAM, for experts beyond device
+    memory) or "artifact" (not read: an artifact's experts are read one by one when placed)."""
     path = demo_model_dir() if path is None else Path(path)
     cfg = ModelConfig.from_hf_config(path)
     dtype = default_dtype() if dtype is None else dtype
-    params = load_artifact_params(path, cfg, dtype) if is_artifact(path) else load_params(path, cfg, dtype)
+    loader = load_artifact_params if is_artifact(path) else load_params
+    params = loader(path, cfg, dtype, experts=experts)
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     if max_context is None:
         max_context = min(cfg.max_position_embeddings, 8192)

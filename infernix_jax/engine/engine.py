@@ -175,12 +175,13 @@ CPU_PREFILL_CHUNK = 256  # default prefill chunk on the CPU backend
 def create_engine(model_dir: str | os.PathLike | None = None, *, dtype=None, **options) -> AsyncEngine:
     """Load a checkpoint and start an engine. `options` are EngineConfig fields; kv_dtype "auto"
     means the model dtype ("bf16") and max_context None the smaller of the model's and 8192."""
+    from infernix_jax.experts.offload import experts_at_load
     from infernix_jax.loaded_model import load
 
     kv_dtype = options.get("kv_dtype")
     if kv_dtype in (None, "auto"):
         options["kv_dtype"] = "bf16"
-    model = load(model_dir, dtype=dtype)
+    model = load(model_dir, dtype=dtype, experts=experts_at_load(model_dir, options))
     if options.get("max_context") is None:
         options["max_context"] = model.max_context
     if options.get("prefill_chunk") is None and jax.default_backend() == "cpu":

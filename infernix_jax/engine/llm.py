@@ -19,6 +19,7 @@ from infernix_jax.engine.protocol import (
     ScoreRequest,
     ScoreResult,
 )
+from infernix_jax.experts.offload import experts_at_load
 from infernix_jax.loaded_model import GenerationResult, Model, load
 
 Prompt = str | Sequence[int]
@@ -39,7 +40,8 @@ class LLM:
         EngineConfig fields (max_concurrency, max_context, kv_dtype, kv_capacity, prefill_chunk, ...);
         max_context defaults to the smaller of the model's context and 8192."""
         if model is None:
-            model = load(path, dtype=dtype, max_context=engine_options.get("max_context"))
+            experts = experts_at_load(path, engine_options)
+            model = load(path, dtype=dtype, max_context=engine_options.get("max_context"), experts=experts)
         engine_options.setdefault("max_context", model.max_context)
         self.model = model
         self.tokenizer = model.tokenizer

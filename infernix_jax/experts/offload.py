@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from infernix_jax.experts.store import ExpertReadError, ExpertStore
 from infernix_jax.jit import jit
 from infernix_jax.model.mlp import SlottedExperts, register_expert_source
 from infernix_jax.model.params import Params
-from infernix_jax.weights.artifact import Artifact
+from infernix_jax.weights.artifact import Artifact, is_artifact
 
 log = logging.getLogger("infernix_jax.experts")
 
@@ -60,6 +61,23 @@ def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.nd
     return out
 
 
+def _not_loaded(params: Params, layout: ExpertLayout) -> bool:
+    """Whether the expert stacks are shapes only (loaded with experts="artifact")."""
+    leaf = jax.tree.leaves(projections(params.layers[layout.moe_layers[0]].moe))[0]
+    return isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def _placed_experts(moe, store: ExpertStore, rank: int, experts: list[int]) -> dict[int, Leaves]:
+    """The leaves of the experts a layer places in slots and RAM: sliced from its stacks (on the
+    device or in host RAM: one host copy per layer), or read from the artifact when the stacks
+    were not loaded (the disk tier's experts are then never read here)."""
+    leaves = jax.tree.leaves(projections(moe))
+    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+        return dict(zip(experts, store.read_many(rank, experts)))
+    stacks = [np.asarray(jax.device_get(a)) for a in leaves]
+    return {e: [a[e] for a in stacks] for e in experts}
+
+
 def placement_order(profile: RoutingProfile | None, layer: int, num_experts: int) -> np.ndarray:
     """Experts of one MoE layer, hottest first (profile counts; ties and no profile: by id)."""
     if profile is None:
@@ -85,6 +103,24 @@ class Placement:
             f"disk {self.disk_per_layer} = {gib(self.disk_per_layer):.2f} GiB artifact); "
             f"{self.expert_bytes / 2**20:.2f} MiB per expert"
         )
+
+
+def experts_at_load(model_dir, options: dict) -> str:
+    """Where `load` should put the routed experts for these engine options (`EngineConfig` fields):
+    on the device when nothing is offloaded; in host RAM when they all fit there; left in the
+    artifact (read one by one as they are placed) when the model is an artifact whose experts
+    exceed the host budget. In that case the model's artifact becomes the disk tier
+    (options["expert_artifact"])."""
+    if options.get("gpu_expert_budget") is None:
+        return "device"
+    if model_dir is None or not is_artifact(model_dir):
+        return "host"
+    artifact = options.get("expert_artifact")
+    same = artifact is None or Path(artifact).resolve() == Path(model_dir).resolve()
+    if options.get("host_expert_budget", "all") in (None, "all") or not same:
+        return "host"
+    options["expert_artifact"] = str(model_dir)
+    return "artifact"
 
 
 class ExpertOffload:
@@ -130,6 +166,11 @@ class ExpertOffload:
         slots = max(1, experts_in_budget(gpu_budget, layout))  # one slot at least: a static shape
         host = min(num_experts - min(slots, num_experts), experts_in_budget(host_budget, layout))
         disk = num_experts - min(slots, num_experts) - host
+        if artifact is None and _not_loaded(params, layout):
+            raise ValueError(
+                "the model's routed experts were not loaded (experts='artifact'); give the artifact "
+                "they are in as the expert artifact"
+            )
         if disk and artifact is None:
             raise ValueError(
                 f"{disk} experts per layer fit neither the GPU expert budget ({gpu_budget}) nor the host "
@@ -144,13 +185,13 @@ class ExpertOffload:
         source_id = jnp.asarray(register_expert_source(cache), jnp.int32)
         layers = list(params.layers)
         for rank, layer in enumerate(layout.moe_layers):
-            moe = params.layers[layer].moe
-            stacks = [np.asarray(jax.device_get(a)) for a in jax.tree.leaves(projections(moe))]
             order = placement_order(profile, rank, num_experts)
             resident = [int(e) for e in order[:slots]]
-            for e in order[slots : slots + host]:
-                store.put_host(rank, int(e), [a[e] for a in stacks])
-            slot_leaves = _stack([[a[e] for a in stacks] for e in resident], layout, slots)
+            in_ram = [int(e) for e in order[slots : slots + host]]
+            experts = _placed_experts(params.layers[layer].moe, store, rank, resident + in_ram)
+            for e in in_ram:
+                store.put_host(rank, e, experts[e])
+            slot_leaves = _stack([experts[e] for e in resident], layout, slots)
             for slot, e in enumerate(resident):
                 cache.assign(rank, slot, e)
             slotted = SlottedExperts(
@@ -159,9 +200,11 @@ class ExpertOffload:
                 source_id=source_id,
                 layer=rank,
             )
-            new_moe = dataclasses.replace(moe, gate_proj=slotted, up_proj=None, down_proj=None)
+            new_moe = dataclasses.replace(
+                params.layers[layer].moe, gate_proj=slotted, up_proj=None, down_proj=None
+            )
             layers[layer] = dataclasses.replace(params.layers[layer], moe=new_moe)
-            del stacks
+            del experts
         placement = Placement(slots, host, disk, layout.expert_bytes, len(layout.moe_layers))
         log.info("%s", placement.describe())
         return cls(dataclasses.replace(params, layers=tuple(layers)), layout, cache, placement)

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from infernix_jax.experts.layout import ExpertLayout, Leaves
@@ -37,6 +38,15 @@ def checksum(leaves: Leaves) -> int:
     for a in leaves:
         crc = zlib.crc32(np.asarray(a, order="C").reshape(-1).view(np.uint8), crc)
     return crc
+
+
+def _as_float(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`a` cast to `dtype` when both are floating point (bf16 / f32 / f16 / float8), else as is."""
+    if a.dtype == dtype or not (
+        jnp.issubdtype(a.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+    ):
+        return a
+    return a.astype(dtype)
 
 
 class ExpertStore:
@@ -185,7 +195,9 @@ class ExpertStore:
             raise ExpertReadError(
                 f"expert {expert} of MoE layer {layer}: checksum mismatch on disk (injected)"
             )
-        want = zip(self.layout.leaf_shapes, self.layout.leaf_dtypes)
+        want = list(zip(self.layout.leaf_shapes, self.layout.leaf_dtypes))
+        if len(leaves) == len(want):  # plain float experts take the model's dtype, as loading casts them
+            leaves = [_as_float(a, np.dtype(d)) for a, (_s, d) in zip(leaves, want)]
         if [(a.shape, a.dtype) for a in leaves] != [(tuple(s), np.dtype(d)) for s, d in want]:
             raise ExpertReadError(
                 f"expert {expert} of MoE layer {layer}: the artifact holds {[(a.shape, a.dtype.name) for a in leaves]}, "

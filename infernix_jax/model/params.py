@@ -10,6 +10,7 @@ along `in`) slots in without changing layer code. GDN input projections are held
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,17 @@ def _is_decl(x: Any) -> bool:
 def map_decls(fn: Callable[[tuple, Decl], Any], decls: Params) -> Params:
     """Apply fn(path, decl) at every declared leaf."""
     return jax.tree_util.tree_map_with_path(fn, decls, is_leaf=_is_decl)
+
+
+# dotted paths of the decoder layers' routed expert stacks (the MTP head's experts are not among them)
+_ROUTED_EXPERT_LEAF = re.compile(r"layers\.\d+\.moe\.(gate|up|down)_proj")
+
+
+def is_routed_expert_leaf(path: str) -> bool:
+    """Whether a dotted params path ("layers.3.moe.gate_proj") is a decoder layer's routed expert
+    stack: what experts beyond device memory place in slots and tiers (docs/experts.md), and what
+    the loaders can leave off the device for them."""
+    return _ROUTED_EXPERT_LEAF.fullmatch(path) is not None
 
 
 def param_dtype(decl: Decl, dtype) -> Any:

@@ -35,8 +35,8 @@ import tensorstore as ts
 from tqdm.auto import tqdm
 
 from infernix_jax.config import ModelConfig
-from infernix_jax.model.params import Decl, Params, declare_params, param_dtype
-from infernix_jax.weights.hf import leaf_paths, path_str, to_device
+from infernix_jax.model.params import Params, declare_params, is_routed_expert_leaf, param_dtype
+from infernix_jax.weights.hf import leaf_paths, place_params
 from infernix_jax.weights.quant import FP8Weight, Int8Weight, NVFP4Weight, Q4Weight, Q8Weight, QuantizedWeight
 from infernix_jax.weights.safetensors_io import CheckpointError
 
@@ -226,6 +226,15 @@ class Artifact:
         record = self.record(path)
         return self._build(record, {f: self._read(path, f) for f in record["arrays"]})
 
+    def abstract(self, path: str, dtype=None) -> Any:
+        """The leaf at `path` as shapes and dtypes only (`jax.ShapeDtypeStruct` arrays), reading
+        nothing; a plain leaf takes `dtype` (the dtype loading would cast it to)."""
+        record = self.record(path)
+        arrays = {f: jax.ShapeDtypeStruct(tuple(i["shape"]), _DTYPES[i["dtype"]]) for f, i in record["arrays"].items()}
+        if record["format"] == "plain" and dtype is not None:
+            arrays["value"] = jax.ShapeDtypeStruct(arrays["value"].shape, dtype)
+        return self._build(record, arrays)
+
     def read_expert(self, path: str, expert: int) -> Any:
         """Expert `expert` of a stacked expert leaf ([E, N, K] -> [N, K]), reading only its chunks."""
         record = self.record(path)
@@ -240,12 +249,20 @@ class Artifact:
 
 
 def load_artifact_params(
-    path: str | os.PathLike, cfg: ModelConfig, dtype=np.float32, with_mtp: bool = True, progress: bool = True
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    dtype=np.float32,
+    with_mtp: bool = True,
+    progress: bool = True,
+    experts: str = "device",
 ) -> Params:
     """Read an artifact into `Params` on the default device.
 
     Plain leaves are cast to `dtype` (A_log stays float32), quantized leaves keep their stored
-    dtypes. Raises ArtifactError when a declared leaf is absent or a tensor is damaged.
+    dtypes. experts="host" keeps the routed expert stacks in host RAM; experts="artifact" reads
+    none of them: their leaves are shapes (`jax.ShapeDtypeStruct`) and the expert offload reads
+    the experts it places in slots and RAM one by one (docs/experts.md). Raises ArtifactError when
+    a declared leaf is absent or a tensor is damaged.
     """
     artifact = Artifact(path)
     decls = declare_params(cfg, with_mtp=with_mtp and artifact.with_mtp)
@@ -255,12 +272,9 @@ def load_artifact_params(
         raise ArtifactError(f"artifact {path} lacks tensors ({len(missing)}): {'; '.join(missing[:20])}")
     values = {}
     for leaf, decl in tqdm(leaves.items(), desc="loading artifact", disable=not progress, unit="tensor"):
-        value = artifact.read(leaf)
+        lazy = experts == "artifact" and is_routed_expert_leaf(leaf)
+        value = artifact.abstract(leaf, param_dtype(decl, dtype)) if lazy else artifact.read(leaf)
         if tuple(value.shape) != tuple(decl.shape):
             raise ArtifactError(f"artifact tensor {leaf} has shape {list(value.shape)}; expected {list(decl.shape)}")
         values[leaf] = value
-
-    def place(path_keys, decl: Decl):
-        return to_device(values[path_str(path_keys)], param_dtype(decl, dtype))
-
-    return jax.tree_util.tree_map_with_path(place, decls, is_leaf=lambda x: isinstance(x, Decl))
+    return place_params(decls, values, dtype, experts)

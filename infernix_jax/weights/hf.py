@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from infernix_jax.config import ModelConfig
-from infernix_jax.model.params import Decl, Params, declare_params, param_dtype
+from infernix_jax.model.params import Decl, Params, declare_params, is_routed_expert_leaf, param_dtype
 from infernix_jax.weights.modelopt import QuantConfig, build_weight, read_quant_config
 from infernix_jax.weights.quant import FP8Weight, NVFP4Weight, QuantizedWeight
 from infernix_jax.weights.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -352,28 +352,62 @@ def to_device(value, dtype=None):
     return jnp.asarray(value, dtype=dtype)
 
 
+def to_host(value, dtype=None):
+    """A leaf kept in host memory as numpy: plain arrays cast to `dtype`, quantized weights as stored."""
+    if isinstance(value, QuantizedWeight):
+        return jax.tree.map(np.asarray, value)
+    return np.asarray(value, dtype=dtype)
+
+
+# where a loader puts the decoder layers' routed expert stacks: on the device (the plain model),
+# in host RAM (numpy, for experts beyond device memory), or nowhere yet ("artifact": shapes only,
+# read expert by expert from the artifact by the offload; docs/experts.md)
+EXPERTS_AT = ("device", "host", "artifact")
+
+
+def place_params(decls: Params, values: dict, dtype, experts: str = "device") -> Params:
+    """Params from host `values` (dotted path -> leaf): on the default device, except routed expert
+    stacks when `experts` is "host" (kept as numpy) or "artifact" (`values` holds their shapes
+    only). Leaves take `dtype` (A_log float32)."""
+    if experts not in EXPERTS_AT:
+        raise ValueError(f"experts must be one of {EXPERTS_AT}, got {experts!r}")
+
+    def place(path_keys, decl: Decl):
+        path, leaf_dtype = path_str(path_keys), param_dtype(decl, dtype)
+        if experts == "device" or not is_routed_expert_leaf(path):
+            return to_device(values[path], leaf_dtype)
+        if experts == "host":
+            return to_host(values[path], leaf_dtype)
+        return values[path]  # "artifact": shapes only (see Artifact.abstract)
+
+    return jax.tree_util.tree_map_with_path(place, decls, is_leaf=lambda x: isinstance(x, Decl))
+
+
 def load_params(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
     dtype=jnp.float32,
     with_mtp: bool = True,
     progress: bool = True,
+    experts: str = "device",
 ) -> Params:
     """Read a Hugging Face checkpoint into `Params` on the default device, cast to `dtype`.
 
     ModelOpt NVFP4 / FP8 checkpoints (hf_quant_config.json or config.json's quantization_config)
     load as `NVFP4Weight` / `FP8Weight` leaves holding the stored bytes; excluded modules and
     everything that is not a quantized Linear take `dtype` like an unquantized checkpoint.
+    experts="host" keeps the routed expert stacks in host RAM (for `gpu_expert_budget`).
     Raises CheckpointError listing every missing, unexpected or mis-shaped tensor at once.
     """
+    if experts == "artifact":
+        raise ValueError(
+            "experts can stay on disk only in a converted artifact (python -m conversion); "
+            "a Hugging Face folder's experts load into host RAM"
+        )
     source = HFWeightSource(model_dir, cfg, with_mtp)
     values = {
         path: source.read(path)
         for path in tqdm(source.leaves, desc="loading weights", disable=not progress, unit="tensor")
     }
     source.check()
-
-    def place(path_keys, decl: Decl):
-        return to_device(values[path_str(path_keys)], param_dtype(decl, dtype))
-
-    return jax.tree_util.tree_map_with_path(place, source.decls, is_leaf=lambda x: isinstance(x, Decl))
+    return place_params(source.decls, values, dtype, experts)
