@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-expert-budget",
         default=None,
         metavar="SIZE",
-        help="device memory for routed experts, e.g. 16GiB; the rest live in host RAM or on disk "
+        help="device memory for routed experts, e.g. 16GiB, or auto (what the other weights and KV for "
+        "--max-concurrency sequences of --max-context leave); the rest live in host RAM or on disk "
         "(default: every expert on the GPU)",
     )
     experts.add_argument(

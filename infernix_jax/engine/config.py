@@ -62,7 +62,7 @@ class EngineConfig:
     ngram_volume: str | None = None  # the table volume of a model with an n-gram memory
     ngram_cache_mem: int | str = "1GiB"  # host cache of hot table rows
     # experts beyond device memory (docs/experts.md); gpu_expert_budget None: every expert resident, no slots
-    gpu_expert_budget: int | str | None = None  # device bytes for routed experts ("16GiB", "all")
+    gpu_expert_budget: int | str | None = None  # device bytes for routed experts ("16GiB", "all", "auto")
     host_expert_budget: int | str | None = "all"  # host RAM for experts without a slot; then: the artifact
     expert_artifact: str | None = None  # converted artifact the disk tier reads experts from
     expert_profile: str | None = None  # routing profile for the placement (infernix_jax.experts.profile)
@@ -116,6 +116,7 @@ class EngineConfig:
             errors.append(f"constrained_decode must be fused or split, got {self.constrained_decode!r}")
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
+        errors += _expert_budget_errors(self.gpu_expert_budget, self.host_expert_budget)
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -190,3 +191,21 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _expert_budget_errors(gpu: int | str | None, host: int | str | None) -> list[str]:
+    """Readable errors for budgets that are neither a size ("16GiB", bytes) nor a keyword."""
+    errors = []
+    for name, value, words in (
+        ("gpu_expert_budget", gpu, ("all", "auto")),
+        ("host_expert_budget", host, ("all",)),
+    ):
+        if value is None or value in words or value in (0, "0"):
+            continue
+        from infernix_jax.cache.capacity import parse_bytes  # only when a size is given: it pulls in JAX
+
+        try:
+            parse_bytes(value)
+        except ValueError as e:
+            errors.append(f"{name}: {e}; or one of {', '.join(words)}")
+    return errors

@@ -18,17 +18,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from infernix_jax.cache import (
-    BLOCK_SIZE,
-    BlockAllocator,
-    SlotAllocator,
-    kv_bytes_per_block,
-    state_bytes_per_slot,
-)
+from infernix_jax.cache import BLOCK_SIZE, BlockAllocator, SlotAllocator
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.async_decode import AsyncDecode, InFlight, runs_on
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
+from infernix_jax.engine.memory_plan import auto_expert_budget, plan_blocks
 from infernix_jax.engine.ngram_prefetch import build_ngram_feeder
 from infernix_jax.engine.prefix import build_prefix_cache, load_prefix_cache, save_prefix_cache
 from infernix_jax.engine.protocol import (
@@ -47,7 +42,6 @@ from infernix_jax.engine.runner import FORCED_WINDOW, Runner, Sampled, enable_co
 from infernix_jax.engine.sampling import resolve_seed
 from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
 from infernix_jax.engine.scoring import Scorer
-from infernix_jax.engine.speculative.rollback import verify_state_bytes
 from infernix_jax.engine.speculative.step import Speculation
 from infernix_jax.model.params import Params
 
@@ -109,31 +103,6 @@ class _ConstrainedRun:
         self.top_logprobs = np.zeros((steps, b, num_top), np.float32)
 
 
-def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -> int:
-    """KV blocks in the pool (the null block included), from kv_capacity or the memory budget."""
-    per_sequence = config.max_blocks_per_sequence
-    if config.kv_capacity != "auto":
-        return int(config.kv_capacity) + 1
-    wanted = config.max_concurrency * per_sequence + 1
-    device = jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:  # the CPU: room for every sequence at full length
-        return wanted
-    weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    # the weights are normally on the device already and so inside bytes_in_use: count them once
-    budget = stats["bytes_limit"] * config.gpu_memory_utilization - max(weights, stats.get("bytes_in_use", 0))
-    budget -= (config.max_concurrency + 1 + config.num_snapshot_slots) * state_bytes_per_slot(cfg, dtype)
-    if config.spec != "none":  # per-position GDN states of the largest verify dispatch
-        budget -= verify_state_bytes(cfg, max(config.decode_buckets), config.spec_window, dtype)
-    affordable = int(budget // kv_bytes_per_block(cfg, config.kv_dtype, dtype, with_mtp=config.spec_uses_mtp))
-    if affordable < per_sequence + 1:
-        raise ValueError(
-            f"memory for {affordable} KV blocks, fewer than one sequence of {config.max_context} "
-            f"tokens needs ({per_sequence}); lower max_context or free memory"
-        )
-    return min(wanted, affordable)
-
-
 class EngineCore:
     """Scheduler + runner + the host side of every request."""
 
@@ -155,13 +124,20 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.experts = None  # ExpertOffload when routed experts live in device slots + host/disk tiers
-        if config.gpu_expert_budget is not None:
+        budget = config.gpu_expert_budget
+        if budget == "auto":
+            budget = auto_expert_budget(cfg, config, params.final_norm.dtype, params)
+        if budget == "all" and config.gpu_expert_budget == "auto":  # they all fit: the plain model
+            from infernix_jax.experts.offload import experts_on_device
+
+            params, budget = experts_on_device(params, config.expert_artifact), None
+        if budget is not None:
             from infernix_jax.experts.offload import ExpertOffload
 
             self.experts = ExpertOffload.build(
                 cfg,
                 params,
-                config.gpu_expert_budget,
+                budget,
                 config.host_expert_budget,
                 artifact=config.expert_artifact,
                 profile=config.expert_profile,

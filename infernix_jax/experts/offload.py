@@ -34,6 +34,7 @@ from infernix_jax.jit import jit
 from infernix_jax.model.mlp import SlottedExperts, register_expert_source
 from infernix_jax.model.params import Params
 from infernix_jax.weights.artifact import Artifact, is_artifact
+from infernix_jax.weights.hf import to_device
 
 log = logging.getLogger("infernix_jax.experts")
 
@@ -76,6 +77,28 @@ def _placed_experts(moe, store: ExpertStore, rank: int, experts: list[int]) -> d
         return dict(zip(experts, store.read_many(rank, experts)))
     stacks = [np.asarray(jax.device_get(a)) for a in leaves]
     return {e: [a[e] for a in stacks] for e in experts}
+
+
+def experts_on_device(params: Params, artifact: str | None) -> Params:
+    """`params` with every routed expert stack on the device (from host RAM, or read whole from
+    `artifact` where loading left them there): the plain model, for when they all fit."""
+
+    def stack(path, moe, name):
+        leaf = getattr(moe, name)
+        if isinstance(jax.tree.leaves(leaf)[0], jax.ShapeDtypeStruct):
+            if artifact is None:
+                raise ValueError(f"{path}.{name} was not loaded and no artifact holds it")
+            leaf = Artifact(artifact).read(f"{path}.{name}")
+        return to_device(leaf, dtype)  # plain stacks take the model's dtype, quantized ones stay packed
+
+    dtype = params.final_norm.dtype
+    layers = list(params.layers)
+    for i, layer in enumerate(layers):
+        if layer.moe is not None:
+            moe = layer.moe
+            placed = {n: stack(f"layers.{i}.moe", moe, n) for n in ("gate_proj", "up_proj", "down_proj")}
+            layers[i] = dataclasses.replace(layer, moe=dataclasses.replace(moe, **placed))
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 def placement_order(profile: RoutingProfile | None, layer: int, num_experts: int) -> np.ndarray:

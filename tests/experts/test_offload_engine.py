@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from infernix_jax.engine import memory_plan
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_ERROR, GenerationRequest, SamplingParams
@@ -230,3 +231,45 @@ def test_a_recorded_profile_places_the_most_routed_experts_in_slots(model, tmp_p
             np.argsort(-RoutingProfile.load(tmp_path / "profile.json").counts[layer], kind="stable")[:SLOTS]
         )
         assert set(placed.cache.slot_owner[layer].tolist()) == hottest
+
+
+def test_auto_budget_gives_the_experts_what_kv_and_other_weights_leave(model, resident, monkeypatch):
+    cfg, params = model
+    config = CONFIG.replace(gpu_expert_budget="auto", gpu_memory_utilization=1.0)
+    dtype = params.final_norm.dtype
+
+    def auto(limit: int, in_use: int = 0):
+        monkeypatch.setattr(memory_plan, "device_memory", lambda: (limit, in_use))
+        return memory_plan.auto_expert_budget(cfg, config, dtype, params)
+
+    monkeypatch.setattr(memory_plan, "device_memory", lambda: None)
+    assert memory_plan.auto_expert_budget(cfg, config, dtype, params) == "all", "no limit (the CPU): all"
+    assert auto(10**12) == "all"
+    assert auto(10**5) == 0, "below what the rest needs: no budget (one slot per layer is kept anyway)"
+    limit = next(n for n in range(10**6, 2 * 10**6, 10**4) if isinstance(auto(n), int) and auto(n) > 0)
+    fixed = limit - auto(limit)  # other weights, state slots, KV for every sequence at full length
+    assert auto(limit + 12345) == auto(limit) + 12345, "the experts get every further byte"
+    on_device = sum(a.nbytes for a in jax.tree.leaves(params))
+    assert auto(limit, in_use=on_device) == auto(limit), "experts already on the device are not counted twice"
+    assert 0 < fixed < limit
+
+    auto(fixed + budget(params, SLOTS) + expert_bytes(params) // 2)  # room for SLOTS experts per layer
+    core = EngineCore(cfg, params, config)
+    assert core.experts.placement.slots_per_layer == SLOTS
+    assert {k: v["tokens"] for k, v in drive(core, requests()).items()} == {
+        k: v["tokens"] for k, v in resident.items()
+    }
+    auto(fixed + budget(params, NUM_EXPERTS))  # every expert fits: the plain model, no slots
+    core = EngineCore(cfg, params, config)
+    assert core.experts is None
+    assert {k: v["tokens"] for k, v in drive(core, requests()).items()} == {
+        k: v["tokens"] for k, v in resident.items()
+    }
+
+
+def test_budgets_that_are_not_sizes_are_refused():
+    with pytest.raises(ValueError, match="gpu_expert_budget.*auto"):
+        CONFIG.replace(gpu_expert_budget="lots")
+    with pytest.raises(ValueError, match="host_expert_budget"):
+        CONFIG.replace(host_expert_budget="auto")
+    assert CONFIG.replace(gpu_expert_budget="auto", host_expert_budget="48GiB").gpu_expert_budget == "auto"
