@@ -1,4 +1,5 @@
-"""Prometheus metrics for /metrics: requests, tokens, latency, queue depth, KV usage, speculation.
+"""Prometheus metrics for /metrics: requests, tokens, latency, queue depth, KV usage, speculation,
+experts beyond device memory.
 
 Each app owns its own registry, so several apps (tests, several servers in a process) never clash.
 Gauges that mirror the engine are read from `engine.stats()` at scrape time.
@@ -122,6 +123,45 @@ class ServerMetrics:
             registry=r,
         )
 
+        # experts beyond device memory (absent without an expert budget), mirrored at scrape time
+        self.expert_lookups = Gauge(
+            "infernix_expert_lookups",
+            "Routed experts looked up (per MoE layer and step, each expert once)",
+            registry=r,
+        )
+        self.expert_hits = Gauge(
+            "infernix_expert_hits",
+            "Expert lookups served, by tier (gpu slot, host RAM, disk)",
+            ["tier"],
+            registry=r,
+        )
+        self.expert_hit_rate = Gauge(
+            "infernix_expert_hit_rate", "Share of expert lookups served by each tier", ["tier"], registry=r
+        )
+        self.expert_moved_bytes = Gauge(
+            "infernix_expert_moved_bytes",
+            "Expert bytes moved: fetched into steps and promoted into slots (host to device), demoted to RAM",
+            ["kind"],
+            registry=r,
+        )
+        self.expert_pcie_bytes_per_token = Gauge(
+            "infernix_expert_pcie_bytes_per_token",
+            "Expert bytes moved host to device per token processed",
+            registry=r,
+        )
+        self.expert_slots_used = Gauge(
+            "infernix_expert_slots_used", "Device expert slots holding an expert", registry=r
+        )
+        self.expert_slots_total = Gauge("infernix_expert_slots_total", "Device expert slots", registry=r)
+        self.expert_host_experts = Gauge(
+            "infernix_expert_host_experts", "Experts held in host RAM", registry=r
+        )
+        self.expert_read_failures = Gauge(
+            "infernix_expert_read_failures",
+            "Expert reads that failed (their step's requests failed)",
+            registry=r,
+        )
+
     def observe_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
@@ -145,6 +185,22 @@ class ServerMetrics:
         self.structured_forced_tokens.set(stats.structured_forced_tokens)
         rows = stats.spec_rows
         self.spec_mean_accepted_length.set((stats.spec_accepted_tokens + rows) / rows if rows else 0.0)
+        if stats.experts is not None:
+            self._observe_experts(stats.experts)
+
+    def _observe_experts(self, report) -> None:
+        """report: an ExpertCacheReport."""
+        self.expert_lookups.set(report.lookups)
+        for tier, hits in report.hits.items():
+            self.expert_hits.labels(tier=tier).set(hits)
+            self.expert_hit_rate.labels(tier=tier).set(report.hit_rate(tier))
+        for kind, moved in report.moved_bytes.items():
+            self.expert_moved_bytes.labels(kind=kind).set(moved)
+        self.expert_pcie_bytes_per_token.set(report.bytes_per_token)
+        self.expert_slots_used.set(report.slots_used)
+        self.expert_slots_total.set(report.slots_total)
+        self.expert_host_experts.set(report.host_experts)
+        self.expert_read_failures.set(report.read_failures)
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the engine gauges refreshed first."""

@@ -273,6 +273,9 @@ class EngineCore:
             spec_accepted_tokens=self.metrics.accepted_tokens,
             spec_forced_draft_tokens=self.metrics.forced_draft_tokens,
             structured_forced_tokens=self.metrics.forced_tokens,
+            experts=None
+            if self.experts is None
+            else self.experts.cache.report(self.metrics.prefill_tokens + self.metrics.generated_tokens),
         )
 
     # ---- one step ------------------------------------------------------------------------------

@@ -163,6 +163,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # draft tokens accepted
     spec_forced_draft_tokens: int = 0  # drafts a grammar forced (structured output)
     structured_forced_tokens: int = 0  # outputs a grammar forced, fed without a sample of their own
+    experts: object | None = None  # ExpertCacheReport when experts live beyond device memory
 
 
 class Engine(Protocol):

@@ -54,6 +54,31 @@ class ExpertStats:
 
 
 @dataclass(frozen=True)
+class ExpertCacheReport:
+    """A snapshot for /metrics: where lookups were served, what crossed to the device, how full the
+    slots are, and the tokens the forwards processed (for bytes per token)."""
+
+    lookups: int = 0
+    hits: dict[str, int] = field(default_factory=dict)  # tier ("gpu", "host", "disk") -> lookups served
+    moved_bytes: dict[str, int] = field(default_factory=dict)  # "fetched", "promoted", "demoted"
+    read_failures: int = 0
+    slots_used: int = 0  # device slots holding an expert, all MoE layers
+    slots_total: int = 0
+    host_experts: int = 0  # experts held in host RAM
+    tokens: int = 0  # tokens the forwards processed (prompt and generated)
+
+    def hit_rate(self, tier: str) -> float:
+        """Share of lookups served by `tier` (0 when idle)."""
+        return self.hits.get(tier, 0) / self.lookups if self.lookups else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Expert bytes moved host -> device (fetched into steps and promoted into slots) per token."""
+        moved = self.moved_bytes.get("fetched", 0) + self.moved_bytes.get("promoted", 0)
+        return moved / self.tokens if self.tokens else 0.0
+
+
+@dataclass(frozen=True)
 class Swap:
     """Put `expert` into `slot` of MoE layer `layer`, evicting `evicted` (-1: the slot was empty)."""
 
@@ -111,6 +136,25 @@ class ExpertCache:
         self.last_missed.clear()
         if scores:
             self.scores[:] = 0.0
+
+    def report(self, tokens: int) -> ExpertCacheReport:
+        """The counters as a snapshot, with the slots' occupancy; `tokens`: processed so far."""
+        with self._lock:
+            s = self.stats
+            return ExpertCacheReport(
+                lookups=s.lookups,
+                hits={"gpu": s.gpu_hits, "host": s.host_hits, "disk": s.disk_hits},
+                moved_bytes={
+                    "fetched": s.fetched_bytes,
+                    "promoted": s.promoted_bytes,
+                    "demoted": s.demoted_bytes,
+                },
+                read_failures=s.read_failures,
+                slots_used=int((self.slot_owner >= 0).sum()),
+                slots_total=self.slot_owner.size,
+                host_experts=self.store.host_experts,
+                tokens=tokens,
+            )
 
     # ---- the step's callback -------------------------------------------------------------------
     def fetch(self, layer: int, counts: np.ndarray, missed: np.ndarray) -> list[np.ndarray]:

@@ -98,6 +98,11 @@ class ExpertStore:
         return self._host_counts.get(layer, 0)
 
     @property
+    def host_experts(self) -> int:
+        """Experts held in host RAM, all layers."""
+        return len(self._host)
+
+    @property
     def host_bytes(self) -> int:
         return len(self._host) * self.layout.expert_bytes
 

@@ -153,8 +153,15 @@ def test_statistics_add_up(model, artifact):
     assert stats.fetched_bytes == stats.misses * eb
     assert stats.promoted_bytes == stats.promotions * eb > 0
     assert stats.bytes_moved == stats.fetched_bytes + stats.promoted_bytes
+    report = cores[1].stats().experts  # what /metrics shows
+    assert sum(report.hits.values()) == report.lookups == stats.lookups
+    assert report.hits["disk"] == stats.disk_hits and report.moved_bytes["fetched"] == stats.fetched_bytes
+    assert report.slots_used == report.slots_total == SLOTS * MOE_LAYERS
+    assert report.tokens == cores[1].metrics.prefill_tokens + cores[1].metrics.generated_tokens > 0
+    assert report.bytes_per_token == stats.bytes_moved / report.tokens
     # tiers stay within their budgets and exclusive: each expert lives in exactly one place
     cache, store = core.cache, core.store
+    assert report.host_experts == sum(store.host_count(layer) for layer in range(MOE_LAYERS))
     for layer in range(MOE_LAYERS):
         in_slots = {int(e) for e in cache.slot_owner[layer] if e >= 0}
         in_host = {e for e in range(NUM_EXPERTS) if store.in_host(layer, e)}
