@@ -54,7 +54,7 @@ def decoder_layer(
         h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at)
     x = x + h
     h = rms_norm(x, p.post_norm, eps, zc)
-    h = moe(p.moe, h, cfg) if p.moe is not None else mlp(p.mlp, h)
+    h = moe(p.moe, h, cfg, valid=positions >= 0) if p.moe is not None else mlp(p.mlp, h)
     if snapshots is not None:
         return x + h, entry, snapshots
     return x + h, entry

@@ -103,13 +103,20 @@ def _experts_kernel(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int
     return _unsort_pairs(project(h, p.down_proj), order, ids)
 
 
-def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """x [..., D] -> [..., D]: sum_k w_k E_k(x) + sigmoid(shared_gate(x)) * shared(x)."""
+def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None) -> jax.Array:
+    """x [..., D] -> [..., D]: sum_k w_k E_k(x) + sigmoid(shared_gate(x)) * shared(x).
+
+    valid [...] bool (optional): False marks padding tokens (of a batch or chunk bucket). They take
+    the first valid token's experts, so that they make no expert read (nor fetch, for experts
+    beyond device memory) of their own; their outputs are meaningless, as they are anyway."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if valid is not None:
+        valid = valid.reshape(-1)
+        ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
     if isinstance(p.gate_proj, SlottedExperts):
-        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts)
+        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid)
     elif grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=xf.shape[0]):
         per_pair = _experts_kernel(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
@@ -221,16 +228,19 @@ def _call_fetch(layer: int, shapes, source_id, counts, missed):
     return out
 
 
-def _experts_slotted(se: SlottedExperts, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+def _experts_slotted(
+    se: SlottedExperts, x: jax.Array, ids: jax.Array, num_experts: int, valid: jax.Array | None = None
+) -> jax.Array:
     """Per-pair outputs [N, k, D] with experts read from slots, the missing ones fetched for this step.
 
     The weights each pair uses are the same packed bytes as in the full stacks and go through the
     same functions (`_pair_outputs` or `_experts_grouped`) as the all-resident path, so the result
-    is bit for bit the same."""
+    is bit for bit the same. The routing counts the host records leave out padding (`valid`)."""
     n, k = ids.shape
-    counts = jnp.bincount(ids.reshape(-1), length=num_experts).astype(jnp.int32)  # [E]
+    counted = jnp.repeat(jnp.ones(n, jnp.int32) if valid is None else valid.astype(jnp.int32), k)
+    counts = jnp.bincount(ids.reshape(-1), weights=counted, length=num_experts).astype(jnp.int32)  # [E]
     resident = se.slot_map >= 0  # [E]
-    missing = (counts > 0) & ~resident  # [E]
+    missing = (jnp.bincount(ids.reshape(-1), length=num_experts) > 0) & ~resident  # [E]
     num_missed = jnp.sum(missing.astype(jnp.int32))
     max_missed = min(n * k, num_experts)
     order = jnp.argsort(~missing, stable=True)[:max_missed].astype(jnp.int32)  # missed ids first, ascending
