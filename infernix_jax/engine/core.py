@@ -311,9 +311,9 @@ class EngineCore:
             wait += self._run_prefill(plan, events)
         if plan.decode:
             constrained = any(self._needs_host_each_token(r.request) for r in plan.decode)
-            # linear verify windows carry a grammar mask per position; tree windows do not yet
-            if self.speculation is not None and not (constrained and self.speculation.tree):
-                wait += self.speculation.run(plan, events)
+            # only linear verify windows carry a grammar mask per position
+            if self.speculation is not None and (not constrained or self.speculation.verifies_constrained):
+                wait += self.speculation.run(plan, events, linear=constrained)
             else:
                 wait += self._run_decode(plan, events)
         wait += self.scorer.run(events)

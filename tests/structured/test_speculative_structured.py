@@ -1,6 +1,7 @@
-"""Constrained decoding composed with speculative decoding (linear windows): the grammar cuts the
-drafts it refuses and masks every window position, so greedy output equals constrained decoding
-without speculation token for token, sampled output is valid, and the matcher is left where it was."""
+"""Constrained decoding composed with speculative decoding (linear windows, also for a tree
+drafter's constrained batches): the grammar cuts the drafts it refuses and masks every window
+position, so greedy output equals constrained decoding without speculation token for token,
+sampled output is valid, and the matcher is left where it was."""
 
 from __future__ import annotations
 
@@ -74,6 +75,28 @@ def test_greedy_with_speculation_equals_greedy_without(llm, spec_llm, backend, p
     for rid, output in plain.items():
         assert speculative[rid].token_ids == output.token_ids, rid
         assert speculative[rid].finish_reason == output.finish_reason
+
+
+def test_a_tree_drafter_verifies_constrained_batches_in_linear_windows(llm, tiny_model_dir, backend, prompt):
+    from infernix_jax.engine.llm import LLM
+    from tests.structured.tiny_model import ENGINE_OPTIONS
+
+    options = {**ENGINE_OPTIONS, "max_concurrency": 4, "decode_batch_sizes": (4,)}
+    tree_llm = LLM(tiny_model_dir, **options, spec="ngram", ngram_draft_tokens=4, spec_tree_width=2)
+    grammar = RequestConstraint(backend.compile(ConstraintSpec.json_schema(SCHEMA)))
+
+    def requests():  # two constrained rows and a free one, batched together
+        constrained = [
+            GenerationRequest(f"t{i}", prompt[i:], SamplingParams(max_tokens=30), constraint=grammar)
+            for i in range(2)
+        ]
+        return [*constrained, GenerationRequest("free", prompt, SamplingParams(max_tokens=30))]
+
+    plain = generate(llm.core, requests())
+    speculative = generate(tree_llm.core, requests())
+    assert tree_llm.core.metrics.drafted_tokens > 0, "constrained batches were not speculated"
+    for rid, output in plain.items():
+        assert speculative[rid].token_ids == output.token_ids, rid
 
 
 def test_sampled_output_with_speculation_is_valid_json(spec_llm, backend, prompt):

@@ -74,6 +74,13 @@ class Speculation:
     def tree(self) -> bool:
         return self.tree_width > 1
 
+    @property
+    def verifies_constrained(self) -> bool:
+        """Whether batches with constrained rows are speculated: windows must carry the grammar's
+        masks, which only linear windows do. A tree drafter's batches then verify linear windows
+        (its best branch), except with MTP, whose device chains are the tree program's."""
+        return not self.tree or not self.uses_mtp
+
     def state_bytes(self, batch: int) -> int:
         """Transient bytes of the per-position GDN states of a verify dispatch of `batch` rows."""
         runner = self.core.runner
@@ -112,9 +119,10 @@ class Speculation:
             ngram_rows=self.core.ngram.table.empty(batch, self.window) if self.core.ngram is not None else None,
         )
 
-    def dispatch(self, batch: VerifyBatch):
+    def dispatch(self, batch: VerifyBatch, tree: bool | None = None):
+        """One verify dispatch: the tree program when `tree` (default: this drafter's shape)."""
         runner = self.core.runner
-        if self.tree:
+        if self.tree if tree is None else tree:
             runner.kv_pool, runner.state_pool, runner.slot_sampling, out = tree_verify_program(
                 runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
                 batch.tokens, batch.positions, batch.parents, batch.block_table, batch.slots,
@@ -129,9 +137,11 @@ class Speculation:
         )  # fmt: skip
         return out
 
-    def run(self, plan, events: list) -> float:
-        """Draft, verify and accept for every decode row of the plan. Returns seconds waited on the device."""
+    def run(self, plan, events: list, linear: bool = False) -> float:
+        """Draft, verify and accept for every decode row of the plan. Returns seconds waited on the device.
+        linear: verify linear windows even with a tree drafter (a batch with constrained rows)."""
         core = self.core
+        tree = self.tree and not linear
         vocab = core.cfg.vocab_size
         batch = self.empty_batch(plan.decode_batch)
         for i, row in enumerate(plan.decode):
@@ -140,7 +150,7 @@ class Speculation:
             context = state.prompt + state.output
             device_drafts = self.device_drafts.get(state.request_id, ())
             batch.tokens[i, 0] = state.token_at(row.position)
-            if self.tree:
+            if tree:
                 n = self._fill_tree(batch, i, row.position, context, device_drafts, limit, vocab)
             else:
                 constrained = core.constraints.get(state.request_id)
@@ -163,7 +173,7 @@ class Speculation:
             batch.slots[i] = state.slot
             batch.num_drafts[i] = n
         try:
-            out = self.dispatch(batch)
+            out = self.dispatch(batch, tree)
             t0 = time.perf_counter()
             counts, tokens, logprobs, top_ids, top_logprobs, chains = jax.device_get(out)
             wait = time.perf_counter() - t0
@@ -213,8 +223,11 @@ class Speculation:
     def warmup(self) -> None:
         """Compile the verify program for every decode bucket (and the MTP prefill shapes)."""
         runner = self.core.runner
+        linear_too = self.tree and self.verifies_constrained and self.core.config.structured_output
         for b in self.core.config.decode_buckets:
             jax.block_until_ready(self.dispatch(self.empty_batch(b)))
+            if linear_too:  # constrained batches verify linear windows
+                jax.block_until_ready(self.dispatch(self.empty_batch(b), tree=False))
         if self.uses_mtp:
             for rows, length in self.core.config.prefill_shapes:
                 batch = runner.empty_prefill(rows, length)
