@@ -240,7 +240,9 @@ def _experts_slotted(
     counted = jnp.repeat(jnp.ones(n, jnp.int32) if valid is None else valid.astype(jnp.int32), k)
     counts = jnp.bincount(ids.reshape(-1), weights=counted, length=num_experts).astype(jnp.int32)  # [E]
     resident = se.slot_map >= 0  # [E]
-    missing = (jnp.bincount(ids.reshape(-1), length=num_experts) > 0) & ~resident  # [E]
+    # padding takes valid tokens' experts (see moe); with no valid token nothing is fetched and the
+    # padding's pairs read zeros (their outputs are meaningless)
+    missing = (counts > 0) & ~resident  # [E]
     num_missed = jnp.sum(missing.astype(jnp.int32))
     max_missed = min(n * k, num_experts)
     order = jnp.argsort(~missing, stable=True)[:max_missed].astype(jnp.int32)  # missed ids first, ascending
