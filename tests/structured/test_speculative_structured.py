@@ -85,18 +85,20 @@ def test_a_tree_drafter_verifies_constrained_batches_in_linear_windows(llm, tiny
     tree_llm = LLM(tiny_model_dir, **options, spec="ngram", ngram_draft_tokens=4, spec_tree_width=2)
     grammar = RequestConstraint(backend.compile(ConstraintSpec.json_schema(SCHEMA)))
 
-    def requests():  # two constrained rows and a free one, batched together
+    def requests(free: bool):  # constrained rows, and a free one batched with them
         constrained = [
             GenerationRequest(f"t{i}", prompt[i:], SamplingParams(max_tokens=30), constraint=grammar)
             for i in range(2)
         ]
-        return [*constrained, GenerationRequest("free", prompt, SamplingParams(max_tokens=30))]
+        return constrained + [GenerationRequest("free", prompt, SamplingParams(max_tokens=30))] * free
 
-    plain = generate(llm.core, requests())
-    speculative = generate(tree_llm.core, requests())
-    assert tree_llm.core.metrics.drafted_tokens > 0, "constrained batches were not speculated"
-    for rid, output in plain.items():
-        assert speculative[rid].token_ids == output.token_ids, rid
+    for free in (False, True):
+        plain = generate(llm.core, requests(free))
+        drafted = tree_llm.core.metrics.drafted_tokens
+        speculative = generate(tree_llm.core, requests(free))
+        assert tree_llm.core.metrics.drafted_tokens > drafted, "constrained batches were not speculated"
+        for rid, output in plain.items():
+            assert speculative[rid].token_ids == output.token_ids, rid
 
 
 def test_sampled_output_with_speculation_is_valid_json(spec_llm, backend, prompt):
