@@ -25,7 +25,12 @@ from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
 from infernix_jax.engine.memory_plan import auto_expert_budget, plan_blocks
 from infernix_jax.engine.ngram_prefetch import build_ngram_feeder
-from infernix_jax.engine.prefix import build_prefix_cache, load_prefix_cache, save_prefix_cache
+from infernix_jax.engine.prefix import (
+    build_prefix_cache,
+    load_prefix_cache,
+    save_prefix_cache,
+    weights_fingerprint,
+)
 from infernix_jax.engine.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -124,6 +129,8 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.experts = None  # ExpertOffload when routed experts live in device slots + host/disk tiers
+        # the prefix cache's salt: from the loaded weights, before experts move to slots and tiers
+        fingerprint = weights_fingerprint(params) if config.prefix_cache else ""
         budget = config.gpu_expert_budget
         if budget == "auto":
             budget = auto_expert_budget(cfg, config, params.final_norm.dtype, params)
@@ -161,7 +168,9 @@ class EngineCore:
         )
         blocks = BlockAllocator(num_blocks)
         self.prefix_cache = (
-            build_prefix_cache(cfg, params, config, blocks, self.runner) if config.prefix_cache else None
+            build_prefix_cache(cfg, fingerprint, params.final_norm.dtype, config, blocks, self.runner)
+            if config.prefix_cache
+            else None
         )
         self.scheduler = Scheduler(
             config, blocks, SlotAllocator(num_slots), self.prefix_cache, self.runner.snapshots_per_chunk

@@ -15,7 +15,8 @@ from infernix_jax.cache.prefix_file import PrefixFileError, load_prefix_file, sa
 from infernix_jax.cache.prefix_index import PrefixIndex, cache_salt
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
-from infernix_jax.model.params import Params
+from infernix_jax.model.params import Params, is_routed_expert_leaf
+from infernix_jax.weights.hf import path_str
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +25,16 @@ SAMPLE_VALUES = 4096  # values of each sampled tensor that go into the weights f
 
 def weights_fingerprint(params: Params) -> str:
     """A digest of the model's weights from a sample of every tensor (cheap, and different for any
-    two checkpoints in practice): the shape of each leaf and values of its first and last rows."""
+    two checkpoints in practice): the shape of each leaf and values of its first and last rows.
+
+    Routed expert stacks count by shape only: wherever they live (device, host RAM, an artifact
+    not read yet; see docs/experts.md) the outputs and so the cached KV are the same, and a
+    restart with another expert budget still hits the cache file."""
     h = hashlib.blake2b(digest_size=16)
-    for leaf in jax.tree.leaves(params):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         h.update(str((leaf.shape, str(leaf.dtype))).encode())
+        if is_routed_expert_leaf(".".join(path_str(path).split(".")[:4])):
+            continue
         if leaf.ndim == 0:
             h.update(np.asarray(jax.device_get(leaf)).tobytes())
             continue
@@ -38,11 +45,16 @@ def weights_fingerprint(params: Params) -> str:
 
 
 def build_prefix_cache(
-    cfg: ModelConfig, params: Params, config: EngineConfig, blocks: BlockAllocator, device: PoolDevice
+    cfg: ModelConfig,
+    fingerprint: str,
+    dtype,
+    config: EngineConfig,
+    blocks: BlockAllocator,
+    device: PoolDevice,
 ) -> PrefixCache:
-    """A cache salted with the model (config and weights), the KV format and the compute dtype."""
-    dtype = str(params.final_norm.dtype)
-    salt = cache_salt(repr(cfg), weights_fingerprint(params), config.kv_dtype, dtype)
+    """A cache salted with the model (config and `weights_fingerprint`), the KV format and the
+    compute dtype."""
+    salt = cache_salt(repr(cfg), fingerprint, config.kv_dtype, str(dtype))
     index = PrefixIndex(salt, stateful=bool(cfg.linear_attention_layers))
     slots = device.snapshot_slots if index.stateful else range(0)
     return PrefixCache(index, blocks, device, slots, config.prefix_cache_host_bytes)
