@@ -1,9 +1,10 @@
 """The host's view of the device expert cache: which expert sits in which slot, what each step
 routed, what it missed, and which experts deserve a slot next.
 
-`ExpertCache.fetch` is the callback a step's forward calls once per MoE layer (see
-`model.mlp.SlottedExperts`): it receives the layer's routing counts and the experts the slots
-lacked, records them, and returns those experts' packed bytes from the host or disk tier.
+`ExpertCache.fetch` is the callback a step's forward calls for a MoE layer that missed experts (see
+`model.mlp.SlottedExperts`): it returns those experts' packed bytes from the host or disk tier and
+counts where they came from. `record_routing` receives every layer's routing counts once per
+forward (lookups, slot hits, the routing profile and the scores the policy uses).
 Between steps `plan_swaps` proposes slot changes by a score that is both frequency and recency
 (an exponential moving average of routing counts per layer-step).
 """
@@ -35,7 +36,7 @@ class ExpertStats:
     promoted_bytes: int = 0
     demoted_bytes: int = 0  # evicted slot contents copied back to host RAM
     read_failures: int = 0  # fetches that raised (their step failed)
-    fetch_seconds: float = 0.0  # host time spent inside the step callbacks
+    fetch_seconds: float = 0.0  # host time spent inside the step callbacks (fetches and routing reports)
     per_layer_misses: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -156,20 +157,40 @@ class ExpertCache:
                 tokens=tokens,
             )
 
-    # ---- the step's callback -------------------------------------------------------------------
-    def fetch(self, layer: int, counts: np.ndarray, missed: np.ndarray) -> list[np.ndarray]:
-        """Record one layer-step and return its missed experts' leaves stacked [len(missed), ...]
-        (rows for -1 entries are zeros). Raises ExpertReadError when a read fails."""
+    # ---- the step's callbacks ------------------------------------------------------------------
+    def record_routing(self, layers: tuple[int, ...], counts: np.ndarray) -> None:
+        """Record one forward's routing: `counts` [len(layers), E] tokens per expert of each MoE layer
+        (the forward's one routing callback; see model.mlp.collect_expert_routing)."""
         start = time.perf_counter()
-        counts = np.asarray(counts, np.int64)
+        with self._lock:
+            for layer, layer_counts in zip(layers, np.asarray(counts, np.int64)):
+                self._record(layer, layer_counts)
+            self.stats.fetch_seconds += time.perf_counter() - start
+
+    def _record(self, layer: int, counts: np.ndarray) -> None:
+        """One layer-step's lookups and slot hits, routing profile, scores, and what it missed
+        (read-ahead guesses the next step misses it again). Holds the lock."""
+        stats, resident = self.stats, self.slot_map[layer] >= 0
+        routed = counts > 0
+        stats.layer_steps += 1
+        stats.lookups += int(routed.sum())
+        stats.gpu_hits += int((routed & resident).sum())
+        self.routing_counts[layer] += counts
+        self.scores[layer] = self.scores[layer] * self.decay + counts
+        self.last_missed[layer] = [int(e) for e in np.flatnonzero(routed & ~resident)]
+
+    def fetch(
+        self, layer: int, counts: np.ndarray, missed: np.ndarray, record_routing: bool = True
+    ) -> list[np.ndarray]:
+        """Return one layer-step's missed experts' leaves stacked [len(missed), ...] (rows for -1
+        entries are zeros), counting where they came from; with `record_routing` also record the
+        layer's routing (a forward that reports it in one callback passes False). Raises
+        ExpertReadError when a read fails."""
+        start = time.perf_counter()
         wanted = [int(e) for e in np.asarray(missed) if e >= 0]
         layout = self.layout
         with self._lock:
             stats = self.stats
-            routed = counts > 0
-            stats.layer_steps += 1
-            stats.lookups += int(routed.sum())
-            stats.gpu_hits += int((routed & (self.slot_map[layer] >= 0)).sum())
             for e in wanted:
                 if self.store.tier_of(layer, e) == HOST:
                     stats.host_hits += 1
@@ -177,10 +198,9 @@ class ExpertCache:
                     stats.disk_hits += 1
             stats.fetched_bytes += len(wanted) * layout.expert_bytes
             stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(wanted)
-            self.routing_counts[layer] += counts
-            self.scores[layer] = self.scores[layer] * self.decay + counts
             previous_next = self.last_missed.get(layer + 1, [])
-            self.last_missed[layer] = wanted
+            if record_routing:
+                self._record(layer, np.asarray(counts, np.int64))
         if previous_next and self.store.has_disk:  # the next layer will likely miss what it missed last step
             self.store.read_ahead(
                 layer + 1, [e for e in previous_next if self.store.tier_of(layer + 1, e) == DISK]

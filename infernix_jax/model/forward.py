@@ -14,7 +14,7 @@ from infernix_jax.cache.sequence import SequenceCache
 from infernix_jax.config import FULL_ATTENTION, ModelConfig
 from infernix_jax.model.attention import attention
 from infernix_jax.model.gated_deltanet import gated_deltanet
-from infernix_jax.model.mlp import mlp, moe
+from infernix_jax.model.mlp import collect_expert_routing, mlp, moe, report_expert_routing
 from infernix_jax.model.ngram_memory import ngram_memory
 from infernix_jax.model.norm import rms_norm
 from infernix_jax.model.params import LayerParams, Params
@@ -108,26 +108,28 @@ def forward(
     x = embed(params, tokens, dtype)
     entries = list(cache.layers)
     snapshots = []
-    for i, layer in enumerate(params.layers):
-        kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
-        rows = ngram_rows[memory_layers.index(i)] if i in memory_layers else None
-        with jax.named_scope(f"layer{i}_{kind}"):
-            if kind == "gdn" and snapshot_at is not None:
-                x, entries[i], taken = decoder_layer(
-                    layer, x, positions, entries[i], cfg, snapshot_at, memory_rows=rows
-                )
-                snapshots.append(taken)
-            else:
-                x, entries[i] = decoder_layer(
-                    layer,
-                    x,
-                    positions,
-                    entries[i],
-                    cfg,
-                    keep_states=keep_states,
-                    memory_rows=rows,
-                    tree_parents=tree_parents,
-                )
+    with collect_expert_routing() as routing:  # experts beyond device memory: one report, below
+        for i, layer in enumerate(params.layers):
+            kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
+            rows = ngram_rows[memory_layers.index(i)] if i in memory_layers else None
+            with jax.named_scope(f"layer{i}_{kind}"):
+                if kind == "gdn" and snapshot_at is not None:
+                    x, entries[i], taken = decoder_layer(
+                        layer, x, positions, entries[i], cfg, snapshot_at, memory_rows=rows
+                    )
+                    snapshots.append(taken)
+                else:
+                    x, entries[i] = decoder_layer(
+                        layer,
+                        x,
+                        positions,
+                        entries[i],
+                        cfg,
+                        keep_states=keep_states,
+                        memory_rows=rows,
+                        tree_parents=tree_parents,
+                    )
+    report_expert_routing(routing)
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:

@@ -3,14 +3,18 @@
 Routed experts come either from full stacks in `MoEParams` ([E, ...] each) or, when experts do not
 fit in device memory, from a `SlottedExperts` held in `MoEParams.gate_proj`: a fixed number of
 device slots per layer, a slot map, and a host callback that supplies the experts a step needs
-but the slots lack (infernix_jax/experts/ builds and fills them; docs/experts.md).
+but the slots lack (infernix_jax/experts/ builds and fills them; docs/experts.md). Inside
+`forward` the layers' routing counts reach the host in one callback per forward
+(`collect_expert_routing`), so a layer whose experts all sit in slots makes no host round trip.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
+import threading
 import weakref
 from typing import Any
 
@@ -172,6 +176,38 @@ def register_expert_source(source: Any) -> int:
     return source_id
 
 
+_routing = threading.local()  # .counts: the routing counts collected while tracing one forward
+
+
+@contextlib.contextmanager
+def collect_expert_routing():
+    """While tracing one forward: each slotted MoE layer adds (source id, layer, counts [E]) to the
+    yielded list instead of reporting its routing through its fetch callback, which then runs only
+    when the layer misses an expert. The forward then calls `report_expert_routing` once."""
+    previous = getattr(_routing, "counts", None)
+    _routing.counts = []
+    try:
+        yield _routing.counts
+    finally:
+        _routing.counts = previous
+
+
+def report_expert_routing(collected: list) -> None:
+    """One host callback with every collected layer's routing counts (nothing when none were)."""
+    if not collected:
+        return
+    layers = tuple(layer for _, layer, _ in collected)
+    counts = jnp.stack([c for _, _, c in collected])  # [L, E]
+    io_callback(functools.partial(_call_record, layers), None, collected[0][0], counts, ordered=False)
+
+
+def _call_record(layers: tuple[int, ...], source_id, counts) -> None:
+    source = EXPERT_SOURCES.get(int(source_id))
+    if source is None:
+        raise RuntimeError(f"no expert source {int(source_id)} (its engine was closed)")
+    source.record_routing(layers, np.asarray(counts))
+
+
 def fetch_buckets(max_missed: int) -> tuple[int, ...]:
     """Static sizes of the fetch callback's result (0, 1, 2, 3, 4, 6, 8, 12, ... up to max_missed):
     a step moves at most 1.5x the bytes of the experts it misses, with a few compiled branches."""
@@ -182,12 +218,15 @@ def fetch_buckets(max_missed: int) -> tuple[int, ...]:
     return (*sizes, max_missed) if max_missed else (0,)
 
 
-def _fetch_missed(se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_missed: jax.Array):
+def _fetch_missed(
+    se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_missed: jax.Array, record: bool = True
+):
     """The missed experts' weights (gate, up, down), each [len(missed), ...], from the host callback.
 
-    `missed` i32 [M] lists the missed expert ids first (ascending), then -1. The callback runs on
-    every call (it also records the layer's routing counts); its result size is the smallest bucket
-    that holds `num_missed` experts, padded to M on the device."""
+    `missed` i32 [M] lists the missed expert ids first (ascending), then -1. With `record` the
+    callback runs on every call and also records the layer's routing counts; without, it runs only
+    when something was missed. Its result size is the smallest bucket that holds `num_missed`
+    experts, padded to M on the device."""
     projections = (se.gate_proj, se.up_proj, se.down_proj)
     leaves, treedef = jax.tree.flatten(projections)
     max_missed = missed.shape[0]
@@ -197,8 +236,10 @@ def _fetch_missed(se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_
         shapes = [jax.ShapeDtypeStruct((m, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
 
         def run(counts, missed):
+            if m == 0 and not record:  # nothing missed and nothing to record: no host round trip
+                return [jnp.zeros((max_missed, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
             out = io_callback(
-                functools.partial(_call_fetch, se.layer, shapes),
+                functools.partial(_call_fetch, se.layer, shapes, record),
                 shapes,
                 se.source_id,
                 counts,
@@ -214,12 +255,12 @@ def _fetch_missed(se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_
     return jax.tree.unflatten(treedef, out)
 
 
-def _call_fetch(layer: int, shapes, source_id, counts, missed):
+def _call_fetch(layer: int, shapes, record: bool, source_id, counts, missed):
     """Host side of the fetch: the source's leaves, checked against the shapes the program expects."""
     source = EXPERT_SOURCES.get(int(source_id))
     if source is None:
         raise RuntimeError(f"no expert source {int(source_id)} (its engine was closed)")
-    out = source.fetch(layer, np.asarray(counts), np.asarray(missed))
+    out = source.fetch(layer, np.asarray(counts), np.asarray(missed), record_routing=record)
     if len(out) != len(shapes) or any(a.shape != s.shape or a.dtype != s.dtype for a, s in zip(out, shapes)):
         got = [(a.shape, a.dtype.name) for a in out]
         raise ValueError(
@@ -247,7 +288,10 @@ def _experts_slotted(
     max_missed = min(n * k, num_experts)
     order = jnp.argsort(~missing, stable=True)[:max_missed].astype(jnp.int32)  # missed ids first, ascending
     missed = jnp.where(jnp.arange(max_missed) < num_missed, order, -1)
-    fetched = _fetch_missed(se, counts, missed, num_missed)  # (gate, up, down), each [M, ...]
+    collected = getattr(_routing, "counts", None)  # inside forward: its one routing callback records
+    if collected is not None:
+        collected.append((se.source_id, se.layer, counts))
+    fetched = _fetch_missed(se, counts, missed, num_missed, record=collected is None)  # (gate, up, down)
     fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
     slot_of = jnp.maximum(se.slot_map, 0)
     slots = (se.gate_proj, se.up_proj, se.down_proj)

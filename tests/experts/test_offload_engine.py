@@ -280,3 +280,18 @@ def test_budgets_that_are_not_sizes_are_refused():
     with pytest.raises(ValueError, match="host_expert_budget"):
         CONFIG.replace(host_expert_budget="auto")
     assert CONFIG.replace(gpu_expert_budget="auto", host_expert_budget="48GiB").gpu_expert_budget == "auto"
+
+
+def test_layers_whose_experts_all_sit_in_slots_make_no_host_round_trip(model, resident):
+    cfg, params = model
+    core = EngineCore(cfg, params, CONFIG.replace(gpu_expert_budget="all"))
+    cache = core.experts.cache
+    fetches = []
+    fetch = cache.fetch
+    cache.fetch = lambda *args, **kwargs: fetches.append(args[0]) or fetch(*args, **kwargs)
+    out = drive(core, requests())
+    assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
+    assert not fetches, "nothing was missed, so no layer should have called the host"
+    stats = core.experts.stats
+    assert stats.lookups == stats.gpu_hits > 0, "the forwards' routing reports still count every lookup"
+    assert stats.layer_steps > 0 and cache.routing_counts.sum() > 0
