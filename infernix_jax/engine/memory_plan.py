@@ -11,10 +11,8 @@ tokens comes next and the experts get the rest; the KV pool then takes what the 
 from __future__ import annotations
 
 import logging
-import math
 
 import jax
-import numpy as np
 
 from infernix_jax.cache import kv_bytes_per_block, state_bytes_per_slot
 from infernix_jax.config import ModelConfig
@@ -22,6 +20,7 @@ from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.speculative.rollback import verify_state_bytes
 from infernix_jax.model.params import Params, is_routed_expert_leaf
 from infernix_jax.weights.hf import path_str
+from infernix_jax.weights.quant import leaf_nbytes
 
 log = logging.getLogger("infernix_jax.engine")
 
@@ -34,10 +33,6 @@ def device_memory() -> tuple[int, int] | None:
     if not stats or "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-
-
-def _nbytes(leaf) -> int:
-    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize  # arrays and ShapeDtypeStructs alike
 
 
 def _reserved_bytes(cfg: ModelConfig, config: EngineConfig, dtype) -> int:
@@ -62,7 +57,7 @@ def plan_blocks(cfg: ModelConfig, config: EngineConfig, dtype, params: Params) -
     if memory is None:  # the CPU: room for every sequence at full length
         return wanted
     limit, in_use = memory
-    weights = sum(_nbytes(x) for x in jax.tree.leaves(params))
+    weights = sum(leaf_nbytes(x) for x in jax.tree.leaves(params))
     # the weights are normally on the device already and so inside bytes_in_use: count them once
     budget = (
         limit * config.gpu_memory_utilization - max(weights, in_use) - _reserved_bytes(cfg, config, dtype)
@@ -86,15 +81,14 @@ def auto_expert_budget(cfg: ModelConfig, config: EngineConfig, dtype, params: Pa
         return "all"
     limit, in_use = memory
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    # a stack's leaves are "layers.3.moe.gate_proj" or, quantized, "layers.3.moe.gate_proj.packed"
-    routed = [is_routed_expert_leaf(".".join(path_str(path).split(".")[:4])) for path, _ in leaves]
+    routed = [is_routed_expert_leaf(path_str(path)) for path, _ in leaves]
     experts = [leaf for (_, leaf), r in zip(leaves, routed) if r]
-    others = sum(_nbytes(leaf) for (_, leaf), r in zip(leaves, routed) if not r)
-    experts_on_device = sum(_nbytes(leaf) for leaf in experts if isinstance(leaf, jax.Array))
+    others = sum(leaf_nbytes(leaf) for (_, leaf), r in zip(leaves, routed) if not r)
+    experts_on_device = sum(leaf_nbytes(leaf) for leaf in experts if isinstance(leaf, jax.Array))
     weights = max(others, in_use - experts_on_device)
     kv = (config.max_concurrency * config.max_blocks_per_sequence + 1) * _block_bytes(cfg, config, dtype)
     left = int(limit * config.gpu_memory_utilization - weights - _reserved_bytes(cfg, config, dtype) - kv)
-    total = sum(_nbytes(leaf) for leaf in experts)
+    total = sum(leaf_nbytes(leaf) for leaf in experts)
     log.info(
         "gpu_expert_budget auto: %.2f GiB of %.2f GiB of routed experts (after %.2f GiB of other weights "
         "and %.2f GiB of KV for %d x %d tokens)",

@@ -33,7 +33,7 @@ def weights_fingerprint(params: Params) -> str:
     h = hashlib.blake2b(digest_size=16)
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         h.update(str((leaf.shape, str(leaf.dtype))).encode())
-        if is_routed_expert_leaf(".".join(path_str(path).split(".")[:4])):
+        if is_routed_expert_leaf(path_str(path)):
             continue
         if leaf.ndim == 0:
             h.update(np.asarray(jax.device_get(leaf)).tobytes())

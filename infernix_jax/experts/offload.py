@@ -62,20 +62,18 @@ def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.nd
     return out
 
 
-def _not_loaded(params: Params, layout: ExpertLayout) -> bool:
-    """Whether the expert stacks are shapes only (loaded with experts="artifact")."""
-    leaf = jax.tree.leaves(projections(params.layers[layout.moe_layers[0]].moe))[0]
-    return isinstance(leaf, jax.ShapeDtypeStruct)
+def _not_loaded(moe) -> bool:
+    """Whether a MoE layer's expert stacks are shapes only (loaded with experts="artifact")."""
+    return isinstance(jax.tree.leaves(projections(moe))[0], jax.ShapeDtypeStruct)
 
 
 def _placed_experts(moe, store: ExpertStore, rank: int, experts: list[int]) -> dict[int, Leaves]:
     """The leaves of the experts a layer places in slots and RAM: sliced from its stacks (on the
     device or in host RAM: one host copy per layer), or read from the artifact when the stacks
     were not loaded (the disk tier's experts are then never read here)."""
-    leaves = jax.tree.leaves(projections(moe))
-    if isinstance(leaves[0], jax.ShapeDtypeStruct):
+    if _not_loaded(moe):
         return dict(zip(experts, store.read_many(rank, experts)))
-    stacks = [np.asarray(jax.device_get(a)) for a in leaves]
+    stacks = [np.asarray(jax.device_get(a)) for a in jax.tree.leaves(projections(moe))]
     return {e: [a[e] for a in stacks] for e in experts}
 
 
@@ -85,7 +83,7 @@ def experts_on_device(params: Params, artifact: str | None) -> Params:
 
     def stack(path, moe, name):
         leaf = getattr(moe, name)
-        if isinstance(jax.tree.leaves(leaf)[0], jax.ShapeDtypeStruct):
+        if isinstance(jax.tree.leaves(leaf)[0], jax.ShapeDtypeStruct):  # loaded with experts="artifact"
             if artifact is None:
                 raise ValueError(f"{path}.{name} was not loaded and no artifact holds it")
             leaf = Artifact(artifact).read(f"{path}.{name}")
@@ -189,7 +187,7 @@ class ExpertOffload:
         slots = max(1, experts_in_budget(gpu_budget, layout))  # one slot at least: a static shape
         host = min(num_experts - min(slots, num_experts), experts_in_budget(host_budget, layout))
         disk = num_experts - min(slots, num_experts) - host
-        if artifact is None and _not_loaded(params, layout):
+        if artifact is None and _not_loaded(params.layers[layout.moe_layers[0]].moe):
             raise ValueError(
                 "the model's routed experts were not loaded (experts='artifact'); give the artifact "
                 "they are in as the expert artifact"

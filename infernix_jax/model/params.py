@@ -233,14 +233,16 @@ def map_decls(fn: Callable[[tuple, Decl], Any], decls: Params) -> Params:
     return jax.tree_util.tree_map_with_path(fn, decls, is_leaf=_is_decl)
 
 
-# dotted paths of the decoder layers' routed expert stacks (the MTP head's experts are not among them)
-_ROUTED_EXPERT_LEAF = re.compile(r"layers\.\d+\.moe\.(gate|up|down)_proj")
+# dotted paths of the decoder layers' routed expert stacks and of their quantized fields
+# (the MTP head's experts are not among them)
+_ROUTED_EXPERT_LEAF = re.compile(r"layers\.\d+\.moe\.(gate|up|down)_proj(\.\w+)?")
 
 
 def is_routed_expert_leaf(path: str) -> bool:
-    """Whether a dotted params path ("layers.3.moe.gate_proj") is a decoder layer's routed expert
-    stack: what experts beyond device memory place in slots and tiers (docs/experts.md), and what
-    the loaders can leave off the device for them."""
+    """Whether a dotted params path ("layers.3.moe.gate_proj", or a quantized stack's field such as
+    "layers.3.moe.gate_proj.packed") is a decoder layer's routed expert stack: what experts beyond
+    device memory place in slots and tiers (docs/experts.md), and what the loaders can leave off
+    the device for them."""
     return _ROUTED_EXPERT_LEAF.fullmatch(path) is not None
 
 

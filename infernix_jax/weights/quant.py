@@ -104,7 +104,8 @@ def _expert_kernel_choice(tokens: int | None = None) -> tuple[bool, bool]:
     return compat.on_gpu() and (tokens is None or tokens <= GROUPED_DECODE_MAX_TOKENS), False
 
 
-def _leaf_nbytes(a: Any) -> int:
+def leaf_nbytes(a: Any) -> int:
+    """Bytes of one array (or `jax.ShapeDtypeStruct`) from its shape and dtype."""
     return int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize
 
 
@@ -127,7 +128,7 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes of every stored leaf (packed data and scales): what the weight costs in memory."""
-        return sum(_leaf_nbytes(a) for a in jax.tree.leaves(self))
+        return sum(leaf_nbytes(a) for a in jax.tree.leaves(self))
 
     def dequantize(self, dtype=jnp.bfloat16) -> Array:
         raise NotImplementedError
