@@ -120,6 +120,7 @@ class LLGuidanceBackend:
         included); end_token_ids: the ids that end generation (what a finished grammar allows)."""
         if not end_token_ids:
             raise ValueError("structured output needs at least one end-of-sequence token id")
+        # A list of end tokens needs llguidance >= 1.9 (1.6 takes one int): pyproject pins it.
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=list(end_token_ids))
         self.mask_words = (self.tokenizer.vocab_size + 31) // 32
         self.end_tokens = frozenset(int(t) for t in end_token_ids)
