@@ -1,4 +1,4 @@
-"""Grouped MoE matmul over quantized expert stacks (NVFP4 and FP8): a Pallas GPU (Triton) kernel.
+"""Grouped MoE matmul over expert stacks (NVFP4, FP8 or plain bf16/f16/f32): a Pallas GPU (Triton) kernel.
 
     y[r, n] = sum_k x[r, k] * W[e(r), n, k]
 
@@ -9,6 +9,12 @@ stored as in `infernix_jax.weights.quant` (docs/quant_formats.md):
     NVFP4  packed uint8 [E, N, K/2], block_scale float8_e4m3fn [E, N, K/16], tensor_scale f32 [E]
     FP8    data float8_e4m3fn [E, N, K], scale f32 [E] (per expert) or
            [E, ceil(N/b), ceil(K/b)] (block_size b)
+    plain  w bf16 / f16 / f32 [E, N, K] (fmt="plain": unquantized experts)
+
+The plain format exists because XLA's GPU lowering of `jax.lax.ragged_dot` expands the groups
+into a dense [M, E*K] operand: with 512 experts of K = 2048 a 2048-token prefill chunk asks for
+40 GiB (an out-of-memory at warm-up on the H200), and a 64-row decode window spends ~60 ms per
+forward. This kernel reads each routed expert once instead (docs/quant_formats.md).
 
 One formulation serves decode and prefill. Decode is "pairs": M = tokens x top_k (token, expert)
 pairs sorted by expert, most groups empty, a few holding one to `tokens` rows; prefill has many
@@ -61,7 +67,7 @@ from pallas_kernels.nvfp4_matmul import _mask2, reference_nvfp4_matmul
 
 VARIANTS = ("gemv", "dot", "dot_t")
 ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
-FORMATS = ("nvfp4", "fp8")
+FORMATS = ("nvfp4", "fp8", "plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +104,13 @@ DEFAULT_CONFIGS: dict[str, dict[int, GroupedConfig]] = {
         128: GroupedConfig("dot_t", block_m=16, block_n=64, block_k=128),
         1 << 30: GroupedConfig("dot", block_m=64, block_n=64, block_k=128),
     },
+    "plain": {  # two bytes a weight (bf16): fp8's tiles hold twice the bytes
+        12: GroupedConfig("gemv", block_m=1, block_n=32, block_k=256),
+        24: GroupedConfig("gemv", block_m=2, block_n=32, block_k=256),
+        48: GroupedConfig("gemv", block_m=4, block_n=32, block_k=128),
+        128: GroupedConfig("dot_t", block_m=16, block_n=64, block_k=128),
+        1 << 30: GroupedConfig("dot", block_m=64, block_n=64, block_k=64),
+    },
 }
 
 
@@ -125,14 +138,19 @@ def reference_grouped_matmul(
     and takes the dot -> float32 [M, N] in sorted order; rows past sum(group_sizes) are zero.
 
     weight: (packed, block_scale, tensor_scale) for fmt="nvfp4", (data, scale) for fmt="fp8"
-    (scale [E] per expert, or [E, ceil(N/b), ceil(K/b)] with block_size b).
+    (scale [E] per expert, or [E, ceil(N/b), ceil(K/b)] with block_size b), (w,) for fmt="plain".
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r} must be one of {FORMATS}")
     m = x.shape[0]
     expert, valid = _row_experts(group_sizes, m)
     rows = [leaf[expert] for leaf in weight]  # per-row expert leaves
-    if fmt == "nvfp4":
+    if fmt == "plain":
+
+        def one(xr, w):
+            return jnp.dot(w.astype(jnp.float32), xr.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+    elif fmt == "nvfp4":
 
         def one(xr, packed, block_scale, tensor_scale):
             return reference_nvfp4_matmul(xr[None], packed, block_scale, tensor_scale)[0]
@@ -198,6 +216,7 @@ def _grouped_kernel(
     *refs,
     # nvfp4: x_even [M, K/2], x_odd [M, K/2], packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
     # fp8:   x [M, K], data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
+    # plain: x [M, K], w [E*N, K] (bf16 / f16 / f32)
     # last:  out [split_k, M, N]: y itself in the output dtype (split_k 1) or float32 partial sums
     fmt: str,
     variant: str,
@@ -205,9 +224,9 @@ def _grouped_kernel(
     num_experts: int,
     block_m: int,
     n_size: int,
-    k_width: int,  # K/2 bytes (nvfp4) or K elements (fp8): the extent the K loop walks
+    k_width: int,  # K/2 bytes (nvfp4) or K elements (fp8, plain): the extent the K loop walks
     block_n: int,
-    step_width: int,  # block_k/2 (nvfp4) or block_k (fp8): per K step
+    step_width: int,  # block_k/2 (nvfp4) or block_k (fp8, plain): per K step
     steps: int,
     scale_block: int | None,  # fp8 block size b, or None
     even_n: bool,
@@ -247,6 +266,9 @@ def _grouped_kernel(
             low = qc.e2m1_f16_bits(packed, high=False) * scale  # exact: <= 6 significant bits
             high = qc.e2m1_f16_bits(packed, high=True) * scale
             return [(low, x_refs[0]), (high, x_refs[1])], k_mask, None
+        if fmt == "plain":
+            w = qc.load(in_refs[1].at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+            return [(w.astype(jnp.float32), x_refs[0])], k_mask, None
         data_ref, block_scale_ref = in_refs[1], in_refs[2]
         bits = qc.load(
             data_ref.at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
@@ -260,6 +282,8 @@ def _grouped_kernel(
         return [(w, x_refs[0])], k_mask, s
 
     rows_ok = None if gemv else (r0 + jnp.arange(bm)) < r1  # [bm] (gemv: one scalar per row)
+    # float32 activations (the tests' models): exact float32 products, not TF32's 10-bit mantissa
+    precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
     def step(i, acc):
         kw = (split * steps + i) * bw
@@ -279,9 +303,13 @@ def _grouped_kernel(
             x = qc.load(x_ref.at[compat.ds(r0, bm), compat.ds(kw, bw)], mask)
             w = w.astype(compute_dtype)
             if variant == "dot":  # [bm, bw] x [bn, bw] -> [bm, bn]
-                part = jax.lax.dot_general(x, w, qc.dims_nt(), preferred_element_type=jnp.float32)
+                part = jax.lax.dot_general(
+                    x, w, qc.dims_nt(), precision=precision, preferred_element_type=jnp.float32
+                )
             else:  # dot_t: [bn, bw] x [bm, bw] -> [bn, bm]
-                part = jax.lax.dot_general(w, x, qc.dims_nt(), preferred_element_type=jnp.float32)
+                part = jax.lax.dot_general(
+                    w, x, qc.dims_nt(), precision=precision, preferred_element_type=jnp.float32
+                )
             total = part if total is None else total + part
         return acc + (total if s is None else total * s)
 
@@ -364,6 +392,13 @@ def validate_grouped_matmul(
             raise ValueError(
                 f"tensor_scale must be one float per expert [E={e}]; got {jnp.shape(tensor_scale)}"
             )
+    elif fmt == "plain":
+        (w,) = weight
+        if w.ndim != 3 or w.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise ValueError(f"plain weights must be bf16, f16 or f32 [E, N, K]; got {w.dtype} {w.shape}")
+        e, n, kw = w.shape
+        if k != kw:
+            raise ValueError(f"x has K={k} but w [E, N, K]={w.shape}")
     else:
         data, scale = weight
         if data.ndim != 3 or data.dtype != jnp.float8_e4m3fn:
@@ -454,7 +489,8 @@ def grouped_matmul(
     x.dtype): row r of group e is x[r] @ W[e].T; rows past sum(group_sizes) are zero.
 
     weight: (packed, block_scale, tensor_scale) for fmt="nvfp4"; (data, scale) for fmt="fp8" with
-    `block_size` None (scale [E]) or b (scale [E, ceil(N/b), ceil(K/b)]). group_sizes: int [E].
+    `block_size` None (scale [E]) or b (scale [E, ceil(N/b), ceil(K/b)]); (w,) for fmt="plain"
+    (bf16 / f16 / f32 [E, N, K]). group_sizes: int [E].
     Every option left None comes from `DEFAULT_CONFIGS[fmt]` for this M; given values override
     it. block_k counts K elements. `interpret=True` runs the kernel in the Pallas interpreter.
     """
@@ -487,6 +523,11 @@ def grouped_matmul(
         )
         expert_scale = jnp.asarray(tensor_scale, jnp.float32)
         k_width, step_width = k // 2, cfg.block_k // 2
+    elif fmt == "plain":
+        (w,) = weight
+        inputs = (xp, w.reshape(num_experts * n, k))
+        expert_scale = jnp.ones((num_experts,), jnp.float32)
+        k_width, step_width = k, cfg.block_k
     else:
         data, scale = weight
         if block_size is None:

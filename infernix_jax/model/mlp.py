@@ -25,13 +25,21 @@ from jax.experimental import io_callback
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.params import MLPParams, MoEParams
-from infernix_jax.weights.quant import dequantize, grouped_expert_matmul, grouped_kernel_ready, matmul, take
+from infernix_jax.weights.quant import (
+    QuantizedWeight,
+    dequantize,
+    grouped_expert_matmul,
+    grouped_kernel_ready,
+    matmul,
+    take,
+)
 
 # With few (token, expert) pairs, gather each pair's expert weights: it reads only the chosen experts
 # (the decode case). Once the pairs would read more than half of all experts, sort the pairs by
-# expert and run a grouped matmul, which reads every expert once. NVFP4 / FP8 expert stacks skip
-# both when the grouped Pallas kernel runs (`grouped_kernel_ready`: on a GPU for decode-sized
-# batches): it reads only the routed experts, unpacking them in registers.
+# expert and run a grouped matmul (`_experts_grouped`): on a GPU the grouped Pallas kernel, which
+# reads each routed expert once, elsewhere dequantize + `ragged_dot`. NVFP4 / FP8 expert stacks
+# take the grouped kernel at every size when it runs (`grouped_kernel_ready`): it unpacks only the
+# routed experts in registers.
 GATHER_MIN_PAIRS = 64
 
 
@@ -80,22 +88,9 @@ def _unsort_pairs(ys: jax.Array, order: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
-    """Sort (token, expert) pairs by expert and run one grouped matmul per projection."""
-    k = ids.shape[1]
-    order, group_sizes = _sort_pairs(ids, num_experts)
-    xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
-    # every expert is read once here (prefill): quantized stacks are unpacked to x's dtype first
-    gate_t = jnp.swapaxes(dequantize(p.gate_proj, x.dtype), 1, 2)  # [E, D, I]
-    up_t = jnp.swapaxes(dequantize(p.up_proj, x.dtype), 1, 2)
-    down_t = jnp.swapaxes(dequantize(p.down_proj, x.dtype), 1, 2)  # [E, I, D]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_t, group_sizes)) * jax.lax.ragged_dot(xs, up_t, group_sizes)
-    ys = jax.lax.ragged_dot(h, down_t, group_sizes)  # [N*k, D] in sorted order
-    return _unsort_pairs(ys, order, ids)
-
-
-def _experts_kernel(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
-    """The grouped path over NVFP4 / FP8 stacks through the grouped kernel (`grouped_expert_matmul`),
-    which reads only the routed experts' packed bytes -> per-pair outputs [N, k, D]."""
+    """Sort the (token, expert) pairs by expert and run one grouped matmul per projection
+    (`grouped_expert_matmul`: the grouped kernel where it runs, else dequantize + ragged_dot)
+    -> per-pair outputs [N, k, D]."""
     n, k = ids.shape
     order, group_sizes = _sort_pairs(ids, num_experts)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
@@ -119,10 +114,11 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     if valid is not None:
         valid = valid.reshape(-1)
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
+    stacks = (p.gate_proj, p.up_proj, p.down_proj)
     if isinstance(p.gate_proj, SlottedExperts):
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid)
-    elif grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=xf.shape[0]):
-        per_pair = _experts_kernel(p, xf, ids, cfg.num_experts)
+    elif any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks):
+        per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
         per_pair = _experts_gathered(p, xf, ids)
     else:

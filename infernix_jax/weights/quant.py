@@ -21,7 +21,8 @@ and the quantization formulas (ModelOpt's, reproduced bit for bit).
 Kernel dispatch: `matmul` uses a Pallas kernel when the default backend is a GPU, the weight is
 2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode);
 otherwise it dequantizes and lets XLA do the dot. MoE expert stacks [E, N, K] in NVFP4 or FP8
-go through the grouped kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count:
+(and plain bf16 stacks, whose `ragged_dot` XLA would expand densely) go through the grouped
+kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count:
 `grouped_kernel_ready` says whether it runs, `grouped_expert_matmul` runs it on rows sorted by
 expert. `kernel_mode(...)` overrides both. The mode is read when a function is traced, so a
 jitted function keeps the choice it was traced with.
@@ -91,17 +92,18 @@ def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
 
 
 def _expert_kernel_choice(tokens: int | None = None) -> tuple[bool, bool]:
-    """(use the grouped expert kernel, in interpret mode). "auto": on a GPU, for decode-sized
-    token counts (<= GROUPED_DECODE_MAX_TOKENS: the tiles measured on the H200,
-    bench/results/moe-kernels-nvidia-h200.json); prefill keeps dequantize + ragged_dot there until
-    the kernel's prefill tiles are measured. "kernel" / "interpret": any token count."""
+    """(use the grouped expert kernel, in interpret mode). "auto": on a GPU, for any token count:
+    XLA's GPU lowering of `jax.lax.ragged_dot` expands the groups into a dense [M, E*K] operand
+    (40 GiB for a 2048-token chunk over 512 experts of K = 2048, an out-of-memory on the H200),
+    so the kernel serves prefill too. "kernel" / "interpret": any token count; "reference": never.
+    `tokens` only picks the tiles (`grouped_tiles`)."""
     if _mode == "reference":
         return False, False
     if _mode == "interpret":
         return True, True
     if _mode == "kernel":
         return True, False
-    return compat.on_gpu() and (tokens is None or tokens <= GROUPED_DECODE_MAX_TOKENS), False
+    return compat.on_gpu(), False
 
 
 def leaf_nbytes(a: Any) -> int:
@@ -537,15 +539,27 @@ def expert_matmul(
 # ----------------------------------------------------------------------- grouped expert kernel
 
 
+def _grouped_kernel_operands(w: Any) -> tuple[str, tuple[Array, ...], int | None] | None:
+    """(format, leaves, block size) the grouped kernel reads for a stack [E, N, K], or None when
+    it cannot: NVFP4 and FP8 (per expert, or block-scaled with a power-of-two block >= 16) and
+    plain bf16 / f16 / f32 arrays."""
+    if isinstance(w, QuantizedWeight):
+        return w._grouped_operands()
+    if hasattr(w, "dtype") and len(getattr(w, "shape", ())) == 3 and w.dtype in _PLAIN_EXPERT_DTYPES:
+        return "plain", (w,), None
+    return None
+
+
+_PLAIN_EXPERT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
 def grouped_kernel_ready(*stacks: Any, tokens: int | None = None) -> bool:
     """True when the grouped MoE kernel runs for all these expert stacks [E, N, K] and `tokens`
-    tokens: each stack is NVFP4 or FP8 (per expert, or block-scaled with a power-of-two block
-    >= 16) and the kernel mode allows it ("auto": on a GPU, decode-sized token counts;
-    "interpret" / "kernel": always; "reference": never). Read at trace time, like `kernel_mode`."""
+    tokens: each stack is one the kernel reads (`_grouped_kernel_operands`) and the kernel mode
+    allows it ("auto": on a GPU; "interpret" / "kernel": always; "reference": never). Read at
+    trace time, like `kernel_mode`."""
     use_kernel, _ = _expert_kernel_choice(tokens)
-    return use_kernel and all(
-        isinstance(w, QuantizedWeight) and w._grouped_operands() is not None for w in stacks
-    )
+    return use_kernel and all(_grouped_kernel_operands(w) is not None for w in stacks)
 
 
 def grouped_tiles(fmt: str, tokens: int, rows: int, block_size: int | None = None) -> dict[str, Any]:
@@ -575,16 +589,16 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
     """Rows xs [M, K] sorted by expert (group e = the next group_sizes[e] rows) times the stacked
     expert weights w [E, N, K] -> [M, N] in xs's dtype; rows past sum(group_sizes) are zero.
 
-    Runs the grouped Pallas kernel, which unpacks only the routed experts' tiles in registers,
-    when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to xs's dtype and runs
-    `jax.lax.ragged_dot` (what the MoE block does for bf16 experts). `tokens` (static) is how
-    many tokens the M rows came from: it picks the kernel's tiles (`grouped_tiles`)."""
+    Runs the grouped Pallas kernel, which reads only the routed experts' tiles (unpacking packed
+    ones in registers), when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to
+    xs's dtype and runs `jax.lax.ragged_dot` (the CPU path). `tokens` (static) is how many tokens
+    the M rows came from: it picks the kernel's tiles (`grouped_tiles`)."""
     if len(w.shape) != 3 or xs.ndim != 2 or xs.shape[-1] != w.shape[-1]:
         raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
     use_kernel, interpret = _expert_kernel_choice(tokens)
-    operands = w._grouped_operands() if isinstance(w, QuantizedWeight) else None
+    operands = _grouped_kernel_operands(w)
     if use_kernel and operands is not None:
         fmt, leaves, block_size = operands
         tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size)

@@ -168,6 +168,41 @@ def test_fp8_kernel_matches_reference(m, e, n, k, block_size, sizes, options):
     assert not np.asarray(got[int(sizes.sum()) :]).any()
 
 
+PLAIN_CASES = [
+    (7, 5, 33, 100, [2, 0, 0, 5, 0], {"variant": "gemv", "block_m": 2, "block_n": 16, "block_k": 32}),
+    (19, 3, 33, 100, [0, 0, 19], {"variant": "dot_t", "block_m": 16, "block_n": 16, "block_k": 64}),
+    # a prefill-like chunk: groups larger than one item, a ragged tail of zero rows
+    (150, 4, 40, 72, [70, 0, 33, 40], {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 32}),
+    (11, 4, 40, 72, [5, 0, 3, 0], {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 16, "split_k": 2}),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m,e,n,k,sizes,options", PLAIN_CASES)
+def test_plain_kernel_matches_reference_and_a_dense_loop(m, e, n, k, sizes, options, dtype):
+    """Unquantized experts (what XLA's ragged_dot would otherwise expand densely on a GPU)."""
+    rng = np.random.default_rng(m * 10 + n + k)
+    w = jnp.asarray(rng.standard_normal((e, n, k)), dtype)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = _x(rng, m, k).astype(dtype)
+    got = grouped_matmul(x, (w,), sizes, fmt="plain", out_dtype=jnp.float32, interpret=True, **options)
+    want = reference_grouped_matmul(x, (w,), sizes, fmt="plain")
+    assert got.shape == (m, n)
+    _close(got, want)
+    wf = np.asarray(w, np.float32)
+    loop = _dense_loop(np.asarray(x, np.float32), sizes, lambda i, rows: rows @ wf[i].T)
+    np.testing.assert_allclose(np.asarray(want), loop, rtol=1e-5, atol=1e-4 * np.abs(loop).max())
+    assert not np.asarray(got[int(sizes.sum()) :]).any()
+
+
+def test_plain_rejects_integer_weights_and_a_k_mismatch():
+    x, sizes = jnp.ones((2, 32), jnp.bfloat16), jnp.asarray([1, 1])
+    with pytest.raises(ValueError, match="plain weights must be bf16, f16 or f32"):
+        grouped_matmul(x, (jnp.ones((2, 16, 32), jnp.int8),), sizes, fmt="plain", interpret=True)
+    with pytest.raises(ValueError, match="x has K=32"):
+        grouped_matmul(x, (jnp.ones((2, 16, 48), jnp.bfloat16),), sizes, fmt="plain", interpret=True)
+
+
 def test_defaults_run_and_keep_the_activation_dtype():
     rng = np.random.default_rng(7)
     weight = _nvfp4_stack(rng, 8, 32, 64)
@@ -178,12 +213,15 @@ def test_defaults_run_and_keep_the_activation_dtype():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "plain"])
 @pytest.mark.parametrize("variant,block_m", [("gemv", 3), ("dot", 16), ("dot_t", 16)])
 def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, variant, block_m):
     """The 80B expert gate_up stack (512 experts, [1024, 2048]) at batch 8 x top-10."""
     e, n, k, m = 512, 1024, 2048, 80
-    if fmt == "nvfp4":
+    if fmt == "plain":
+        weight = (jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16),)
+        block_size = None
+    elif fmt == "nvfp4":
         weight = (
             jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
             jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),

@@ -83,7 +83,7 @@ def test_kernel_expert_outputs_equal_the_reference_path(fmt, case):
         want = jax.jit(mlp._experts_gathered)(p, x, ids)
     with kernel_mode("interpret"):
         assert grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
-        kernel_fn = jax.jit(lambda p, x, ids: mlp._experts_kernel(p, x, ids, E))
+        kernel_fn = jax.jit(lambda p, x, ids: mlp._experts_grouped(p, x, ids, E))
         assert _uses_pallas(kernel_fn, p, x, ids)
         got = kernel_fn(p, x, ids)
     assert got.shape == (ids.shape[0], TOP_K, D) and got.dtype == x.dtype
@@ -117,7 +117,8 @@ def test_formats_without_a_grouped_kernel_keep_the_reference_path():
     nvfp4 = quantize_nvfp4(jax.random.normal(jax.random.key(0), (E, I, D)))
     with kernel_mode("interpret"):
         assert not grouped_kernel_ready(nvfp4, w)  # one stack the kernel cannot read: none use it
-        assert not grouped_kernel_ready(nvfp4, jnp.zeros((E, I, D), jnp.bfloat16))
+        assert not grouped_kernel_ready(jnp.zeros((E, I, D), jnp.int32))
+        assert grouped_kernel_ready(nvfp4, jnp.zeros((E, I, D), jnp.bfloat16))  # plain stacks: fmt "plain"
         xs = jax.random.normal(jax.random.key(1), (5, D), jnp.float32)
         sizes = jnp.asarray([2, 0, 0, 3, 0, 0, 0, 0], jnp.int32)
         fn = jax.jit(lambda xs, w, s: grouped_expert_matmul(xs, w, s, tokens=5))
@@ -136,17 +137,43 @@ def test_auto_mode_keeps_the_reference_path_off_the_gpu(monkeypatch):
     assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=1)
 
 
-def test_auto_mode_on_a_gpu_runs_the_kernel_for_decode_batches_only(monkeypatch):
-    """On a GPU, decode-sized batches take the grouped kernel; prefill chunks keep dequantize +
-    ragged_dot until the kernel's prefill tiles are measured there."""
+def test_auto_mode_on_a_gpu_runs_the_kernel_at_every_token_count(monkeypatch):
+    """On a GPU, decode batches and prefill chunks alike take the grouped kernel, plain bf16 stacks
+    too: XLA's GPU `ragged_dot` would expand the groups into a dense [M, E*K] operand."""
     from pallas_kernels import compat
 
     monkeypatch.setattr(compat, "on_gpu", lambda: True)
     p = _block("nvfp4")
-    stacks = (p.gate_proj, p.up_proj, p.down_proj)
-    assert grouped_kernel_ready(*stacks, tokens=1)
-    assert grouped_kernel_ready(*stacks, tokens=GROUPED_DECODE_MAX_TOKENS)
-    assert not grouped_kernel_ready(*stacks, tokens=GROUPED_DECODE_MAX_TOKENS + 1)
+    plain = jnp.zeros((E, I, D), jnp.bfloat16)
+    for tokens in (1, GROUPED_DECODE_MAX_TOKENS, GROUPED_DECODE_MAX_TOKENS + 1, 2048):
+        assert grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=tokens)
+        assert grouped_kernel_ready(plain, tokens=tokens)
+
+
+def _plain_block(seed: int = 0) -> MoEParams:
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return MoEParams(
+        router=jax.random.normal(keys[0], (E, D), jnp.bfloat16),
+        gate_proj=(0.2 * jax.random.normal(keys[1], (E, I, D))).astype(jnp.bfloat16),
+        up_proj=(0.2 * jax.random.normal(keys[2], (E, I, D))).astype(jnp.bfloat16),
+        down_proj=(0.2 * jax.random.normal(keys[3], (E, D, I))).astype(jnp.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_plain_bf16_experts_keep_the_gather_for_few_pairs_and_the_kernel_beyond(tokens):
+    """bf16 experts: a decode batch (6 pairs) gathers its experts as before; 40 tokens (80 pairs
+    over 8 experts) sort by expert and run the grouped kernel instead of ragged_dot, with the
+    same block output as the reference path."""
+    cfg, p = _config(), _plain_block(seed=4)
+    x = jax.random.normal(jax.random.key(5), (1, tokens, D), jnp.bfloat16)
+    with kernel_mode("reference"):
+        want = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
+    with kernel_mode("interpret"):
+        fn = jax.jit(lambda p, x: mlp.moe(p, x, cfg))
+        assert _uses_pallas(fn, p, x) == (tokens * TOP_K > max(mlp.GATHER_MIN_PAIRS, E // 2))
+        got = fn(p, x)
+    _close(got, want)
 
 
 def test_grouped_expert_matmul_rejects_mismatched_shapes():
