@@ -267,7 +267,9 @@ def _grouped_kernel(
             high = qc.e2m1_f16_bits(packed, high=True) * scale
             return [(low, x_refs[0]), (high, x_refs[1])], k_mask, None
         if fmt == "plain":
-            w = qc.load(in_refs[1].at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+            w = qc.load(
+                in_refs[1].at[compat.ds(w_row0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
+            )
             return [(w.astype(jnp.float32), x_refs[0])], k_mask, None
         data_ref, block_scale_ref = in_refs[1], in_refs[2]
         bits = qc.load(

@@ -173,7 +173,14 @@ PLAIN_CASES = [
     (19, 3, 33, 100, [0, 0, 19], {"variant": "dot_t", "block_m": 16, "block_n": 16, "block_k": 64}),
     # a prefill-like chunk: groups larger than one item, a ragged tail of zero rows
     (150, 4, 40, 72, [70, 0, 33, 40], {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 32}),
-    (11, 4, 40, 72, [5, 0, 3, 0], {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 16, "split_k": 2}),
+    (
+        11,
+        4,
+        40,
+        72,
+        [5, 0, 3, 0],
+        {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 16, "split_k": 2},
+    ),
 ]
 
 
