@@ -41,9 +41,8 @@ class EngineConfig:
     # how a batch with constrained rows decodes (docs/structured_output.md): "fused", one masked
     # forward+sample program per sampled token, the tokens a grammar forces fed in the same
     # dispatch; "split", a forward and a masked sample per token, the mask computed while the
-    # forward runs (the default: faster on the H200 at batch 1, 7.3 vs 9.3 ms per token,
-    # bench/results/structured-breakdown-nvidia-h200.json)
-    constrained_decode: str = "split"
+    # forward runs
+    constrained_decode: str = "fused"
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
     prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts
