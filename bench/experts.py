@@ -3,6 +3,7 @@
     python -m bench.experts                      # GPU: Qwen3-Next-80B-A3B shape, 12 of 48 layers
     python -m bench.experts --layers 48          # the full depth (needs ~44 GB of host RAM for experts)
     python -m bench.experts --quick              # tiny model, any machine (the CPU in tests)
+    python -m bench.experts --host-reads program # missed experts copied from pinned host memory in the program
 
 The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
 NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
@@ -76,13 +77,22 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0):
     return map_decls(make, declare_params(cfg, with_mtp=False))
 
 
-def make_core(cfg, params, *, context: int, steps: int, gpu_budget, prefill_chunk: int = 16) -> EngineCore:
+def make_core(
+    cfg,
+    params,
+    *,
+    context: int,
+    steps: int,
+    gpu_budget,
+    prefill_chunk: int = 16,
+    host_reads: str = "callback",
+) -> EngineCore:
     batch = 4
     config = EngineConfig(
         max_concurrency=batch, max_context=context + 64 * steps, kv_capacity=batch * -(-(context + 64 * steps) // BLOCK_SIZE),
         prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(1, batch),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
-        structured_output=False, gpu_expert_budget=gpu_budget,
+        structured_output=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
 
@@ -135,6 +145,13 @@ def main(argv: list[str] | None = None):
         default="0.19,0.37,0.74",
         help="--quick: budgets as shares of all experts (those of 8/16/32 GiB of the 80B model)",
     )
+    parser.add_argument(
+        "--host-reads",
+        default="callback",
+        choices=("callback", "program"),
+        help="how missed experts reach the GPU (EngineConfig.expert_host_reads); records of 'program' "
+        "say so in their names",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     machine, commit = machine_name(), git_commit()
@@ -158,7 +175,9 @@ def main(argv: list[str] | None = None):
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
     for label, budget in [*budgets.items(), ("all-resident", None)]:
-        core = make_core(cfg, params, context=args.context, steps=args.steps, gpu_budget=budget)
+        core = make_core(
+            cfg, params, context=args.context, steps=args.steps, gpu_budget=budget, host_reads=args.host_reads
+        )
         runs = [(batch, "dynamic") for batch in batches] + ([(batches[0], "static")] if budget else [])
         for batch, policy in runs:
             if policy == "static":
@@ -166,8 +185,10 @@ def main(argv: list[str] | None = None):
             r = run_decode(core, batch, args.context, args.dispatches, seed=batch)
             details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
                        "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
-                       "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps, **r}  # fmt: skip
-            name = f"experts decode {shape} nvfp4 gpu-expert-budget {label} batch{batch}"
+                       "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
+                       "host_reads": args.host_reads, **r}  # fmt: skip
+            reads = " host reads in program" if args.host_reads == "program" and budget else ""
+            name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
                 record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,
                                      machine=machine, commit=commit, details=details)  # fmt: skip

@@ -168,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="routing profile for the placement at start (python -m infernix_jax.experts.profile)",
     )
+    experts.add_argument(
+        "--expert-host-reads",
+        default=None,
+        choices=("callback", "program"),
+        help="how a missed expert reaches the GPU: a host callback per layer that misses (default; "
+        "any tier), or a copy from pinned host memory inside the program (every expert in RAM)",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -261,7 +268,13 @@ def build_engine(args: argparse.Namespace):
     }
     experts = {
         name: getattr(args, name)
-        for name in ("gpu_expert_budget", "host_expert_budget", "expert_artifact", "expert_profile")
+        for name in (
+            "gpu_expert_budget",
+            "host_expert_budget",
+            "expert_artifact",
+            "expert_profile",
+            "expert_host_reads",
+        )
         if getattr(args, name, None) is not None
     }
     return create_engine(

@@ -148,6 +148,7 @@ class EngineCore:
                 config.host_expert_budget,
                 artifact=config.expert_artifact,
                 profile=config.expert_profile,
+                host_reads=config.expert_host_reads,
             )
             params = self.experts.params
         num_blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)

@@ -115,6 +115,9 @@ class ExpertCache:
         self.last_missed: dict[int, list[int]] = {}
         self.stats = ExpertStats()
         self.last_error: str | None = None
+        # True when programs copy missed experts from pinned host stacks themselves (no fetch
+        # callback): the routing report then also counts those misses as host hits and bytes moved
+        self.reads_in_program = False
         self._lock = threading.Lock()
 
     @property
@@ -178,6 +181,11 @@ class ExpertCache:
         self.routing_counts[layer] += counts
         self.scores[layer] = self.scores[layer] * self.decay + counts
         self.last_missed[layer] = [int(e) for e in np.flatnonzero(routed & ~resident)]
+        if self.reads_in_program:
+            missed = len(self.last_missed[layer])
+            stats.host_hits += missed
+            stats.fetched_bytes += missed * self.layout.expert_bytes
+            stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + missed
 
     def fetch(
         self, layer: int, counts: np.ndarray, missed: np.ndarray, record_routing: bool = True

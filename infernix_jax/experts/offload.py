@@ -9,8 +9,12 @@ steps, when no program is running) applies the cache's swaps: promoted experts a
 their slot, evicted ones go back to RAM (or to disk only, where the artifact holds them and RAM
 is full). Slot writes run through one fixed-width program, so nothing recompiles.
 
-On a GPU the slot arrays live in device memory; the host tier is numpy RAM (see docs/experts.md
-for the pinned-host plan). On the CPU backend every tier is host memory; the code path is the same.
+On a GPU the slot arrays live in device memory; the host tier is numpy RAM. A missed expert
+reaches a step in one of two ways (`host_reads`): "callback", a host callback per layer that
+misses, which serves host RAM and the disk tier alike; or "program", where every layer's full
+stacks also sit in `pinned_host` memory and the program copies its missed experts from them
+itself (no callback but the forward's one routing report; needs every expert in host RAM, so no
+disk tier). On the CPU backend every tier is host memory; the code paths are the same.
 """
 
 from __future__ import annotations
@@ -60,6 +64,16 @@ def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.nd
         for dst, src in zip(out, leaves):
             dst[row] = src
     return out
+
+
+HOST_READS = ("callback", "program")
+
+
+def to_pinned_host(a: np.ndarray) -> jax.Array:
+    """`a` as an array in the default device's `pinned_host` memory (page-locked RAM a GPU copies
+    from by DMA; plain host memory on the CPU backend)."""
+    device = jax.devices()[0]
+    return jax.device_put(a, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
 
 
 def _not_loaded(moe) -> bool:
@@ -169,13 +183,17 @@ class ExpertOffload:
         host_budget: int | str | None = "all",
         artifact: str | Artifact | None = None,
         profile: RoutingProfile | str | None = None,
+        host_reads: str = "callback",
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
 
         gpu_budget / host_budget: bytes ("16GiB"), "all", or 0. Experts beyond both budgets need
-        `artifact` (a converted artifact holding these weights). Raises ValueError when they do
-        not fit anywhere."""
+        `artifact` (a converted artifact holding these weights). host_reads: "callback" or
+        "program" (the module docstring). Raises ValueError when they do not fit anywhere, or
+        when "program" is asked for with experts on disk."""
+        if host_reads not in HOST_READS:
+            raise ValueError(f"host_reads must be one of {HOST_READS}, got {host_reads!r}")
         layout = layout_of(cfg, params)
         if isinstance(profile, str):
             profile = RoutingProfile.load(profile)
@@ -197,12 +215,18 @@ class ExpertOffload:
                 f"{disk} experts per layer fit neither the GPU expert budget ({gpu_budget}) nor the host "
                 f"budget ({host_budget}); give an artifact for the disk tier or raise a budget"
             )
+        if disk and host_reads == "program":
+            raise ValueError(
+                f"expert host reads in the program need every expert in host RAM; {disk} experts per "
+                f"layer would stay on disk: raise the host budget ({host_budget}) or use callbacks"
+            )
         paths = {
             rank: tuple(f"layers.{layer}.moe.{name}" for name in ("gate_proj", "up_proj", "down_proj"))
             for rank, layer in enumerate(layout.moe_layers)
         }
         store = ExpertStore(layout, artifact, paths)
         cache = ExpertCache(layout, store, slots, **cache_options)
+        cache.reads_in_program = host_reads == "program"
         source_id = jnp.asarray(register_expert_source(cache), jnp.int32)
         layers = list(params.layers)
         for rank, layer in enumerate(layout.moe_layers):
@@ -215,11 +239,17 @@ class ExpertOffload:
             slot_leaves = _stack([experts[e] for e in resident], layout, slots)
             for slot, e in enumerate(resident):
                 cache.assign(rank, slot, e)
+            host_stacks = None
+            if host_reads == "program":  # every expert, the slotted ones too: slots are a cache
+                full = _stack([experts[e] for e in range(num_experts)], layout, num_experts)
+                host_stacks = jax.tree.unflatten(layout.treedef, [to_pinned_host(a) for a in full])
+                del full
             slotted = SlottedExperts(
                 *jax.tree.unflatten(layout.treedef, [jnp.asarray(a) for a in slot_leaves]),
                 slot_map=jnp.asarray(cache.slot_map[rank]),
                 source_id=source_id,
                 layer=rank,
+                host_stacks=host_stacks,
             )
             new_moe = dataclasses.replace(
                 params.layers[layer].moe, gate_proj=slotted, up_proj=None, down_proj=None

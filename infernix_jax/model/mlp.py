@@ -152,11 +152,15 @@ class SlottedExperts:
     slot_map: jax.Array  # i32 [E]: the slot holding each expert, -1 when it has none
     source_id: jax.Array  # i32 []: key of the source in EXPERT_SOURCES
     layer: int = 0  # static: the source's key for this layer
+    # (gate, up, down) full stacks [E, ...] in `pinned_host` memory, or None. When given, a missed
+    # expert is copied from them inside the program (`_read_missed_in_program`: no host callback,
+    # a DMA on a GPU); the routing still reaches the source through the forward's one report.
+    host_stacks: Any = None
 
 
 jax.tree_util.register_dataclass(
     SlottedExperts,
-    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id"],
+    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id", "host_stacks"],
     meta_fields=["layer"],
 )
 
@@ -251,6 +255,27 @@ def _fetch_missed(
     return jax.tree.unflatten(treedef, out)
 
 
+def _read_missed_in_program(host_stacks: Any, missed: jax.Array, num_missed: jax.Array):
+    """The missed experts' weights (gate, up, down), each [len(missed), ...] on the device, copied
+    one by one from the `pinned_host` stacks inside the program (rows past `num_missed` are zeros).
+
+    `missed` i32 [M] lists the missed expert ids first, then -1. The loop runs `num_missed` times:
+    a layer that misses nothing copies nothing. Each copy is a dynamic slice of a host-memory
+    array moved to device memory, which XLA lowers to a host-to-device copy of that expert's bytes."""
+    leaves, treedef = jax.tree.flatten(host_stacks)
+    max_missed = missed.shape[0]
+    out = [jnp.zeros((max_missed, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+
+    def copy_one(i, bufs):
+        expert = jnp.maximum(missed[i], 0)
+        rows = [jax.lax.dynamic_slice_in_dim(leaf, expert, 1) for leaf in leaves]
+        rows = [jax.device_put(row, jax.memory.Space.Device) for row in rows]
+        return [jax.lax.dynamic_update_slice_in_dim(b, r, i, 0) for b, r in zip(bufs, rows)]
+
+    out = jax.lax.fori_loop(0, jnp.minimum(num_missed, max_missed), copy_one, out)
+    return jax.tree.unflatten(treedef, out)
+
+
 def _call_fetch(layer: int, shapes, record: bool, source_id, counts, missed):
     """Host side of the fetch: the source's leaves, checked against the shapes the program expects."""
     source = EXPERT_SOURCES.get(int(source_id))
@@ -287,7 +312,12 @@ def _experts_slotted(
     collected = getattr(_routing, "counts", None)  # inside forward: its one routing callback records
     if collected is not None:
         collected.append((se.source_id, se.layer, counts))
-    fetched = _fetch_missed(se, counts, missed, num_missed, record=collected is None)  # (gate, up, down)
+    if se.host_stacks is None:
+        fetched = _fetch_missed(se, counts, missed, num_missed, record=collected is None)  # (gate, up, down)
+    else:
+        if collected is None:  # outside forward: report this layer's routing on its own
+            report_expert_routing([(se.source_id, se.layer, counts)])
+        fetched = _read_missed_in_program(se.host_stacks, missed, num_missed)
     fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
     slot_of = jnp.maximum(se.slot_map, 0)
     slots = (se.gate_proj, se.up_proj, se.down_proj)

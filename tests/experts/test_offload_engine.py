@@ -295,3 +295,42 @@ def test_layers_whose_experts_all_sit_in_slots_make_no_host_round_trip(model, re
     stats = core.experts.stats
     assert stats.lookups == stats.gpu_hits > 0, "the forwards' routing reports still count every lookup"
     assert stats.layer_steps > 0 and cache.routing_counts.sum() > 0
+
+
+def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callbacks(model, resident):
+    """expert_host_reads="program": missed experts are copied from pinned-host stacks inside the
+    program. The output equals the all-resident model's, no layer calls the fetch callback, and
+    the routing reports still count every miss as a host hit with its bytes."""
+    cfg, params = model
+    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_host_reads="program")
+    core = EngineCore(cfg, params, config)
+    slotted = core.experts.params.layers[core.experts.layout.moe_layers[0]].moe.gate_proj
+    assert all(a.sharding.memory_kind == "pinned_host" for a in jax.tree.leaves(slotted.host_stacks))
+    assert jax.tree.leaves(slotted.host_stacks)[0].shape[0] == NUM_EXPERTS
+    cache = core.experts.cache
+    fetches = []
+    fetch = cache.fetch
+    cache.fetch = lambda *args, **kwargs: fetches.append(args[0]) or fetch(*args, **kwargs)
+    steps_without_miss = []
+    out = drive(
+        core, requests(), lambda c, before: steps_without_miss.append(c.experts.stats.misses == before)
+    )
+    assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
+    assert not fetches, "misses are read inside the program"
+    assert not any(steps_without_miss), "the budget should force misses on every step"
+    stats = core.experts.stats
+    assert stats.host_hits > 0 and stats.disk_hits == 0 and stats.promotions > 0
+    assert stats.gpu_hits + stats.host_hits == stats.lookups
+    assert stats.fetched_bytes == stats.misses * expert_bytes(params)
+    assert stats.misses == sum(stats.per_layer_misses.values())
+
+
+def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, artifact):
+    cfg, params = model
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS), host_expert_budget=0, expert_artifact=artifact
+    )
+    with pytest.raises(ValueError, match="every expert in host RAM"):
+        EngineCore(cfg, params, config.replace(expert_host_reads="program"))
+    with pytest.raises(ValueError, match="expert_host_reads must be callback or program"):
+        CONFIG.replace(expert_host_reads="dma")

@@ -207,8 +207,11 @@ def test_serve_flags_reach_the_engine_options():
             "/a",
             "--expert-profile",
             "/p.json",
+            "--expert-host-reads",
+            "program",
         ]
     )
+    assert args.expert_host_reads == "program"
     assert (args.gpu_expert_budget, args.host_expert_budget, args.expert_artifact, args.expert_profile) == (
         "16GiB",
         "48GiB",
@@ -216,6 +219,8 @@ def test_serve_flags_reach_the_engine_options():
         "/p.json",
     )
     assert build_parser().parse_args([]).gpu_expert_budget is None
+    with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
+        build_parser().parse_args(["--expert-host-reads", "dma"])
 
 
 def test_a_failed_read_ahead_does_not_fail_a_later_step(model, artifact_dir):
