@@ -28,7 +28,7 @@ uploaded); (d) forward + sample chained on the device (all-ones mask), with no r
 read of every step, then on the engine's schedule (forward t+1 dispatched before reading t) with no
 matcher; then masked_decode_step_program (forward and sample in one program) chained, without and
 with a read of every step; (e) the engine's constrained loop, split and fused
-(`EngineConfig.constrained_decode`; the record's figure is the fused one, the default); (f) the
+(`EngineConfig.constrained_decode`; the record's figure is the fused one); (f) the
 fused loop instrumented: host time per step in each part (dispatch calls, the read, matcher
 advance, fill_mask, the rest of the loop, and the engine step around the loop).
 Records: bench/results/structured-breakdown-<machine>.json.
@@ -160,10 +160,13 @@ def admit_in_cache(core, batch: int, context: int, constraint, seed: int = 0) ->
         core.runner.set_slot(state.slot, state.request.sampling, state.seed, state.prompt, state.output)
 
 
-def decode_rate(cfg, params, batch: int, context: int, steps: int, tokens: int, constraint) -> dict:
-    """Generated tokens per second of `batch` rows (host work included), after a warm-up step."""
+def decode_rate(
+    cfg, params, batch: int, context: int, steps: int, tokens: int, constraint, mode: str = "split"
+) -> dict:
+    """Generated tokens per second of `batch` rows (host work included), after a warm-up step;
+    `mode`: EngineConfig.constrained_decode."""
     core = make_core(cfg, params, batch=batch, context=context + tokens + 4 * steps, steps=steps,
-                     kv_dtype="bf16", prefill_chunk=256)  # fmt: skip
+                     kv_dtype="bf16", prefill_chunk=256, constrained_decode=mode)  # fmt: skip
     admit_in_cache(core, batch, context, constraint)
     core.step()  # compile
     core.step()
@@ -395,6 +398,12 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--mask-only", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (any machine)")
     parser.add_argument("--breakdown", action="store_true", help="time each part of a constrained step")
+    parser.add_argument(
+        "--constrained-decode",
+        default="split",
+        choices=("split", "fused"),
+        help="EngineConfig.constrained_decode of the throughput records (fused ones say so in their names)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -416,6 +425,8 @@ def main(argv: list[str] | None = None):
         )
     records = []
     step_ms: float | None = None
+    suffix = "-quick" if args.quick else "-mask" if args.mask_only else ""
+    out = args.out or f"structured-{slug}{suffix}.json"
     if not args.mask_only:
         constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(LONG_SCHEMA)))
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -426,21 +437,33 @@ def main(argv: list[str] | None = None):
             for batch in (int(b) for b in args.batches.split(",")):
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None)
                 constrained = decode_rate(
-                    cfg, params, batch, args.context, args.steps, args.tokens, constraint
+                    cfg,
+                    params,
+                    batch,
+                    args.context,
+                    args.steps,
+                    args.tokens,
+                    constraint,
+                    args.constrained_decode,
                 )
                 if batch == 1 and step_ms is None:
                     step_ms = free["ms_per_token"]
-                name = f"structured decode {shape} json_schema batch{batch} {context_label(args.context)}"
+                way = " fused" if args.constrained_decode == "fused" else ""
+                name = (
+                    f"structured decode {shape} json_schema{way} batch{batch} {context_label(args.context)}"
+                )
                 record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
                                      machine=machine, commit=commit, details={
                     "batch": batch, "context": args.context, "steps_per_dispatch": args.steps,
                     "tokens_per_row": args.tokens, "free_ms_per_token": free["ms_per_token"],
                     "constrained_ms_per_token": constrained["ms_per_token"],
                     "constrained_rows_finished": constrained["finished"],
+                    "constrained_decode": args.constrained_decode,
                 })  # fmt: skip
                 print(f"{name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of free {record.ceiling:.1f}",
                       flush=True)  # fmt: skip
                 records.append(record)
+                write_records(records, out)  # after every point: a run cut short keeps what it measured
             del params
     for name, result in masks.items():
         ms = result["us_per_token"] / 1e3
@@ -448,8 +471,7 @@ def main(argv: list[str] | None = None):
                                    None if step_ms is None else "ms/token", machine=machine, commit=commit,
                                    details={"tokens": result["tokens"], "vocab": tokenizer.vocab_size,
                                             "repeats": args.repeats}))  # fmt: skip
-    suffix = "-quick" if args.quick else "-mask" if args.mask_only else ""
-    print("wrote", write_records(records, args.out or f"structured-{slug}{suffix}.json"))
+    print("wrote", write_records(records, out))
     return records
 
 
