@@ -549,6 +549,8 @@ def replay_seed(
     recorded = None
     stats: dict[str, Any] = {}
     for cache_on in (True, False):
+        label = f"seed {seed}, cache {'on' if cache_on else 'off'}"
+        start = time.perf_counter()
         core = EngineCore(
             target.cfg,
             target.params,
@@ -556,8 +558,11 @@ def replay_seed(
             None,
             target.eos_token_ids,
         )
+        print(f"{label}: engine ready in {time.perf_counter() - start:.1f} s (warm-up included)", flush=True)
+        start = time.perf_counter()
         replay = Replay(core, seed, w.max_in_flight, recorded, (vocab.end,))
         records = replay.run(Sessions(w, vocab, seed).roots())
+        print(f"{label}: {len(records)} requests replayed in {time.perf_counter() - start:.1f} s", flush=True)
         if cache_on:
             recorded = {r.id: Reply(list(r.output), r.finish_reason) for r in records}
             s = core.prefix_cache.stats
