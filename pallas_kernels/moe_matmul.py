@@ -68,6 +68,7 @@ from pallas_kernels.nvfp4_matmul import _mask2, reference_nvfp4_matmul
 VARIANTS = ("gemv", "dot", "dot_t")
 ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
 FORMATS = ("nvfp4", "fp8", "plain")
+PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # weights the "plain" format takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,7 +397,7 @@ def validate_grouped_matmul(
             )
     elif fmt == "plain":
         (w,) = weight
-        if w.ndim != 3 or w.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        if w.ndim != 3 or w.dtype not in PLAIN_DTYPES:
             raise ValueError(f"plain weights must be bf16, f16 or f32 [E, N, K]; got {w.dtype} {w.shape}")
         e, n, kw = w.shape
         if k != kw:

@@ -100,10 +100,13 @@ class ExpertCache:
         decay: float = 0.9,
         margin: float = 0.25,
         swaps_per_layer: int = 4,
+        reads_in_program: bool = False,
     ):
         """decay: score kept per layer-step; margin: a candidate needs a score above the evicted
         expert's by this factor (hysteresis against thrashing); swaps_per_layer: the most slot
-        changes per layer between two steps (bounds the bytes a step boundary moves)."""
+        changes per layer between two steps (bounds the bytes a step boundary moves);
+        reads_in_program: programs copy missed experts from pinned host stacks themselves (no
+        fetch callback), so the routing report also counts those misses as host hits and bytes."""
         num_layers, num_experts = len(layout.moe_layers), layout.num_experts
         self.layout, self.store = layout, store
         self.slots_per_layer = slots_per_layer
@@ -115,9 +118,7 @@ class ExpertCache:
         self.last_missed: dict[int, list[int]] = {}
         self.stats = ExpertStats()
         self.last_error: str | None = None
-        # True when programs copy missed experts from pinned host stacks themselves (no fetch
-        # callback): the routing report then also counts those misses as host hits and bytes moved
-        self.reads_in_program = False
+        self.reads_in_program = reads_in_program
         self._lock = threading.Lock()
 
     @property

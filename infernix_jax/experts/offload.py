@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infernix_jax.cache.prefix_host import PINNED_HOST, HostMemory, memory_kinds
 from infernix_jax.config import ModelConfig
 from infernix_jax.experts.cache import ExpertCache
 from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget, layout_of, projections
@@ -67,13 +68,6 @@ def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.nd
 
 
 HOST_READS = ("callback", "program")
-
-
-def to_pinned_host(a: np.ndarray) -> jax.Array:
-    """`a` as an array in the default device's `pinned_host` memory (page-locked RAM a GPU copies
-    from by DMA; plain host memory on the CPU backend)."""
-    device = jax.devices()[0]
-    return jax.device_put(a, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
 
 
 def _not_loaded(moe) -> bool:
@@ -225,8 +219,15 @@ class ExpertOffload:
             for rank, layer in enumerate(layout.moe_layers)
         }
         store = ExpertStore(layout, artifact, paths)
-        cache = ExpertCache(layout, store, slots, **cache_options)
-        cache.reads_in_program = host_reads == "program"
+        host_memory = None  # pinned host memory the program reads missed experts from
+        if host_reads == "program":
+            device = jax.devices()[0]
+            if PINNED_HOST not in memory_kinds(device):
+                raise ValueError(
+                    f"expert host reads in the program need {PINNED_HOST} memory; {device} has none"
+                )
+            host_memory = HostMemory(device, pinned=True)
+        cache = ExpertCache(layout, store, slots, reads_in_program=host_memory is not None, **cache_options)
         source_id = jnp.asarray(register_expert_source(cache), jnp.int32)
         layers = list(params.layers)
         for rank, layer in enumerate(layout.moe_layers):
@@ -240,9 +241,9 @@ class ExpertOffload:
             for slot, e in enumerate(resident):
                 cache.assign(rank, slot, e)
             host_stacks = None
-            if host_reads == "program":  # every expert, the slotted ones too: slots are a cache
+            if host_memory is not None:  # every expert, the slotted ones too: slots are a cache
                 full = _stack([experts[e] for e in range(num_experts)], layout, num_experts)
-                host_stacks = jax.tree.unflatten(layout.treedef, [to_pinned_host(a) for a in full])
+                host_stacks = jax.tree.unflatten(layout.treedef, list(host_memory.adopt(tuple(full))))
                 del full
             slotted = SlottedExperts(
                 *jax.tree.unflatten(layout.treedef, [jnp.asarray(a) for a in slot_leaves]),

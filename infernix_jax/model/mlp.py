@@ -272,7 +272,7 @@ def _read_missed_in_program(host_stacks: Any, missed: jax.Array, num_missed: jax
         rows = [jax.device_put(row, jax.memory.Space.Device) for row in rows]
         return [jax.lax.dynamic_update_slice_in_dim(b, r, i, 0) for b, r in zip(bufs, rows)]
 
-    out = jax.lax.fori_loop(0, jnp.minimum(num_missed, max_missed), copy_one, out)
+    out = jax.lax.fori_loop(0, num_missed, copy_one, out)  # num_missed <= len(missed) by construction
     return jax.tree.unflatten(treedef, out)
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import fp8_matmul
-from pallas_kernels.moe_matmul import grouped_matmul, resolve_config
+from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, resolve_config
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, nvfp4_matmul
 
 Array = jax.Array
@@ -91,12 +91,12 @@ def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
     return compat.on_gpu() and rows <= SMALL_M_MAX, False
 
 
-def _expert_kernel_choice(tokens: int | None = None) -> tuple[bool, bool]:
+def _expert_kernel_choice() -> tuple[bool, bool]:
     """(use the grouped expert kernel, in interpret mode). "auto": on a GPU, for any token count:
     XLA's GPU lowering of `jax.lax.ragged_dot` expands the groups into a dense [M, E*K] operand
     (40 GiB for a 2048-token chunk over 512 experts of K = 2048, an out-of-memory on the H200),
     so the kernel serves prefill too. "kernel" / "interpret": any token count; "reference": never.
-    `tokens` only picks the tiles (`grouped_tiles`)."""
+    (The token count only picks the tiles: `grouped_tiles`.)"""
     if _mode == "reference":
         return False, False
     if _mode == "interpret":
@@ -545,20 +545,17 @@ def _grouped_kernel_operands(w: Any) -> tuple[str, tuple[Array, ...], int | None
     plain bf16 / f16 / f32 arrays."""
     if isinstance(w, QuantizedWeight):
         return w._grouped_operands()
-    if hasattr(w, "dtype") and len(getattr(w, "shape", ())) == 3 and w.dtype in _PLAIN_EXPERT_DTYPES:
+    if hasattr(w, "dtype") and len(getattr(w, "shape", ())) == 3 and w.dtype in PLAIN_DTYPES:
         return "plain", (w,), None
     return None
 
 
-_PLAIN_EXPERT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def grouped_kernel_ready(*stacks: Any, tokens: int | None = None) -> bool:
-    """True when the grouped MoE kernel runs for all these expert stacks [E, N, K] and `tokens`
-    tokens: each stack is one the kernel reads (`_grouped_kernel_operands`) and the kernel mode
+def grouped_kernel_ready(*stacks: Any) -> bool:
+    """True when the grouped MoE kernel runs for all these expert stacks [E, N, K], at any token
+    count: each stack is one the kernel reads (`_grouped_kernel_operands`) and the kernel mode
     allows it ("auto": on a GPU; "interpret" / "kernel": always; "reference": never). Read at
     trace time, like `kernel_mode`."""
-    use_kernel, _ = _expert_kernel_choice(tokens)
+    use_kernel, _ = _expert_kernel_choice()
     return use_kernel and all(_grouped_kernel_operands(w) is not None for w in stacks)
 
 
@@ -597,7 +594,7 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
         raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
     if group_sizes.shape != (w.shape[0],):
         raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
-    use_kernel, interpret = _expert_kernel_choice(tokens)
+    use_kernel, interpret = _expert_kernel_choice()
     operands = _grouped_kernel_operands(w)
     if use_kernel and operands is not None:
         fmt, leaves, block_size = operands

@@ -134,7 +134,7 @@ def test_auto_mode_keeps_the_reference_path_off_the_gpu(monkeypatch):
 
     monkeypatch.setattr(compat, "on_gpu", lambda: False)
     p = _block("nvfp4")
-    assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=1)
+    assert not grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
 
 
 def test_auto_mode_on_a_gpu_runs_the_kernel_at_every_token_count(monkeypatch):
@@ -145,9 +145,14 @@ def test_auto_mode_on_a_gpu_runs_the_kernel_at_every_token_count(monkeypatch):
     monkeypatch.setattr(compat, "on_gpu", lambda: True)
     p = _block("nvfp4")
     plain = jnp.zeros((E, I, D), jnp.bfloat16)
+    assert grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj)
+    assert grouped_kernel_ready(plain)
     for tokens in (1, GROUPED_DECODE_MAX_TOKENS, GROUPED_DECODE_MAX_TOKENS + 1, 2048):
-        assert grouped_kernel_ready(p.gate_proj, p.up_proj, p.down_proj, tokens=tokens)
-        assert grouped_kernel_ready(plain, tokens=tokens)
+        xs = jnp.zeros((tokens * TOP_K, D), jnp.bfloat16)
+        sizes = jnp.zeros((E,), jnp.int32).at[0].set(tokens * TOP_K)
+        for w in (p.gate_proj, plain):  # traced only: the jaxpr shows which path runs
+            fn = lambda xs, s, w=w, tokens=tokens: grouped_expert_matmul(xs, w, s, tokens=tokens)
+            assert _uses_pallas(fn, xs, sizes), f"{tokens} tokens should take the kernel"
 
 
 def _plain_block(seed: int = 0) -> MoEParams:
