@@ -502,16 +502,17 @@ class Target:
     label: str
 
 
-def load_target(model_dir: str | None, shape: str | None, context: int) -> Target:
-    """The demo model (default), a checkpoint directory, or random weights of a bench shape."""
+def load_target(model_dir: str | None, shape: str | None, context: int, dtype: str | None = None) -> Target:
+    """The demo model (default), a checkpoint directory, or random weights of a bench shape (in
+    `dtype`: float32 on the CPU and bfloat16 elsewhere by default)."""
     import jax
     import jax.numpy as jnp
 
     if shape is not None:
         from bench.engine_setup import build_model
 
-        dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-        cfg, params = build_model(shape, dtype)
+        default = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        cfg, params = build_model(shape, jnp.dtype(dtype or default))
         return Target(cfg, params, (), f"{shape} random")
     from infernix_jax.loaded_model import load
 
@@ -653,7 +654,25 @@ def summarize(
             "greedy_equal": sum(a.output == b.output for a, b in greedy),
             "sampled_compared": len(sampled),
             "sampled_equal": sum(a.output == b.output for a, b in sampled),
+            **_divergence(greedy + sampled),
         },
+    }
+
+
+def _divergence(pairs: list[tuple[RequestRecord, RequestRecord]]) -> dict[str, Any]:
+    """Where the cache-on and cache-off replies first differ. In bfloat16 a different prefill
+    chunking moves logits by rounding alone, so replies may part after some tokens; a wrong cache
+    (a stale state, a foreign block) shows as replies that differ from their first token."""
+    firsts = []
+    for a, b in pairs:
+        n = min(len(a.output), len(b.output))
+        same = next((i for i in range(n) if a.output[i] != b.output[i]), n)
+        if same < max(len(a.output), len(b.output)):
+            firsts.append(same)
+    return {
+        "first_token_equal": sum(bool(a.output) and a.output[:1] == b.output[:1] for a, b in pairs),
+        "differing": len(firsts),
+        "median_tokens_equal_before_first_difference": statistics.median(firsts) if firsts else None,
     }
 
 
@@ -687,6 +706,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
     p.add_argument(
         "--shape", default=None, choices=("27b", "moe", "tiny"), help="random weights of a bench shape"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="--shape weights and activations (default float32 on the CPU, bfloat16 elsewhere)",
     )
     p.add_argument("--seeds", type=int, default=None, help="workload seeds replayed (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true", help="small sessions in a 1024-token context")
@@ -727,7 +752,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  {kind:14s} {k['requests']:4d} req {k['prompt_tokens']:8d} tokens  "
                   f"reusable {k['reusable_share']:6.1%}")  # fmt: skip
         return {"dry_run": shape}
-    target = load_target(args.model, args.shape, context)
+    if args.dtype is not None and args.shape is None:
+        raise SystemExit("--dtype applies to --shape (random weights); a checkpoint keeps its own dtype")
+    target = load_target(args.model, args.shape, context, args.dtype)
     on, off, stats = [], [], []
     start = time.perf_counter()
     for seed in range(seeds):
@@ -755,6 +782,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"ttft mean/median/p90: cache on {on_t['mean_s'] * 1e3:.0f}/{on_t['median_s'] * 1e3:.0f}/"
           f"{on_t['p90_s'] * 1e3:.0f} ms, off {off_t['mean_s'] * 1e3:.0f}/{off_t['median_s'] * 1e3:.0f}/"
           f"{off_t['p90_s'] * 1e3:.0f} ms -> {out}")  # fmt: skip
+    o = summary["outputs"]
+    print(f"replies cache on vs off: greedy {o['greedy_equal']}/{o['greedy_compared']} equal, sampled "
+          f"{o['sampled_equal']}/{o['sampled_compared']}, first token equal in {o['first_token_equal']}, "
+          f"median {o['median_tokens_equal_before_first_difference']} tokens equal before a difference")  # fmt: skip
     for kind, k in summary["by_kind"].items():
         print(
             f"  {kind:14s} {k['requests']:4d} req  {k['share']:6.1%} cached  new {k['new_tokens']:6d}  "

@@ -54,6 +54,10 @@ def test_greedy_outputs_are_the_same_with_the_cache_on_and_off(replay):
     outputs = share["details"]["outputs"]
     assert outputs["greedy_compared"] >= 1
     assert outputs["greedy_equal"] == outputs["greedy_compared"]
+    # float32 on the CPU: no reply parts from its cache-off twin, not even sampled ones
+    compared = outputs["greedy_compared"] + outputs["sampled_compared"]
+    assert outputs["first_token_equal"] == compared and outputs["differing"] == 0
+    assert outputs["median_tokens_equal_before_first_difference"] is None
 
 
 def test_time_to_first_token_is_reported_for_both_runs(replay):
