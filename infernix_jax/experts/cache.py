@@ -157,7 +157,8 @@ class ExpertCache:
                 read_failures=s.read_failures,
                 slots_used=int((self.slot_owner >= 0).sum()),
                 slots_total=self.slot_owner.size,
-                host_experts=self.store.host_experts,
+                # with reads in the program every expert sits in the pinned host stacks
+                host_experts=self.layout.total_experts if self.reads_in_program else self.store.host_experts,
                 tokens=tokens,
             )
 

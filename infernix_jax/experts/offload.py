@@ -54,6 +54,25 @@ def write_slots_program(slots, slot_ids: jax.Array, data):
     return jax.tree.map(lambda x, d: x.at[target].set(d.astype(x.dtype), mode="drop"), slots, data)
 
 
+@partial(jit, donate_argnums=(0,))
+def promote_from_host_program(slots, slot_ids: jax.Array, host_stacks, expert_ids: jax.Array):
+    """slots leaves [S, ...]; slot_ids i32 [W] (-1: skip); host_stacks leaves [E, ...] in
+    `pinned_host` memory; expert_ids i32 [W] -> slots with each listed expert copied into its slot
+    by the program itself (host-to-device copies, no host round trip and no numpy staging)."""
+    n = jax.tree.leaves(slots)[0].shape[0]
+    target = jnp.where(slot_ids < 0, n, slot_ids)
+    experts = jnp.maximum(expert_ids, 0)
+
+    def promote(x, host):
+        rows = [
+            jax.device_put(jax.lax.dynamic_slice_in_dim(host, experts[w], 1), jax.memory.Space.Device)
+            for w in range(expert_ids.shape[0])
+        ]
+        return x.at[target].set(jnp.concatenate(rows).astype(x.dtype), mode="drop")
+
+    return jax.tree.map(promote, slots, host_stacks)
+
+
 @jit
 def read_slots_program(slots, slot_ids: jax.Array):
     return jax.tree.map(lambda x: x[jnp.maximum(slot_ids, 0)], slots)
@@ -235,8 +254,9 @@ class ExpertOffload:
             resident = [int(e) for e in order[:slots]]
             in_ram = [int(e) for e in order[slots : slots + host]]
             experts = _placed_experts(params.layers[layer].moe, store, rank, resident + in_ram)
-            for e in in_ram:
-                store.put_host(rank, e, experts[e])
+            if host_memory is None:  # else the pinned stacks below are the host tier (no second copy)
+                for e in in_ram:
+                    store.put_host(rank, e, experts[e])
             slot_leaves = _stack([experts[e] for e in resident], layout, slots)
             for slot, e in enumerate(resident):
                 cache.assign(rank, slot, e)
@@ -285,6 +305,9 @@ class ExpertOffload:
         return self.params
 
     def _apply(self, rank: int, swaps: list) -> None:
+        if self._slotted(rank).host_stacks is not None:
+            self._apply_from_host_stacks(rank, swaps)
+            return
         store, cache, layout = self.store, self.cache, self.layout
         incoming, kept = [], []
         for swap in swaps:
@@ -333,12 +356,50 @@ class ExpertOffload:
             ),
         )
 
+    def _apply_from_host_stacks(self, rank: int, swaps: list) -> None:
+        """Swaps where every expert also sits in pinned host stacks (`host_reads="program"`): the
+        program copies promoted experts from them into their slots, and an evicted expert needs
+        no copy back (its host copy never left). Nothing waits for the device, so the swaps queue
+        behind the running step instead of ending the asynchronous decode pipeline."""
+        cache, layout = self.cache, self.layout
+        slotted = self._slotted(rank)
+        slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
+        for start in range(0, len(swaps), WRITE_WIDTH):
+            part = swaps[start : start + WRITE_WIDTH]
+            ids = np.full(WRITE_WIDTH, -1, np.int32)
+            experts = np.full(WRITE_WIDTH, -1, np.int32)
+            ids[: len(part)] = [s.slot for s in part]
+            experts[: len(part)] = [s.expert for s in part]
+            slots = promote_from_host_program(
+                slots, jnp.asarray(ids), slotted.host_stacks, jnp.asarray(experts)
+            )
+        for swap in swaps:
+            cache.assign(rank, swap.slot, swap.expert)
+            cache.stats.promotions += 1
+            cache.stats.promoted_bytes += layout.expert_bytes
+        self._set_slotted(
+            rank,
+            dataclasses.replace(
+                slotted,
+                gate_proj=slots[0],
+                up_proj=slots[1],
+                down_proj=slots[2],
+                slot_map=jnp.asarray(cache.slot_map[rank]),
+            ),
+        )
+
     def warmup(self) -> None:
         """Compile the slot programs now (all-skip writes), so that the first swap compiles nothing."""
         slotted = self._slotted(0)
         slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
         ids = np.full(WRITE_WIDTH, -1, np.int32)
         jax.block_until_ready(read_slots_program(slots, ids))
+        if slotted.host_stacks is not None:
+            slots = promote_from_host_program(slots, jnp.asarray(ids), slotted.host_stacks, jnp.asarray(ids))
+            self._set_slotted(
+                0, dataclasses.replace(slotted, gate_proj=slots[0], up_proj=slots[1], down_proj=slots[2])
+            )
+            return
         data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
         self._set_slotted(
             0,

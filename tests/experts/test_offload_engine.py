@@ -320,6 +320,9 @@ def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callba
     assert not any(steps_without_miss), "the budget should force misses on every step"
     stats = core.experts.stats
     assert stats.host_hits > 0 and stats.disk_hits == 0 and stats.promotions > 0
+    assert stats.demoted_bytes == 0, "an evicted expert is still in the pinned stacks: nothing comes back"
+    assert core.experts.store.host_experts == 0, "no second (numpy) copy of the host tier"
+    assert cache.report(1).host_experts == NUM_EXPERTS * len(core.experts.layout.moe_layers)
     assert stats.gpu_hits + stats.host_hits == stats.lookups
     assert stats.fetched_bytes == stats.misses * expert_bytes(params)
     assert stats.misses == sum(stats.per_layer_misses.values())
