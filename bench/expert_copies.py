@@ -8,13 +8,13 @@ pinned host memory, inside the decode program. This times that copy alone, for o
 at batch 1: `--layers` layers, each with `--missed` of its `--slots` routed experts missing (ids
 at random), in one jitted program. Methods:
 
-- `loop-leaves`: what the model does now (`mlp._read_missed_in_program`): a `fori_loop` over the
-  missed experts, one dynamic slice per leaf (packed data, block scales and scale of gate, up and
-  down: 9 leaves for NVFP4) moved to device memory.
+- `loop-leaves`: a `fori_loop` over the missed experts, one dynamic slice per leaf (packed data,
+  block scales and scale of gate, up and down: 9 leaves for NVFP4) moved to device memory.
 - `unrolled-leaves`: the same copies with the loop unrolled over all `--slots` rows (rows past
   the missed ones copy expert 0 and are ignored): no loop, more bytes.
-- `loop-bytes` / `unrolled-bytes`: each layer's experts as one uint8 stack [E, expert_bytes]; one
-  copy per expert, then the leaves are cut out of the bytes on the device (bitcasts).
+- `loop-bytes` (what the model does, `mlp.copy_host_rows` with a count) / `unrolled-bytes`: each
+  layer's experts as one uint8 stack [E, expert_bytes]; one copy per expert, then the leaves are
+  cut out of the bytes on the device (bitcasts).
 - `contiguous`: one static slice of `--missed` consecutive experts' bytes per layer: the best a
   copy of those bytes can do, for reference.
 
@@ -35,7 +35,8 @@ import numpy as np
 from bench.ceilings import QUICK, Sizes, measure_host_to_device
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.prefix_host import PINNED_HOST, memory_kinds
-from infernix_jax.model.mlp import _read_missed_in_program
+from infernix_jax.experts.offload import expert_rows
+from infernix_jax.model.mlp import copy_host_rows, expert_rows_to_leaves
 
 METHODS = ("loop-leaves", "unrolled-leaves", "loop-bytes", "unrolled-bytes", "contiguous")
 
@@ -60,24 +61,25 @@ def random_stacks(num_experts: int, shapes, rng: np.random.Generator) -> list[np
 
 
 def as_bytes(stacks: list[np.ndarray]) -> np.ndarray:
-    """[E, expert_bytes]: each expert's leaves laid end to end."""
-    e = stacks[0].shape[0]
-    return np.concatenate([s.reshape(e, -1).view(np.uint8) for s in stacks], axis=1)
+    """[E, expert_bytes]: each expert's leaves laid end to end (the model's host rows)."""
+    return expert_rows([[s[e] for s in stacks] for e in range(stacks[0].shape[0])])
 
 
 def split_bytes(rows: jax.Array, shapes) -> list[jax.Array]:
     """The leaves [M, ...] back out of byte rows [M, expert_bytes] (on the device)."""
-    out, at = [], 0
-    for shape, dtype in shapes:
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        part = rows[:, at : at + size]
-        at += size
-        if dtype.itemsize > 1:
-            part = jax.lax.bitcast_convert_type(part.reshape(rows.shape[0], -1, dtype.itemsize), dtype)
-        else:
-            part = jax.lax.bitcast_convert_type(part, dtype)
-        out.append(part.reshape(rows.shape[0], *shape))
-    return out
+    return expert_rows_to_leaves(rows, [jax.ShapeDtypeStruct((1, *shape), dtype) for shape, dtype in shapes])
+
+
+def _loop(stack_leaves: list[jax.Array], missed: jax.Array, num_missed: jax.Array) -> list[jax.Array]:
+    out = [jnp.zeros((missed.shape[0], *leaf.shape[1:]), leaf.dtype) for leaf in stack_leaves]
+
+    def copy_one(i, bufs):
+        expert = jnp.maximum(missed[i], 0)
+        rows = [jax.lax.dynamic_slice_in_dim(leaf, expert, 1) for leaf in stack_leaves]
+        rows = [jax.device_put(row, jax.memory.Space.Device) for row in rows]
+        return [jax.lax.dynamic_update_slice_in_dim(b, r, i, 0) for b, r in zip(bufs, rows)]
+
+    return jax.lax.fori_loop(0, num_missed, copy_one, out)
 
 
 def _unrolled(stack_leaves: list[jax.Array], missed: jax.Array) -> list[jax.Array]:
@@ -98,15 +100,13 @@ def copy_fn(method: str, shapes):
 
     def one_layer(host, missed, num_missed):
         if method == "loop-leaves":
-            return _read_missed_in_program(host, missed, num_missed)
+            return _loop(host, missed, num_missed)
         if method == "unrolled-leaves":
             return _unrolled(host, missed)
         if method == "loop-bytes":
-            (rows,) = _read_missed_in_program([host], missed, num_missed)
-            return split_bytes(rows, shapes)
+            return split_bytes(copy_host_rows(host, missed, num_missed), shapes)
         if method == "unrolled-bytes":
-            (rows,) = _unrolled([host], missed)
-            return split_bytes(rows, shapes)
+            return split_bytes(copy_host_rows(host, missed), shapes)
         if method == "contiguous":
             rows = jax.device_put(jax.lax.slice_in_dim(host, 0, missed.shape[0]), jax.memory.Space.Device)
             return split_bytes(rows, shapes)

@@ -36,7 +36,12 @@ from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget,
 from infernix_jax.experts.profile import RoutingProfile
 from infernix_jax.experts.store import ExpertReadError, ExpertStore
 from infernix_jax.jit import jit
-from infernix_jax.model.mlp import SlottedExperts, register_expert_source
+from infernix_jax.model.mlp import (
+    SlottedExperts,
+    copy_host_rows,
+    expert_rows_to_leaves,
+    register_expert_source,
+)
 from infernix_jax.model.params import Params
 from infernix_jax.weights.artifact import Artifact, is_artifact
 from infernix_jax.weights.hf import to_device
@@ -55,22 +60,15 @@ def write_slots_program(slots, slot_ids: jax.Array, data):
 
 
 @partial(jit, donate_argnums=(0,))
-def promote_from_host_program(slots, slot_ids: jax.Array, host_stacks, expert_ids: jax.Array):
-    """slots leaves [S, ...]; slot_ids i32 [W] (-1: skip); host_stacks leaves [E, ...] in
+def promote_from_host_program(slots, slot_ids: jax.Array, host_rows: jax.Array, expert_ids: jax.Array):
+    """slots leaves [S, ...]; slot_ids i32 [W] (-1: skip); host_rows u8 [E, expert_bytes] in
     `pinned_host` memory; expert_ids i32 [W] -> slots with each listed expert copied into its slot
     by the program itself (host-to-device copies, no host round trip and no numpy staging)."""
-    n = jax.tree.leaves(slots)[0].shape[0]
+    leaves, treedef = jax.tree.flatten(slots)
+    n = leaves[0].shape[0]
     target = jnp.where(slot_ids < 0, n, slot_ids)
-    experts = jnp.maximum(expert_ids, 0)
-
-    def promote(x, host):
-        rows = [
-            jax.device_put(jax.lax.dynamic_slice_in_dim(host, experts[w], 1), jax.memory.Space.Device)
-            for w in range(expert_ids.shape[0])
-        ]
-        return x.at[target].set(jnp.concatenate(rows).astype(x.dtype), mode="drop")
-
-    return jax.tree.map(promote, slots, host_stacks)
+    incoming = expert_rows_to_leaves(copy_host_rows(host_rows, expert_ids), leaves)
+    return jax.tree.unflatten(treedef, [x.at[target].set(d, mode="drop") for x, d in zip(leaves, incoming)])
 
 
 @jit
@@ -87,6 +85,14 @@ def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.nd
 
 
 HOST_READS = ("callback", "program")
+
+
+def expert_rows(experts: list[Leaves]) -> np.ndarray:
+    """u8 [len(experts), expert_bytes]: each expert's leaves' bytes end to end, in leaf order (the
+    layout `model.mlp.expert_rows_to_leaves` cuts them back out of)."""
+    return np.stack(
+        [np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in e]) for e in experts]
+    )
 
 
 def _not_loaded(moe) -> bool:
@@ -262,9 +268,9 @@ class ExpertOffload:
                 cache.assign(rank, slot, e)
             host_stacks = None
             if host_memory is not None:  # every expert, the slotted ones too: slots are a cache
-                full = _stack([experts[e] for e in range(num_experts)], layout, num_experts)
-                host_stacks = jax.tree.unflatten(layout.treedef, list(host_memory.adopt(tuple(full))))
-                del full
+                rows = expert_rows([experts[e] for e in range(num_experts)])
+                (host_stacks,) = host_memory.adopt((rows,))
+                del rows
             slotted = SlottedExperts(
                 *jax.tree.unflatten(layout.treedef, [jnp.asarray(a) for a in slot_leaves]),
                 slot_map=jnp.asarray(cache.slot_map[rank]),

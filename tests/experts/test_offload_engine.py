@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -305,8 +306,9 @@ def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callba
     config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_host_reads="program")
     core = EngineCore(cfg, params, config)
     slotted = core.experts.params.layers[core.experts.layout.moe_layers[0]].moe.gate_proj
-    assert all(a.sharding.memory_kind == "pinned_host" for a in jax.tree.leaves(slotted.host_stacks))
-    assert jax.tree.leaves(slotted.host_stacks)[0].shape[0] == NUM_EXPERTS
+    rows = slotted.host_stacks  # one byte row per expert, all of them
+    assert rows.sharding.memory_kind == "pinned_host"
+    assert rows.shape == (NUM_EXPERTS, core.experts.layout.expert_bytes) and rows.dtype == jnp.uint8
     cache = core.experts.cache
     fetches = []
     fetch = cache.fetch

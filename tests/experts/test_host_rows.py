@@ -1,0 +1,55 @@
+"""Experts as one byte row each in pinned host memory: rows round-trip to the exact leaves, and
+the in-program copy brings the asked experts' bytes to the device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.experts.offload import expert_rows, promote_from_host_program
+from infernix_jax.model.mlp import copy_host_rows, expert_rows_to_leaves
+
+PINNED = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+
+def nvfp4_like_stacks(experts: int, rng) -> list[np.ndarray]:
+    """An NVFP4 projection's leaves: packed bytes, e4m3 block scales, a float32 scale per expert."""
+    packed = rng.integers(0, 256, (experts, 6, 8), dtype=np.uint8)
+    scales = rng.integers(0, 0x7E, (experts, 6, 1), dtype=np.uint8).view(jnp.float8_e4m3fn)
+    return [packed, scales, rng.random(experts, dtype=np.float32)]
+
+
+def test_rows_cut_back_into_the_same_leaves_bit_for_bit():
+    stacks = nvfp4_like_stacks(5, np.random.default_rng(0))
+    rows = expert_rows([[s[e] for s in stacks] for e in range(5)])
+    assert rows.dtype == np.uint8 and rows.shape == (5, sum(s[0].nbytes for s in stacks))
+    back = expert_rows_to_leaves(jnp.asarray(rows), [jnp.asarray(s) for s in stacks])
+    for got, want in zip(back, stacks):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError, match="bytes"):
+        expert_rows_to_leaves(jnp.asarray(rows[:, 1:]), [jnp.asarray(s) for s in stacks])
+
+
+def test_the_program_copies_the_counted_experts_from_pinned_host_memory():
+    rows = np.random.default_rng(1).integers(0, 256, (9, 40), dtype=np.uint8)
+    host = jax.device_put(rows, PINNED)
+    missed = jnp.asarray([7, 2, 5, -1], jnp.int32)
+    counted = jax.jit(copy_host_rows)(host, missed, jnp.int32(3))
+    assert counted.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(counted), np.concatenate([rows[[7, 2, 5]], np.zeros((1, 40))]))
+    every = jax.jit(copy_host_rows)(host, missed)  # no count: every row, -1 reads expert 0
+    np.testing.assert_array_equal(np.asarray(every), rows[[7, 2, 5, 0]])
+
+
+def test_promotion_writes_host_experts_into_the_listed_slots_only():
+    stacks = nvfp4_like_stacks(6, np.random.default_rng(2))
+    host = jax.device_put(expert_rows([[s[e] for s in stacks] for e in range(6)]), PINNED)
+    slots = tuple(jnp.asarray(s[:3]) for s in stacks)  # slots hold experts 0, 1, 2
+    ids = jnp.asarray([2, -1, 0] + [-1] * 5, jnp.int32)
+    experts = jnp.asarray([5, 3, 4] + [-1] * 5, jnp.int32)
+    new = promote_from_host_program(slots, ids, host, experts)
+    for got, want in zip(new, stacks):  # slot 0 <- expert 4, slot 1 kept, slot 2 <- expert 5
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want[[4, 1, 5]].view(np.uint8))
