@@ -87,6 +87,13 @@ def _stack(experts: list[Leaves], layout: ExpertLayout, rows: int) -> list[np.nd
 HOST_READS = ("callback", "program")
 
 
+def _committed(a: np.ndarray) -> jax.Array:
+    """`a` on the default device, committed to it. The slot programs return committed arrays and
+    jit keys its compiled programs on whether an argument is committed, so slots built any other
+    way would recompile every program that reads them after their first swap."""
+    return jax.device_put(a, jax.devices()[0])
+
+
 def expert_rows(experts: list[Leaves]) -> np.ndarray:
     """u8 [len(experts), expert_bytes]: each expert's leaves' bytes end to end, in leaf order (the
     layout `model.mlp.expert_rows_to_leaves` cuts them back out of)."""
@@ -272,8 +279,8 @@ class ExpertOffload:
                 (host_stacks,) = host_memory.adopt((rows,))
                 del rows
             slotted = SlottedExperts(
-                *jax.tree.unflatten(layout.treedef, [jnp.asarray(a) for a in slot_leaves]),
-                slot_map=jnp.asarray(cache.slot_map[rank]),
+                *jax.tree.unflatten(layout.treedef, [_committed(a) for a in slot_leaves]),
+                slot_map=_committed(cache.slot_map[rank]),
                 source_id=source_id,
                 layer=rank,
                 host_stacks=host_stacks,
@@ -358,7 +365,7 @@ class ExpertOffload:
                 gate_proj=slots[0],
                 up_proj=slots[1],
                 down_proj=slots[2],
-                slot_map=jnp.asarray(cache.slot_map[rank]),
+                slot_map=_committed(cache.slot_map[rank]),
             ),
         )
 
@@ -390,7 +397,7 @@ class ExpertOffload:
                 gate_proj=slots[0],
                 up_proj=slots[1],
                 down_proj=slots[2],
-                slot_map=jnp.asarray(cache.slot_map[rank]),
+                slot_map=_committed(cache.slot_map[rank]),
             ),
         )
 

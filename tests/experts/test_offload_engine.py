@@ -171,9 +171,14 @@ def test_statistics_add_up(model, artifact):
         assert (cache.slot_map[layer] >= 0).sum() == SLOTS
 
 
-def test_no_compilation_after_warmup_while_slots_change(model):
+@pytest.mark.parametrize("host_reads", ["callback", "program"])
+def test_no_compilation_after_warmup_while_slots_change(model, host_reads):
+    """Swapped slots come out of the slot programs committed to the device, and so were built:
+    a swap never makes the step programs compile again (it once did with host reads in the
+    program, every step, costing seconds per token on a GPU)."""
     cfg, params = model
-    core = EngineCore(cfg, params, CONFIG.replace(gpu_expert_budget=budget(params, SLOTS)))
+    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_host_reads=host_reads)
+    core = EngineCore(cfg, params, config)
     compiles = []
 
     def listener(event, duration, **kwargs):
