@@ -253,7 +253,8 @@ SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs <
 
 def _variants(fmt: str, batch: int) -> list[str]:
     gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv"]
-    return (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
+    words = ["dot_w", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
+    return words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
 
 
 def _splits(n_tiles: int, k_steps: int) -> list[int]:
@@ -274,7 +275,7 @@ def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]
             block_ns = [32, 16, 64]
             block_ks = [512, 1024, 256] if fmt == "nvfp4" else [256, 512, 128]
         else:
-            block_ns = [64, 128] if variant == "dot_t" else [64, 32, 128]
+            block_ns = [64, 128] if variant.startswith("dot_t") else [64, 32, 128]
             block_ks = [256, 512] if fmt == "nvfp4" else [128, 256]
         if fmt == "fp8_block128":
             block_ns, block_ks = [b for b in block_ns if b <= 128], [b for b in block_ks if b <= 128]
@@ -522,13 +523,23 @@ PREFILL_TILES = [
 QUICK_PREFILL_TILES = [(32, 32, 64, 4, 3, 2), (64, 64, 64, 4, 3, 8)]
 
 
-def prefill_configs(quick: bool) -> list[qc.MatmulConfig]:
-    """The "tiled" configurations of the prefill sweep (all valid for 128-element scale blocks)."""
+def prefill_configs(quick: bool, fmt: str = "fp8") -> list[qc.MatmulConfig]:
+    """The "tiled" configurations of the prefill sweep (all valid for 128-element scale blocks);
+    NVFP4 alternates them with "tiled_w" (the word-decoded float16 GEMM, block_k >= 128)."""
     tiles = QUICK_PREFILL_TILES if quick else PREFILL_TILES
-    return [
+    plain = [
         qc.MatmulConfig("tiled", bn, bk, 1, warps, stages, block_m=bm, group_m=group)
         for bm, bn, bk, warps, stages, group in tiles
     ]
+    if fmt != "nvfp4":
+        return plain
+    words = list(
+        dict.fromkeys(
+            qc.MatmulConfig("tiled_w", bn, max(bk, 128), 1, warps, stages, block_m=bm, group_m=group)
+            for bm, bn, bk, warps, stages, group in tiles
+        )
+    )
+    return [c for pair in zip(words, plain, strict=False) for c in pair] + plain[len(words) :]
 
 
 def _dequantize(fmt: str, weight: tuple, static: dict) -> jax.Array:
@@ -645,6 +656,23 @@ def _prefill_record(model, layer, fmt, n, k, m, res, ceiling, *, machine, commit
     )
 
 
+def _xla_prefill_record(model, layer, fmt, n, k, m, res, ceiling, *, machine, commit):
+    """The same point through XLA's dequantize + dot (what weights.quant runs past SMALL_M_MAX
+    while it beats the kernel), so the table shows the faster of the two paths."""
+    flops = 2 * m * n * k
+    return make_record(
+        f"prefill matmul {model} {layer} {n}x{k} {fmt} m{m} xla dequantize+dot",
+        flops / res["xla_s"] / 1e12,
+        "TFLOP/s",
+        ceiling.figure,
+        "TFLOP/s",
+        machine=machine,
+        commit=commit,
+        details={"m": m, "n": n, "k": k, "format": fmt, "flops": flops, "median_s": res["xla_s"],
+                 "ceiling": ceiling.name, "jax": jax.__version__},
+    )  # fmt: skip
+
+
 def run_prefill(args) -> list:
     """`--prefill`: see the module docstring. Writes the records after every point; raises at the
     end when a configuration disagreed with the reference or a point had no valid result."""
@@ -657,11 +685,10 @@ def run_prefill(args) -> list:
     slug = machine_slug(machine)
     out_path = args.out or f"kernels-prefill-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, ms)
-    configs = prefill_configs(args.quick)
     bf16 = measure_matmul(jnp.bfloat16, QUICK if args.quick else Sizes())
     print(f"{bf16.name}: {bf16.figure:.1f} TFLOP/s")
     print(
-        f"prefill: {len(points)} shape x format points at M {ms}: {len(configs)} tile configs at "
+        f"prefill: {len(points)} shape x format points at M {ms}: {len(prefill_configs(args.quick))}+ tile configs at "
         f"M={ms[0]}, its winner and the default below; budget {args.prefill_budget_s:.0f} s"
     )
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.compile_threads))
@@ -678,7 +705,7 @@ def run_prefill(args) -> list:
                 print(f"prefill budget spent: skipping {fmt} {n}x{k} m{m}")
                 continue
             if m == ms[0]:  # the sweep: 1.5 shares; the smaller Ms: winner and default, 0.5 share
-                point_configs, deadline = configs, time.perf_counter() + 1.5 * share
+                point_configs, deadline = prefill_configs(args.quick, fmt), time.perf_counter() + 1.5 * share
             else:
                 default = qc.pick_config(defaults, m)
                 point_configs = list(dict.fromkeys(c for c in (winner, default) if c is not None))
@@ -709,7 +736,9 @@ def run_prefill(args) -> list:
                         interpret=interpret,
                     )
                 )
-            rec, flops = records[-1], 2 * m * n * k
+                records.append(_xla_prefill_record(model, layer, fmt, n, k, m, res, bf16, machine=machine,
+                                                   commit=commit))  # fmt: skip
+            rec, flops = records[-2], 2 * m * n * k
             print(
                 f"{fmt:12s} {n:6d}x{k:<6d} m{m:<5d} {rec.figure:7.1f} TFLOP/s {rec.fraction:6.1%} of bf16  "
                 f"(xla dequant+dot {flops / res['xla_s'] / 1e12:6.1f}, bf16 dot "

@@ -87,8 +87,8 @@ def resolve_config(
     split K) the largest decode entry is the base instead.
     """
     base = pick_config(table, m)
-    if variant is None and split_k is not None and split_k > 1 and base.variant == "tiled":
-        base = pick_config({k: c for k, c in table.items() if c.variant != "tiled"}, m)
+    if variant is None and split_k is not None and split_k > 1 and is_tiled(base.variant):
+        base = pick_config({k: c for k, c in table.items() if not is_tiled(c.variant)}, m)
     if variant is not None and variant not in variants:
         raise ValueError(f"variant={variant!r} must be one of {variants}")
     chosen = {
@@ -104,8 +104,8 @@ def resolve_config(
     cfg = dataclasses.replace(base, **{k: v for k, v in chosen.items() if v is not None})
     if is_gemv(cfg.variant) and m > GEMV_MAX_M:
         raise ValueError(f"variant='gemv' serves M <= {GEMV_MAX_M}; got M={m}")
-    if cfg.variant == "tiled" and cfg.split_k != 1:
-        raise ValueError(f"variant='tiled' takes split_k=1; got split_k={cfg.split_k}")
+    if is_tiled(cfg.variant) and cfg.split_k != 1:
+        raise ValueError(f"variant={cfg.variant!r} takes split_k=1; got split_k={cfg.split_k}")
     if cfg.group_m < 1:
         raise ValueError(f"group_m={cfg.group_m} must be >= 1")
     return cfg
@@ -114,6 +114,11 @@ def resolve_config(
 def is_gemv(variant: str) -> bool:
     """True for the CUDA-core formulations ("gemv" and its variants), which take all rows at once."""
     return variant.startswith("gemv")
+
+
+def is_tiled(variant: str) -> bool:
+    """True for the prefill formulations ("tiled" and NVFP4's "tiled_w"): flat grid, no split K."""
+    return variant.startswith("tiled")
 
 
 def grouped_tile(pid: jax.Array, m_tiles: int, n_tiles: int, group_m: int) -> tuple[jax.Array, jax.Array]:
@@ -154,6 +159,57 @@ def e2m1_f16_bits(byte: jax.Array, *, high: bool) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 
 
+E2M1_WORD_MAGNITUDE = 0x0E000E00  # float16 bits 11..9 of both halves of a uint32
+E2M1_WORD_SIGN = 0x80008000  # float16 bit 15 of both halves
+
+
+def e2m1_word_f16(words: jax.Array) -> list[jax.Array]:
+    """uint32 words of packed NVFP4 (4 bytes = 8 elements, element 2i in the low nibble of byte i)
+    -> the 8 elements as float16 arrays of the words' shape, in element order, each E2M1 / 2**14.
+
+    The float16 bit placement of `e2m1_f16_bits`, done on whole 32-bit words: one shift pair and
+    one and-or (a single LOP3 on the GPU) places the nibbles of two elements, four bytes apart, in
+    the two float16 halves of a word at once, and each half is then a float16 by a bitcast alone.
+    About 1.4 integer ops per element and no float conversion at all: on Hopper a conversion
+    issues at 16 per clock per SM, an eighth of the float32 rate, which is what held the nibble
+    decode (two conversions per element) to a fifth of HBM bandwidth.
+    """
+    mag, sign = jnp.uint32(E2M1_WORD_MAGNITUDE), jnp.uint32(E2M1_WORD_SIGN)
+    pairs = (  # (element j, element j + 4) in the (low, high) halves: nibble j of each half
+        ((words << 9) & mag) | ((words << 12) & sign),
+        ((words << 5) & mag) | ((words << 8) & sign),
+        ((words << 1) & mag) | ((words << 4) & sign),
+        ((words >> 3) & mag) | (words & sign),
+    )
+    low = [jax.lax.bitcast_convert_type(p.astype(jnp.uint16), jnp.float16) for p in pairs]
+    high = [jax.lax.bitcast_convert_type((p >> 16).astype(jnp.uint16), jnp.float16) for p in pairs]
+    return low + high
+
+
+F16_ROW_MAX = 2.0**14  # `f16_rows` scales each activation row's max |x| to below this
+
+
+def f16_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (x * 2**s[m] as float16, 2**-s[m] as float32 [M]): each row scaled by a power of
+    two so its max |x| lands in [2**13, 2**14), far inside float16's range (65504) whatever the
+    activations' size, and bf16 values keep every bit (float16 has 3 more mantissa bits). The
+    caller multiplies row m of its float32 result by the second output. The exponent is clipped
+    to +-60 (all-zero and denormal rows stay finite)."""
+    xf = x.astype(jnp.float32)
+    _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))  # max |x| in [2**(e-1), 2**e)
+    s = jnp.clip(14 - e, -60, 60).astype(jnp.int32)
+    one = jnp.ones(s.shape, jnp.float32)
+    return (xf * jnp.ldexp(one, s)[:, None]).astype(jnp.float16), jnp.ldexp(one, -s)
+
+
+def word_columns(x: jax.Array) -> jax.Array:
+    """x [M, K] -> [M, K] with column p * K/8 + j holding x[:, 8j + p]: the activation columns in
+    the order `e2m1_word_f16` yields weight elements (element p of word j), so a kernel reads the
+    columns that multiply element p of a run of words as one contiguous [rows, words] tile."""
+    m, k = x.shape
+    return x.reshape(m, k // 8, 8).transpose(0, 2, 1).reshape(m, k)
+
+
 def load(view, mask: jax.Array | None) -> jax.Array:
     """Load a ref view; zeros where `mask` is False. mask=None: a plain load (the static
     mask-free path taken when N and K divide the tiles)."""
@@ -186,9 +242,10 @@ def accumulate_and_store(step, steps, *, variant, rows, bn, gemv_width, out_ref,
                 mask=None if n_mask is None else n_mask[None, :],
             )
         return
-    shape = (rows, bn) if variant == "dot" else (bn, rows)
+    transposed = variant.startswith("dot_t")  # "dot_t" and NVFP4's "dot_t_w": [N, M] tiles
+    shape = (bn, rows) if transposed else (rows, bn)
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
-    if variant == "dot":
+    if not transposed:
         view = out_ref.at[split, compat.ds(row0, rows), compat.ds(col0, bn)]
         mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)
     else:

@@ -24,6 +24,12 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
   "tiled"    prefill (large M): [block_m, block_n] output tiles on a flat grid in grouped order,
              each weight tile decoded to bf16 once per K step for all block_m rows; writes y
              directly (tensor scale applied, no split K, no padding of x).
+  "dot_w", "dot_t_w", "tiled_w"
+             the same three on float16 tensor cores with the weight decoded from whole 32-bit
+             words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
+             the nibble decode above); the activation enters as float16, each row scaled by a
+             power of two (`_quant_common.f16_rows`: exact for bf16 inputs) and its columns
+             reordered to the words' element order (`_quant_common.word_columns`).
 The entry picks the formulation by M from `DEFAULT_CONFIGS` unless told.
 
 Grid: (M tiles, N tiles, split_k). split_k > 1 splits the K loop over programs (more programs
@@ -44,8 +50,9 @@ from pallas_kernels import compat
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t")
-VARIANTS = (*DECODE_VARIANTS, "tiled")
+DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w")
+VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
+WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w")  # float16 dots on weights decoded from uint32 words
 
 # Default configuration by the largest M it serves (qc.pick_config): fill in from
 # `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
@@ -245,7 +252,117 @@ def _nvfp4_tiled_kernel(
     compat.store(view, y, mask=_mask2(m_mask, n_mask, (bm, bn)))
 
 
-def validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, split_k) -> None:
+def _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask):
+    """The [bn, bw] float16 block scale of each weight word of one K step (one e4m3 scale covers
+    two words), loaded as uint8 bits (see `_nvfp4_kernel`). e4m3 is exact in float16."""
+    bs = bw // 2
+    bits = qc.load(scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs)))
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
+    return jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
+
+
+def _word_step_dots(acc, x_ref, words, scale, *, row0, rows, words_k, kw, bw, k_mask, m_mask, transposed):
+    """acc += x [rows, 8 words' elements] @ W.T for one K step of `bw` words: 8 float16 dots, one per
+    element position p of the words (x columns p * K/8 + kw ..., see `_quant_common.word_columns`).
+    code / 2**14 times an e4m3 scale is exact in float16 (<= 6 significant bits, >= 2**-24)."""
+    f32 = jnp.float32
+    x_mask = _mask2(m_mask, k_mask, (rows, bw))
+    for p, w in enumerate(qc.e2m1_word_f16(words)):
+        w = w * scale
+        xp = qc.load(x_ref.at[compat.ds(row0, rows), compat.ds(p * words_k + kw, bw)], x_mask)
+        if transposed:  # [bn, bw] x [rows, bw] -> [bn, rows]
+            acc += jax.lax.dot_general(w, xp, qc.dims_nt(), preferred_element_type=f32)
+        else:  # [rows, bw] x [bn, bw] -> [rows, bn]
+            acc += jax.lax.dot_general(xp, w, qc.dims_nt(), preferred_element_type=f32)
+    return acc
+
+
+def _nvfp4_word_kernel(
+    x_ref,  # [Mp, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    words_ref,  # [N, K/8] uint32: bytes 4j .. 4j+3 of each packed row (elements 8j .. 8j+7)
+    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
+    out_ref,  # float32 partial sums: [split_k, Mp, N] (dot_w) or [split_k, N, Mp] (dot_t_w)
+    *,
+    variant: str,
+    rows: int,  # block_m
+    n_size: int,
+    words_k: int,  # K / 8
+    block_n: int,
+    block_w: int,  # words per row per K step (block_k / 8)
+    steps: int,
+    even_n: bool,
+    even_k: bool,
+):
+    i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
+    col0, bn, bw = j * block_n, block_n, block_w
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
+
+    def step(t, acc):
+        kw = (split * steps + t) * bw  # word column of this K step
+        k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
+        s_mask = None if even_k else (kw // 2 + jnp.arange(bw // 2)) < words_k // 2
+        words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+        scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
+        return _word_step_dots(
+            acc, x_ref, words, scale, row0=i * rows, rows=rows, words_k=words_k, kw=kw, bw=bw,
+            k_mask=k_mask, m_mask=None, transposed=variant == "dot_t_w",
+        )  # fmt: skip
+
+    qc.accumulate_and_store(
+        step, steps, variant=variant, rows=rows, bn=bn, gemv_width=0,
+        out_ref=out_ref, split=split, row0=i * rows, col0=col0, n_mask=n_mask,
+    )  # fmt: skip
+
+
+def _nvfp4_word_tiled_kernel(
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    row_scale_ref,  # [M, 1] float32: tensor scale * 2**14 / each row's power-of-two factor
+    words_ref,  # [N, K/8] uint32
+    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
+    out_ref,  # [M, N] in the output dtype, written once
+    *,
+    m_size: int,
+    n_size: int,
+    words_k: int,
+    block_m: int,
+    block_n: int,
+    block_w: int,
+    group_m: int,
+    even_m: bool,
+    even_n: bool,
+    even_k: bool,
+):
+    """One [block_m, block_n] output tile of "tiled_w": the prefill GEMM of "tiled" on float16
+    tensor cores, the weight tile decoded from words once per K step for all block_m rows."""
+    m_tiles, n_tiles = qc.tiled_grid(m_size, n_size, block_m, block_n)
+    i, j = qc.grouped_tile(compat.program_id(0), m_tiles, n_tiles, group_m)
+    row0, col0, bm, bn, bw = i * block_m, j * block_n, block_m, block_n, block_w
+    m_mask = None if even_m else (row0 + jnp.arange(bm)) < m_size
+    n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
+
+    def step(t, acc):
+        kw = t * bw
+        k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
+        s_mask = None if even_k else (kw // 2 + jnp.arange(bw // 2)) < words_k // 2
+        words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+        scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
+        return _word_step_dots(
+            acc, x_ref, words, scale, row0=row0, rows=bm, words_k=words_k, kw=kw, bw=bw,
+            k_mask=k_mask, m_mask=m_mask, transposed=False,
+        )  # fmt: skip
+
+    acc = jax.lax.fori_loop(0, compat.cdiv(words_k, bw), step, jnp.zeros((bm, bn), jnp.float32))
+    row_scale = qc.load(row_scale_ref.at[compat.ds(row0, bm), compat.ds(0, 1)], _mask2(m_mask, None, (bm, 1)))
+    view = out_ref.at[compat.ds(row0, bm), compat.ds(col0, bn)]
+    compat.store(view, (acc * row_scale).astype(out_ref.dtype), mask=_mask2(m_mask, n_mask, (bm, bn)))
+
+
+WORD_MIN_BLOCK_K = 128  # word variants: a dot spans block_k / 8 words, and Triton dots need >= 16
+
+
+def validate_nvfp4_matmul(
+    x, packed, block_scale, tensor_scale, block_m, block_n, block_k, split_k, variant: str = "dot"
+) -> None:
     """Raise ValueError naming the offending value when the inputs or tile sizes do not fit."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K]; got shape {x.shape}")
@@ -270,6 +387,11 @@ def validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n
             raise ValueError(f"{name}={v} must be a power of two >= {low}")
     if split_k < 1:
         raise ValueError(f"split_k={split_k} must be >= 1")
+    if variant in WORD_VARIANTS and block_k < WORD_MIN_BLOCK_K:
+        raise ValueError(
+            f"block_k={block_k} must be >= {WORD_MIN_BLOCK_K} for variant={variant!r} "
+            "(its dots run over block_k / 8 words, and Triton dots need 16)"
+        )
 
 
 def default_block_m(m: int) -> int:
@@ -337,11 +459,13 @@ def nvfp4_matmul(
     gemv = qc.is_gemv(variant)
     block_m = default_block_m(m) if cfg.block_m is None else cfg.block_m
     validate_nvfp4_matmul(
-        x, packed, block_scale, tensor_scale, block_m, cfg.block_n, cfg.block_k, cfg.split_k
+        x, packed, block_scale, tensor_scale, block_m, cfg.block_n, cfg.block_k, cfg.split_k, variant
     )
     n, half_k = packed.shape
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    if variant in WORD_VARIANTS:
+        return _word_call(x, packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret)
     if variant == "tiled":
         return _tiled_call(
             x.astype(compute_dtype), packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret
@@ -414,3 +538,54 @@ def _tiled_call(
         jax.lax.bitcast_convert_type(block_scale, jnp.uint8),
         jnp.asarray(tensor_scale, jnp.float32).reshape(1, 1),
     )
+
+
+def _word_call(x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret):
+    """The word-decoded formulations: one XLA op before the kernel (x scaled per row to float16 and
+    its columns put in word order), and for "dot_w" / "dot_t_w" the split-K sum and the per-row
+    scales after it; "tiled_w" writes y itself."""
+    m = x.shape[0]
+    n, half_k = packed.shape
+    words_k = half_k // 4
+    words = jax.lax.bitcast_convert_type(packed.reshape(n, words_k, 4), jnp.uint32)  # little-endian
+    scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8)
+    block_w = cfg.block_k // 8
+    x16, inv = qc.f16_rows(x)
+    row_scale = inv * (jnp.asarray(tensor_scale, jnp.float32).reshape(()) * qc.E2M1_F16_SCALE)
+    params = qc.compiler_params(cfg)
+    if cfg.variant == "tiled_w":
+        m_tiles, n_tiles = qc.tiled_grid(m, n, block_m, cfg.block_n)
+        kernel = functools.partial(
+            _nvfp4_word_tiled_kernel, m_size=m, n_size=n, words_k=words_k, block_m=block_m,
+            block_n=cfg.block_n, block_w=block_w, group_m=cfg.group_m, even_m=m % block_m == 0,
+            even_n=n % cfg.block_n == 0, even_k=words_k % block_w == 0,
+        )  # fmt: skip
+        return compat.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+            grid=(m_tiles * n_tiles,),
+            compiler_params=params,
+            interpret=interpret,
+            name="nvfp4_matmul_tiled_w",
+        )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
+    m_pad = compat.cdiv(m, block_m) * block_m
+    xw = jnp.pad(qc.word_columns(x16), ((0, m_pad - m), (0, 0)))
+    steps = compat.cdiv(compat.cdiv(words_k, block_w), cfg.split_k)
+    kernel = functools.partial(
+        _nvfp4_word_kernel, variant=cfg.variant, rows=block_m, n_size=n, words_k=words_k,
+        block_n=cfg.block_n, block_w=block_w, steps=steps, even_n=n % cfg.block_n == 0,
+        even_k=words_k % (block_w * cfg.split_k) == 0,
+    )  # fmt: skip
+    transposed = cfg.variant == "dot_t_w"
+    out_shape = (cfg.split_k, n, m_pad) if transposed else (cfg.split_k, m_pad, n)
+    partial = compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(m_pad // block_m, compat.cdiv(n, cfg.block_n), cfg.split_k),
+        compiler_params=params,
+        interpret=interpret,
+        name=f"nvfp4_matmul_{cfg.variant}",
+    )(xw, words, scale_bits)
+    y = qc.split_sum(partial)
+    y = y.T[:m] if transposed else y[:m]
+    return (y * row_scale[:, None]).astype(out_dtype)
