@@ -14,6 +14,8 @@ from pallas_kernels.nvfp4_matmul import (
     DEFAULT_CONFIGS,
     E2M1_VALUES,
     VARIANTS,
+    WORD_MIN_BLOCK_K,
+    WORD_VARIANTS,
     decode_e2m1,
     nvfp4_matmul,
     reference_nvfp4_matmul,
@@ -44,6 +46,53 @@ def test_float16_bit_decode_matches_the_table_for_every_byte():
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
 
+def test_word_decode_matches_the_table_for_every_byte_in_every_position():
+    """All 256 bytes in each of a word's four bytes: element p of the word is nibble p (low nibble
+    first), and value * 2**14 is its E2M1 table entry, sign of zero included."""
+    table = np.asarray(E2M1_VALUES, np.float32)
+    byte = np.arange(256, dtype=np.uint8)
+    for position in range(4):
+        b = np.zeros((256, 4), np.uint8)
+        b[:, position] = byte
+        b[:, (position + 1) % 4] = byte[::-1]  # a neighbour that must not leak in
+        words = jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.uint32)
+        got = np.stack([np.asarray(e, np.float32) * qc.E2M1_F16_SCALE for e in qc.e2m1_word_f16(words)], -1)
+        want = np.stack([table[b & 0xF], table[b >> 4]], -1).reshape(256, 8)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_word_columns_put_element_p_of_each_word_together():
+    x = jnp.arange(2 * 32).reshape(2, 32)
+    got = np.asarray(qc.word_columns(x))
+    for p in range(8):
+        np.testing.assert_array_equal(got[:, p * 4 : (p + 1) * 4], np.asarray(x)[:, p::8])
+
+
+@pytest.mark.parametrize("variant", WORD_VARIANTS)
+def test_word_variants_keep_rows_of_any_size_exact(variant):
+    """float16 activations are scaled per row: rows far past float16's range (3e5) and far below
+    its normal range (1e-7) give the float32 reference's result beside an ordinary row."""
+    m = 65 if variant == "tiled_w" else 3
+    x, packed, block_scale, tensor_scale = _random_nvfp4(np.random.default_rng(11), m, 96, 512)
+    x = x * jnp.asarray(np.resize([3e5, 1.0, 1e-7], m)[:, None], jnp.bfloat16)
+    tiles = {"block_m": 32} if variant == "tiled_w" else {}
+    got = nvfp4_matmul(x, packed, block_scale, tensor_scale, variant=variant, block_n=32, block_k=128,
+                       out_dtype=jnp.float32, interpret=True, **tiles)  # fmt: skip
+    want = reference_nvfp4_matmul(x, packed, block_scale, tensor_scale)
+    assert np.isfinite(np.asarray(got)).all()
+    for row in range(3):  # each row against its own scale
+        np.testing.assert_allclose(
+            np.asarray(got[row]), np.asarray(want[row]), rtol=1e-5, atol=1e-5 * float(jnp.abs(want[row]).max())
+        )
+
+
+def test_word_variants_refuse_short_k_steps():
+    args = _random_nvfp4(np.random.default_rng(12), 2, 32, 256)
+    with pytest.raises(ValueError, match="block_k=64 must be >= 128 for variant='dot_w'"):
+        nvfp4_matmul(*args, variant="dot_w", block_k=64, interpret=True)
+
+
 CASES = [
     (1, 64, 256, {"block_n": 64, "block_k": 256}),  # decode, tiles divide evenly: no masks
     (3, 70, 96, {"block_n": 32, "block_k": 64}),  # ragged N and K
@@ -56,6 +105,8 @@ CASES = [
 def test_kernel_matches_reference(variant, m, n, k, tiles):
     rng = np.random.default_rng(m * 1000 + n + k)
     args = _random_nvfp4(rng, m, n, k)
+    if variant in WORD_VARIANTS:  # their dots span block_k / 8 words
+        tiles = {**tiles, "block_k": max(tiles["block_k"], WORD_MIN_BLOCK_K)}
     got = nvfp4_matmul(*args, variant=variant, out_dtype=jnp.float32, interpret=True, **tiles)
     want = reference_nvfp4_matmul(*args)
     assert got.shape == (m, n)
@@ -164,9 +215,12 @@ TILED_CASES = [
 
 
 @pytest.mark.parametrize("m,n,k,tiles", TILED_CASES)
-def test_tiled_formulation_matches_reference(m, n, k, tiles):
+@pytest.mark.parametrize("variant", ["tiled", "tiled_w"])
+def test_tiled_formulation_matches_reference(m, n, k, tiles, variant):
     args = _random_nvfp4(np.random.default_rng(m + n + k), m, n, k)
-    got = nvfp4_matmul(*args, variant="tiled", out_dtype=jnp.float32, interpret=True, **tiles)
+    if variant == "tiled_w":
+        tiles = {**tiles, "block_k": max(tiles["block_k"], WORD_MIN_BLOCK_K)}
+    got = nvfp4_matmul(*args, variant=variant, out_dtype=jnp.float32, interpret=True, **tiles)
     want = reference_nvfp4_matmul(*args)
     assert got.shape == (m, n)
     np.testing.assert_allclose(
@@ -189,7 +243,9 @@ def test_tiled_is_the_default_past_the_decode_table_and_writes_the_activation_dt
     "m,n,k,block_m,block_n,block_k",
     [(4096, 384, 1024, 256, 256, 128), (4096, 384, 1024, 128, 128, 64), (1000, 100, 1536, 128, 256, 128)],
 )
-def test_tiled_large_tiles_lower_to_a_triton_call_for_cuda(m, n, k, block_m, block_n, block_k):
+@pytest.mark.parametrize("variant", ["tiled", "tiled_w"])
+def test_tiled_large_tiles_lower_to_a_triton_call_for_cuda(m, n, k, block_m, block_n, block_k, variant):
+    block_k = max(block_k, WORD_MIN_BLOCK_K) if variant == "tiled_w" else block_k
     shapes = (
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
         jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
@@ -197,10 +253,10 @@ def test_tiled_large_tiles_lower_to_a_triton_call_for_cuda(m, n, k, block_m, blo
         jax.ShapeDtypeStruct((), jnp.float32),
     )
     fn = jax.jit(
-        functools.partial(nvfp4_matmul, variant="tiled", block_m=block_m, block_n=block_n, block_k=block_k)
+        functools.partial(nvfp4_matmul, variant=variant, block_m=block_m, block_n=block_n, block_k=block_k)
     )
     text = compat.lower_for_cuda(fn, *shapes)
-    assert "xla.gpu.triton" in text and "nvfp4_matmul_tiled" in text
+    assert "xla.gpu.triton" in text and f"nvfp4_matmul_{variant}" in text
 
 
 def test_tiled_refuses_split_k():
