@@ -278,13 +278,14 @@ def _word_step_dots(acc, x_ref, words, scale, *, row0, rows, words_k, kw, bw, k_
 
 
 def _nvfp4_word_kernel(
-    x_ref,  # [Mp, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
     words_ref,  # [N, K/8] uint32: bytes 4j .. 4j+3 of each packed row (elements 8j .. 8j+7)
     scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
     out_ref,  # float32 partial sums: [split_k, Mp, N] (dot_w) or [split_k, N, Mp] (dot_t_w)
     *,
     variant: str,
     rows: int,  # block_m
+    m_size: int,
     n_size: int,
     words_k: int,  # K / 8
     block_n: int,
@@ -296,6 +297,9 @@ def _nvfp4_word_kernel(
     i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     col0, bn, bw = j * block_n, block_n, block_w
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
+    # x rows past M are masked, not padded: at decode (M = 1 in a 16-row dot) the padding would
+    # be read on every K step, twice the weight tile's bytes.
+    m_mask = None if m_size % rows == 0 else (i * rows + jnp.arange(rows)) < m_size
 
     def step(t, acc):
         kw = (split * steps + t) * bw  # word column of this K step
@@ -305,7 +309,7 @@ def _nvfp4_word_kernel(
         scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
         return _word_step_dots(
             acc, x_ref, words, scale, row0=i * rows, rows=rows, words_k=words_k, kw=kw, bw=bw,
-            k_mask=k_mask, m_mask=None, transposed=variant == "dot_t_w",
+            k_mask=k_mask, m_mask=m_mask, transposed=variant == "dot_t_w",
         )  # fmt: skip
 
     qc.accumulate_and_store(
@@ -569,10 +573,9 @@ def _word_call(x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block
             name="nvfp4_matmul_tiled_w",
         )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
     m_pad = compat.cdiv(m, block_m) * block_m
-    xw = jnp.pad(qc.word_columns(x16), ((0, m_pad - m), (0, 0)))
     steps = compat.cdiv(compat.cdiv(words_k, block_w), cfg.split_k)
     kernel = functools.partial(
-        _nvfp4_word_kernel, variant=cfg.variant, rows=block_m, n_size=n, words_k=words_k,
+        _nvfp4_word_kernel, variant=cfg.variant, rows=block_m, m_size=m, n_size=n, words_k=words_k,
         block_n=cfg.block_n, block_w=block_w, steps=steps, even_n=n % cfg.block_n == 0,
         even_k=words_k % (block_w * cfg.split_k) == 0,
     )  # fmt: skip
@@ -585,7 +588,7 @@ def _word_call(x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block
         compiler_params=params,
         interpret=interpret,
         name=f"nvfp4_matmul_{cfg.variant}",
-    )(xw, words, scale_bits)
+    )(qc.word_columns(x16), words, scale_bits)
     y = qc.split_sum(partial)
     y = y.T[:m] if transposed else y[:m]
     return (y * row_scale[:, None]).astype(out_dtype)

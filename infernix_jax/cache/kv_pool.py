@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from infernix_jax.cache.allocators import BLOCK_SIZE, NULL_BLOCK
-from infernix_jax.cache.decode_attention import use_decode_kernel
+from infernix_jax.cache.attention_choice import use_decode_kernel, use_prefill_kernel
 from infernix_jax.cache.kv_formats import SCALE_DTYPE, get_kv_format
 from infernix_jax.cache.sequence import ContiguousKV
 from infernix_jax.config import ModelConfig
@@ -122,9 +122,10 @@ class PagedKV:
     def attend(self, q: jax.Array, positions: jax.Array, scale: float) -> jax.Array:
         """Causal GQA attention of q [B, T, H, Dh] at positions [B, T] over each row's pages -> [B, T, H, Dh].
 
-        One-token queries on a GPU run the Pallas paged decode kernel (decode_attention.py); the
-        rest is plain XLA: gathers the row's blocks into a contiguous view and runs the same masked
-        float32-softmax attention as `ContiguousKV.attend` (a query at position p sees positions 0..p).
+        On a GPU, one-token queries run the Pallas paged decode kernel and chunks of 64 tokens or
+        more the paged prefill flash kernel (attention_choice.py); the rest is plain XLA: gathers
+        the row's blocks into a contiguous view and runs the same masked float32-softmax attention
+        as `ContiguousKV.attend` (a query at position p sees positions 0..p).
         """
         kernel, interpret = use_decode_kernel(q.shape[1])
         if kernel:
@@ -136,6 +137,15 @@ class PagedKV:
                 self.k_scales, self.v_scales, scale=scale, interpret=interpret,
             )  # fmt: skip
             return out[:, None].astype(q.dtype)
+        kernel, interpret = use_prefill_kernel(q.shape[1], q.shape[-1])
+        if kernel:
+            from pallas_kernels.flash_prefill import paged_prefill_attention
+
+            out = paged_prefill_attention(
+                q, self.k_pages, self.v_pages, self.block_table, positions.astype(jnp.int32),
+                self.k_scales, self.v_scales, scale=scale, interpret=interpret,
+            )  # fmt: skip
+            return out.astype(q.dtype)
         k, v = self.gather(q.dtype)
         return ContiguousKV(k, v).attend(q, positions, scale)
 

@@ -1,0 +1,92 @@
+"""Which implementation runs attention over the paged KV pool: a Pallas kernel or XLA.
+
+`PagedKV.attend` asks while tracing:
+
+* `use_decode_kernel(t)`: one-token queries (decode) through the paged decode attention kernel
+  (pallas_kernels/paged_attention.py: flash decoding over the pool's own blocks, no gather);
+* `use_prefill_kernel(t)`: chunks of at least `PREFILL_KERNEL_MIN_TOKENS` tokens (prefill)
+  through the paged prefill flash attention kernel (pallas_kernels/flash_prefill.py: causal,
+  over the pool's blocks, no [H, T, context] score tensor). On the H200 it ran a 4096-token chunk
+  at 32K context at 73% of the bf16 matmul rate, 2.5x XLA's path, and a 32K prompt in 4096-token
+  chunks 4.6x faster (bench/results/flash-prefill-nvidia-h200.json). Shorter multi-token queries
+  (linear speculative verify windows, small chunks) stay on XLA: with few queries per program the
+  kernel walks the whole context in one loop with no split over it.
+
+Anything else is the XLA path: gather the row's blocks into a contiguous view, then a masked
+softmax. All give the same result within float rounding (tests/pallas_kernels compare each kernel
+with `PagedKV.attend` on pages written by `PagedKV.write`).
+
+Each choice comes from an environment variable read at import, `INFERNIX_DECODE_ATTENTION` and
+`INFERNIX_PREFILL_ATTENTION`, or the context managers `decode_attention_mode` /
+`prefill_attention_mode`: "auto" (the kernel on a GPU, XLA elsewhere), "kernel", "xla", or
+"interpret" (the kernel through the Pallas interpreter: CPU tests of that path). They are read
+when a program is traced, so set them before an engine compiles its programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+MODES = ("auto", "kernel", "xla", "interpret")
+DEFAULT_MODE = "auto"
+PREFILL_KERNEL_MIN_TOKENS = 64  # query tokens per row from which prefill runs the flash kernel
+
+
+def _from_env(name: str) -> str:
+    mode = os.environ.get(name, DEFAULT_MODE)
+    if mode not in MODES:
+        raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode
+
+
+_modes = {"decode": _from_env("INFERNIX_DECODE_ATTENTION"), "prefill": _from_env("INFERNIX_PREFILL_ATTENTION")}
+
+
+@contextlib.contextmanager
+def _mode(kind: str, mode: str) -> Iterator[None]:
+    if mode not in MODES:
+        raise ValueError(f"{kind} attention mode must be one of {', '.join(MODES)}; got {mode!r}")
+    previous, _modes[kind] = _modes[kind], mode
+    try:
+        yield
+    finally:
+        _modes[kind] = previous
+
+
+def decode_attention_mode(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Choose the decode (one-token) attention implementation for programs traced inside this block."""
+    return _mode("decode", mode)
+
+
+def prefill_attention_mode(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Choose the prefill (chunk) attention implementation for programs traced inside this block."""
+    return _mode("prefill", mode)
+
+
+def _choice(mode: str) -> tuple[bool, bool]:
+    if mode == "xla":
+        return False, False
+    if mode == "interpret":
+        return True, True
+    if mode == "kernel":
+        return True, False
+    from pallas_kernels import compat
+
+    return compat.on_gpu(), False
+
+
+def use_decode_kernel(tokens_per_row: int) -> tuple[bool, bool]:
+    """(run the Pallas decode kernel, through the interpreter) for `tokens_per_row` query tokens."""
+    if tokens_per_row != 1:
+        return False, False
+    return _choice(_modes["decode"])
+
+
+def use_prefill_kernel(tokens_per_row: int, head_dim: int) -> tuple[bool, bool]:
+    """(run the Pallas prefill flash kernel, through the interpreter) for a chunk of
+    `tokens_per_row` query tokens; the kernel's tiles need a power-of-two head_dim >= 16."""
+    if tokens_per_row < PREFILL_KERNEL_MIN_TOKENS or head_dim < 16 or head_dim & (head_dim - 1):
+        return False, False
+    return _choice(_modes["prefill"])
