@@ -256,7 +256,9 @@ def _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask):
     """The [bn, bw] float16 block scale of each weight word of one K step (one e4m3 scale covers
     two words), loaded as uint8 bits (see `_nvfp4_kernel`). e4m3 is exact in float16."""
     bs = bw // 2
-    bits = qc.load(scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs)))
+    bits = qc.load(
+        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
+    )
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
     return jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
 
@@ -305,7 +307,9 @@ def _nvfp4_word_kernel(
         kw = (split * steps + t) * bw  # word column of this K step
         k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
         s_mask = None if even_k else (kw // 2 + jnp.arange(bw // 2)) < words_k // 2
-        words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+        words = qc.load(
+            words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
+        )
         scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
         return _word_step_dots(
             acc, x_ref, words, scale, row0=i * rows, rows=rows, words_k=words_k, kw=kw, bw=bw,
@@ -348,7 +352,9 @@ def _nvfp4_word_tiled_kernel(
         kw = t * bw
         k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
         s_mask = None if even_k else (kw // 2 + jnp.arange(bw // 2)) < words_k // 2
-        words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+        words = qc.load(
+            words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
+        )
         scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
         return _word_step_dots(
             acc, x_ref, words, scale, row0=row0, rows=bm, words_k=words_k, kw=kw, bw=bw,
@@ -544,7 +550,9 @@ def _tiled_call(
     )
 
 
-def _word_call(x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret):
+def _word_call(
+    x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret
+):
     """The word-decoded formulations: one XLA op before the kernel (x scaled per row to float16 and
     its columns put in word order), and for "dot_w" / "dot_t_w" the split-K sum and the per-row
     scales after it; "tiled_w" writes y itself."""

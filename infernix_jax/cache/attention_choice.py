@@ -41,7 +41,10 @@ def _from_env(name: str) -> str:
     return mode
 
 
-_modes = {"decode": _from_env("INFERNIX_DECODE_ATTENTION"), "prefill": _from_env("INFERNIX_PREFILL_ATTENTION")}
+_modes = {
+    "decode": _from_env("INFERNIX_DECODE_ATTENTION"),
+    "prefill": _from_env("INFERNIX_PREFILL_ATTENTION"),
+}
 
 
 @contextlib.contextmanager

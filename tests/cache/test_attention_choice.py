@@ -70,7 +70,9 @@ def test_prefill_chunks_through_the_kernel_equal_the_xla_path(fmt):
     kv = _written_pool(fmt, rng)
     t = PREFILL_KERNEL_MIN_TOKENS
     q = jnp.asarray(rng.standard_normal((3, t, 6, 32)), jnp.float32)
-    positions = np.stack([np.arange(t), 100 + np.arange(t), np.where(np.arange(t) < 40, 20 + np.arange(t), -1)])
+    positions = np.stack(
+        [np.arange(t), 100 + np.arange(t), np.where(np.arange(t) < 40, 20 + np.arange(t), -1)]
+    )
     positions = jnp.asarray(positions, jnp.int32)
     with prefill_attention_mode("xla"):
         want = np.asarray(kv.attend(q, positions, 32**-0.5))
