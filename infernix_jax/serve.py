@@ -171,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     experts.add_argument(
         "--expert-host-reads",
         default=None,
-        choices=("callback", "program"),
-        help="how a missed expert reaches the GPU: a host callback per layer that misses (default; "
-        "any tier), or a copy from pinned host memory inside the program (every expert in RAM)",
+        choices=("auto", "callback", "program"),
+        help="how a missed expert reaches the GPU: a host callback per layer that misses (any tier), "
+        "a copy from pinned host memory inside the program (every expert in RAM), or auto (default: "
+        "program on a GPU when every expert fits in RAM, else callback)",
     )
 
     server = parser.add_argument_group("server")
