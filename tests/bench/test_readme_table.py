@@ -19,3 +19,15 @@ def test_known_files_come_first_and_unknown_ones_are_listed_after(tmp_path):
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names == ["decode 27b", "prefix replay share", "zz new benchmark"]
     assert rows[0].endswith("| 2 tok/s | 4 tok/s | 50.0% | abcdef12 |")
+
+
+def test_prefill_kernel_files_show_the_largest_matrix_at_m4096_by_kernel_and_by_xla(tmp_path):
+    names = [f"prefill matmul 27b {layer} nvfp4 m{m}{path}" for layer in ("gate_up", "down")
+             for m in (4096, 1024) for path in ("", " xla dequantize+dot")]  # fmt: skip
+    write_records([record(n) for n in names], tmp_path / "kernels-prefill-nvidia-h200.json")
+    rows = table(tmp_path).splitlines()[2:]
+    shown = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert shown == [
+        "prefill matmul 27b gate_up nvfp4 m4096",
+        "prefill matmul 27b gate_up nvfp4 m4096 xla dequantize+dot",
+    ]
