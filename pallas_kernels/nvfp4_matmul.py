@@ -252,22 +252,22 @@ def _nvfp4_tiled_kernel(
     compat.store(view, y, mask=_mask2(m_mask, n_mask, (bm, bn)))
 
 
-def _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask):
-    """The [bn, bw] float16 block scale of each weight word of one K step (one e4m3 scale covers
-    two words), loaded as uint8 bits (see `_nvfp4_kernel`). e4m3 is exact in float16."""
-    bs = bw // 2
+def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, row0, rows,
+               m_mask, transposed):  # fmt: skip
+    """acc += x [rows, 8 * bw elements] @ W.T for the K step of `bw` weight words starting at word
+    column kw: the [bn, bw] words and their block scales (one e4m3 scale covers two words, loaded
+    as uint8 bits as in `_nvfp4_kernel`; exact in float16), then 8 float16 dots, one per element
+    position p of the words (x columns p * K/8 + kw ..., see `_quant_common.word_columns`).
+    code / 2**14 times an e4m3 scale is exact in float16 (<= 6 significant bits, >= 2**-24)."""
+    bs, f32 = bw // 2, jnp.float32
+    k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
+    s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
+    words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
     bits = qc.load(
         scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
     )
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
-    return jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
-
-
-def _word_step_dots(acc, x_ref, words, scale, *, row0, rows, words_k, kw, bw, k_mask, m_mask, transposed):
-    """acc += x [rows, 8 words' elements] @ W.T for one K step of `bw` words: 8 float16 dots, one per
-    element position p of the words (x columns p * K/8 + kw ..., see `_quant_common.word_columns`).
-    code / 2**14 times an e4m3 scale is exact in float16 (<= 6 significant bits, >= 2**-24)."""
-    f32 = jnp.float32
+    scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
     x_mask = _mask2(m_mask, k_mask, (rows, bw))
     for p, w in enumerate(qc.e2m1_word_f16(words)):
         w = w * scale
@@ -304,16 +304,10 @@ def _nvfp4_word_kernel(
     m_mask = None if m_size % rows == 0 else (i * rows + jnp.arange(rows)) < m_size
 
     def step(t, acc):
-        kw = (split * steps + t) * bw  # word column of this K step
-        k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
-        s_mask = None if even_k else (kw // 2 + jnp.arange(bw // 2)) < words_k // 2
-        words = qc.load(
-            words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
-        )
-        scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
-        return _word_step_dots(
-            acc, x_ref, words, scale, row0=i * rows, rows=rows, words_k=words_k, kw=kw, bw=bw,
-            k_mask=k_mask, m_mask=m_mask, transposed=variant == "dot_t_w",
+        return _word_step(
+            acc, x_ref, words_ref, scale_ref, kw=(split * steps + t) * bw, col0=col0, bn=bn, bw=bw,
+            n_mask=n_mask, words_k=words_k, even_k=even_k, row0=i * rows, rows=rows, m_mask=m_mask,
+            transposed=variant == "dot_t_w",
         )  # fmt: skip
 
     qc.accumulate_and_store(
@@ -349,16 +343,9 @@ def _nvfp4_word_tiled_kernel(
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
 
     def step(t, acc):
-        kw = t * bw
-        k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
-        s_mask = None if even_k else (kw // 2 + jnp.arange(bw // 2)) < words_k // 2
-        words = qc.load(
-            words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw))
-        )
-        scale = _scale_f16(scale_ref, col0, kw, bn, bw, n_mask, s_mask)
-        return _word_step_dots(
-            acc, x_ref, words, scale, row0=row0, rows=bm, words_k=words_k, kw=kw, bw=bw,
-            k_mask=k_mask, m_mask=m_mask, transposed=False,
+        return _word_step(
+            acc, x_ref, words_ref, scale_ref, kw=t * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
+            words_k=words_k, even_k=even_k, row0=row0, rows=bm, m_mask=m_mask, transposed=False,
         )  # fmt: skip
 
     acc = jax.lax.fori_loop(0, compat.cdiv(words_k, bw), step, jnp.zeros((bm, bn), jnp.float32))
