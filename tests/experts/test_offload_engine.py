@@ -342,5 +342,5 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
     )
     with pytest.raises(ValueError, match="every expert in host RAM"):
         EngineCore(cfg, params, config.replace(expert_host_reads="program"))
-    with pytest.raises(ValueError, match="expert_host_reads must be callback or program"):
+    with pytest.raises(ValueError, match="expert_host_reads must be auto, callback or program"):
         CONFIG.replace(expert_host_reads="dma")
