@@ -65,6 +65,19 @@ def on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def kernel_choice(mode: str) -> tuple[bool, bool]:
+    """(run the Pallas kernel, through the interpreter) for a dispatch mode: "kernel" compiled,
+    "interpret" through the Pallas interpreter (CPU tests of a kernel path), "auto" compiled on a
+    GPU and not elsewhere; any other mode names the plain-JAX path ("xla", "reference")."""
+    if mode == "interpret":
+        return True, True
+    if mode == "kernel":
+        return True, False
+    if mode == "auto":
+        return on_gpu(), False
+    return False, False
+
+
 def pow2_at_least(n: int, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor); Triton tiles must have power-of-two sizes."""
     n = max(int(n), int(floor))

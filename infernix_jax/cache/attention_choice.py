@@ -68,23 +68,17 @@ def prefill_attention_mode(mode: str) -> contextlib.AbstractContextManager[None]
     return _mode("prefill", mode)
 
 
-def _choice(mode: str) -> tuple[bool, bool]:
-    if mode == "xla":
-        return False, False
-    if mode == "interpret":
-        return True, True
-    if mode == "kernel":
-        return True, False
-    from pallas_kernels import compat
+def _kernel_choice(kind: str) -> tuple[bool, bool]:
+    from pallas_kernels import compat  # the cache package imports Pallas only when asked
 
-    return compat.on_gpu(), False
+    return compat.kernel_choice(_modes[kind])
 
 
 def use_decode_kernel(tokens_per_row: int) -> tuple[bool, bool]:
     """(run the Pallas decode kernel, through the interpreter) for `tokens_per_row` query tokens."""
     if tokens_per_row != 1:
         return False, False
-    return _choice(_modes["decode"])
+    return _kernel_choice("decode")
 
 
 def use_prefill_kernel(tokens_per_row: int, head_dim: int) -> tuple[bool, bool]:
@@ -92,4 +86,4 @@ def use_prefill_kernel(tokens_per_row: int, head_dim: int) -> tuple[bool, bool]:
     `tokens_per_row` query tokens; the kernel's tiles need a power-of-two head_dim >= 16."""
     if tokens_per_row < PREFILL_KERNEL_MIN_TOKENS or head_dim < 16 or head_dim & (head_dim - 1):
         return False, False
-    return _choice(_modes["prefill"])
+    return _kernel_choice("prefill")

@@ -82,13 +82,10 @@ def kernel_mode(mode: KernelMode) -> Iterator[None]:
 
 def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
     """(use the kernel, in interpret mode) for an activation with `rows` rows and a weight of ndim."""
-    if ndim != 2 or _mode == "reference":
+    if ndim != 2:
         return False, False
-    if _mode == "interpret":
-        return True, True
-    if _mode == "kernel":
-        return True, False
-    return compat.on_gpu() and rows <= SMALL_M_MAX, False
+    use, interpret = compat.kernel_choice(_mode)
+    return use and (_mode != "auto" or rows <= SMALL_M_MAX), interpret
 
 
 def _expert_kernel_choice() -> tuple[bool, bool]:
@@ -97,13 +94,7 @@ def _expert_kernel_choice() -> tuple[bool, bool]:
     (40 GiB for a 2048-token chunk over 512 experts of K = 2048, an out-of-memory on the H200),
     so the kernel serves prefill too. "kernel" / "interpret": any token count; "reference": never.
     (The token count only picks the tiles: `grouped_tiles`.)"""
-    if _mode == "reference":
-        return False, False
-    if _mode == "interpret":
-        return True, True
-    if _mode == "kernel":
-        return True, False
-    return compat.on_gpu(), False
+    return compat.kernel_choice(_mode)
 
 
 def leaf_nbytes(a: Any) -> int:
