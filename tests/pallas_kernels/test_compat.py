@@ -32,3 +32,10 @@ def test_triton_compiler_params_keep_the_values():
 
 def test_pow2_at_least():
     assert [compat.pow2_at_least(v, 16) for v in (1, 16, 17, 64)] == [16, 16, 32, 64]
+
+
+def test_kernel_choice_maps_each_dispatch_mode():
+    assert compat.kernel_choice("kernel") == (True, False)
+    assert compat.kernel_choice("interpret") == (True, True)
+    assert compat.kernel_choice("auto") == (False, False)  # this suite runs on the CPU backend
+    assert compat.kernel_choice("xla") == compat.kernel_choice("reference") == (False, False)
