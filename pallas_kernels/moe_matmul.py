@@ -34,7 +34,7 @@ once, whatever the number of rows routed to it, so with block_m >= the rows per 
 (<= tokens in decode) every distinct expert is read once and empty experts cost nothing. The
 programs of the last item also write the zeros of rows past sum(group_sizes), so with
 split_k = 1 the kernel writes y itself in the output dtype (NVFP4 adds one XLA op before it:
-the even / odd column split of x, as in nvfp4_matmul).
+the even / odd column split of x, as in nvfp4_matmul; the word variants' float16 rows instead).
 
 Formulations (`variant`):
   "gemv"   float32 FMAs on CUDA cores, one [block_n, block_k] accumulator per row of the item,
@@ -42,6 +42,14 @@ Formulations (`variant`):
   "dot"    x [block_m, bk] @ W.T on tensor cores (block_m >= 16, rows past the group masked);
   "dot_t"  W [block_n, bk] @ x.T (the weight tile as the left operand, Hopper wgmma from
            registers); decode batches whose groups hold several rows.
+  "dot_w", "dot_t_w"
+           NVFP4 only: "dot" and "dot_t" on float16 tensor cores with the weight decoded from
+           whole uint32 words (the K step of nvfp4_matmul's word variants, `_word_step`: no float
+           conversion per element). x enters as float16, each row scaled by a power of two
+           (`_quant_common.f16_rows`, exact for bf16 / f16) with its columns in word order
+           (`_quant_common.word_columns`); the kernel multiplies each row back by its factor, the
+           expert's tensor scale and 2**14 before the store. float32 x is refused (float16 would
+           round it); block_k >= WORD_MIN_BLOCK_K.
 Stacks are passed flattened to [E * N, ...] (a free reshape), so a tile's rows are
 `e * N + n0 ...` and a masked N edge never reads into the next expert. The per-expert scale
 (NVFP4 tensor scale, FP8 per-tensor scale) multiplies the float32 sum once; FP8 block scales
@@ -63,9 +71,11 @@ from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.nvfp4_matmul import BLOCK as NVFP4_BLOCK
-from pallas_kernels.nvfp4_matmul import _mask2, reference_nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import WORD_MIN_BLOCK_K, _mask2, _word_step, reference_nvfp4_matmul
 
-VARIANTS = ("gemv", "dot", "dot_t")
+WORD_VARIANTS = ("dot_w", "dot_t_w")  # NVFP4 only: float16 dots on weights decoded from uint32 words
+VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS)
+TRANSPOSED = ("dot_t", "dot_t_w")  # [block_n, block_m] accumulators
 ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
 FORMATS = ("nvfp4", "fp8", "plain")
 PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # weights the "plain" format takes
@@ -75,7 +85,7 @@ PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # weights the "plain" f
 class GroupedConfig:
     """One configuration of the grouped kernel."""
 
-    variant: str  # "gemv", "dot" or "dot_t" (module docstring)
+    variant: str  # "gemv", "dot", "dot_t", "dot_w" or "dot_t_w" (module docstring)
     block_m: int  # rows per work item: gemv 1..8 (unrolled), dot* a power of two >= 16
     block_n: int  # weight rows (output columns) per program; power of two >= 16
     block_k: int  # K elements per loop step; power of two
@@ -216,6 +226,8 @@ def _grouped_kernel(
     expert_scale_ref,  # [E] float32: per-expert scale multiplying the float32 sum (1 for FP8 blocks)
     *refs,
     # nvfp4: x_even [M, K/2], x_odd [M, K/2], packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
+    # nvfp4 dot_w / dot_t_w: x [M, K] f16 (qc.f16_rows, qc.word_columns), row factors [M, 1] f32,
+    #        words [E*N, K/8] u32 (4 packed bytes each), block scale bits [E*N, K/16] u8
     # fp8:   x [M, K], data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
     # plain: x [M, K], w [E*N, K] (bf16 / f16 / f32)
     # last:  out [split_k, M, N]: y itself in the output dtype (split_k 1) or float32 partial sums
@@ -225,9 +237,9 @@ def _grouped_kernel(
     num_experts: int,
     block_m: int,
     n_size: int,
-    k_width: int,  # K/2 bytes (nvfp4) or K elements (fp8, plain): the extent the K loop walks
+    k_width: int,  # K/2 bytes (nvfp4), K/8 words (word variants) or K elements (fp8, plain)
     block_n: int,
-    step_width: int,  # block_k/2 (nvfp4) or block_k (fp8, plain): per K step
+    step_width: int,  # block_k/2, block_k/8 or block_k: the same unit per K step
     steps: int,
     scale_block: int | None,  # fp8 block size b, or None
     even_n: bool,
@@ -244,7 +256,8 @@ def _grouped_kernel(
     w_row0 = e * n_size + col0  # first weight row of this tile in the flattened stack
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     gemv = variant == "gemv"
-    x_refs = in_refs[:2] if fmt == "nvfp4" else in_refs[:1]
+    word = variant in WORD_VARIANTS
+    x_refs = in_refs[:2] if fmt == "nvfp4" and not word else in_refs[:1]
     compute_dtype = x_refs[0].dtype
 
     def decode(kw):
@@ -290,6 +303,12 @@ def _grouped_kernel(
 
     def step(i, acc):
         kw = (split * steps + i) * bw
+        if word:  # x [M, K] f16, row factors, words, scale bits
+            return _word_step(
+                acc, in_refs[0], in_refs[2], in_refs[3], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask,
+                words_k=k_width, even_k=even_k, row0=r0, rows=bm, m_mask=rows_ok,
+                transposed=variant in TRANSPOSED,
+            )  # fmt: skip
         parts, k_mask, s = decode(kw)
         if gemv:
             out = list(acc)
@@ -331,10 +350,12 @@ def _grouped_kernel(
                     mask=row_mask if n_mask is None else row_mask & n_mask[None, :],
                 )
             return
-        shape = (bm, bn) if variant == "dot" else (bn, bm)
+        shape = (bn, bm) if variant in TRANSPOSED else (bm, bn)
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32)) * expert_scale
-        if variant == "dot_t":
+        if variant in TRANSPOSED:
             acc = acc.T
+        if word:  # each row's power-of-two factor (qc.f16_rows) undone
+            acc = acc * qc.load(in_refs[1].at[compat.ds(r0, bm), compat.ds(0, 1)], rows_ok[:, None])
         compat.store(
             out_ref.at[split, compat.ds(r0, bm), compat.ds(col0, bn)],
             acc.astype(out_dtype),
@@ -439,6 +460,21 @@ def validate_grouped_matmul(
             raise ValueError(f"{name}={v} must be a power of two >= {low}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k={cfg.split_k} must be >= 1")
+    if cfg.variant in WORD_VARIANTS:
+        if fmt != "nvfp4":
+            raise ValueError(
+                f"variant={cfg.variant!r} decodes NVFP4 words: it takes fmt='nvfp4', not {fmt!r}"
+            )
+        if x.dtype == jnp.float32:
+            raise ValueError(
+                f"variant={cfg.variant!r} runs float16 dots, which would round float32 x: "
+                "use 'dot' or 'dot_t' for float32 activations"
+            )
+        if cfg.block_k < WORD_MIN_BLOCK_K:
+            raise ValueError(
+                f"block_k={cfg.block_k} must be >= {WORD_MIN_BLOCK_K} for variant={cfg.variant!r} "
+                "(its dots run over block_k / 8 words, and Triton dots need 16)"
+            )
 
 
 # ------------------------------------------------------------------------------------------ entry
@@ -518,14 +554,19 @@ def grouped_matmul(
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     if fmt == "nvfp4":
         packed, block_scale, tensor_scale = weight
-        inputs = (
-            xp[:, 0::2],
-            xp[:, 1::2],
-            packed.reshape(num_experts * n, k // 2),
-            jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(num_experts * n, k // NVFP4_BLOCK),
+        scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(
+            num_experts * n, k // NVFP4_BLOCK
         )
         expert_scale = jnp.asarray(tensor_scale, jnp.float32)
-        k_width, step_width = k // 2, cfg.block_k // 2
+        if cfg.variant in WORD_VARIANTS:  # one XLA op before the kernel: float16 rows in word order
+            words = jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k // 8, 4), jnp.uint32)
+            x16, row_factor = qc.f16_rows(x)
+            inputs = (qc.word_columns(x16), row_factor[:, None], words, scale_bits)
+            expert_scale = expert_scale * qc.E2M1_F16_SCALE
+            k_width, step_width = k // 8, cfg.block_k // 8
+        else:
+            inputs = (xp[:, 0::2], xp[:, 1::2], packed.reshape(num_experts * n, k // 2), scale_bits)
+            k_width, step_width = k // 2, cfg.block_k // 2
     elif fmt == "plain":
         (w,) = weight
         inputs = (xp, w.reshape(num_experts * n, k))

@@ -136,6 +136,40 @@ def test_nvfp4_kernel_matches_reference(m, e, n, k, sizes, options):
     assert not np.asarray(got[int(sizes.sum()) :]).any()  # rows past the groups are zero
 
 
+WORD_CASES = [
+    # (m, e, n, k, group sizes, x dtype, options): word variants take bf16 / f16 x, block_k >= 128
+    (10, 32, 32, 256, "decode", jnp.bfloat16, {"variant": "dot_t_w", "block_n": 32, "block_k": 128}),
+    # N = 40 and K = 160 (20 words) ragged against 32 x 16-word tiles; 3 rows past the groups
+    (21, 5, 40, 160, [4, 0, 0, 9, 5], jnp.float16, {"variant": "dot_w", "block_n": 32, "block_k": 128}),
+    # a group of 37 rows cut into three items; 48 words in two splits of one 16-word step each
+    (37, 4, 48, 384, [0, 37, 0, 0], jnp.bfloat16, {"variant": "dot_t_w", "block_n": 16, "split_k": 2}),
+    (13, 6, 70, 128, [3, 0, 5, 1, 0, 3], jnp.float16, {"variant": "dot_w", "block_n": 64, "split_k": 2}),
+]
+
+
+@pytest.mark.parametrize("m,e,n,k,sizes,dtype,options", WORD_CASES)
+def test_nvfp4_word_variants_match_reference(m, e, n, k, sizes, dtype, options):
+    """Weights decoded from uint32 words into float16 dots: rows of very different sizes (each row
+    is scaled by its own power of two into float16 and back) equal the float32 reference row by
+    row; rows past the groups are zero."""
+    rng = np.random.default_rng(m * 100 + n + k)
+    weight = _nvfp4_stack(rng, e, n, k)
+    if sizes == "decode":
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    row_size = np.resize([1.0, 3e3, 2e-3, 40.0], m)[:, None]  # f16 range: |x| < 65504
+    x = jnp.asarray(rng.standard_normal((m, k)) * row_size, dtype)
+    options = {"block_m": 16, "block_k": 128, **options}
+    got = grouped_nvfp4_matmul(x, *weight, sizes, out_dtype=jnp.float32, interpret=True, **options)
+    want = np.asarray(reference_grouped_matmul(x, weight, sizes, fmt="nvfp4"))
+    assert got.shape == (m, n)
+    got = np.asarray(got)
+    for row in range(int(sizes.sum())):  # each row against its own size
+        np.testing.assert_allclose(got[row], want[row], rtol=1e-5, atol=1e-5 * np.abs(want[row]).max())
+    assert not got[int(sizes.sum()) :].any()
+
+
 FP8_CASES = [
     (7, 5, 33, 100, None, [2, 0, 0, 5, 0], {"variant": "gemv", "block_m": 2, "block_n": 16, "block_k": 32}),
     (19, 3, 33, 100, None, [0, 0, 19], {"variant": "dot_t", "block_m": 16, "block_n": 16, "block_k": 64}),
@@ -257,6 +291,30 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, variant, block_m):
     assert "xla.gpu.triton" in text and f"grouped_{fmt}_matmul_{variant}" in text
 
 
+@pytest.mark.parametrize(
+    "variant,e,n,k,m,split_k,dtype",
+    [
+        ("dot_w", 512, 1024, 2048, 80, 1, jnp.bfloat16),  # 80B gate_up, batch 8 x top-10: no masks
+        ("dot_t_w", 512, 2048, 512, 80, 1, jnp.bfloat16),  # 80B down
+        ("dot_t_w", 60, 1000, 2064, 37, 2, jnp.float16),  # N, K and the group sizes masked; split K
+    ],
+)
+def test_word_variants_lower_to_a_triton_call_for_cuda(variant, e, n, k, m, split_k, dtype):
+    weight = (
+        jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((e,), jnp.float32),
+    )
+    fn = jax.jit(
+        functools.partial(
+            grouped_matmul, fmt="nvfp4", variant=variant, block_m=16, block_n=64, block_k=256, split_k=split_k
+        )
+    )
+    shapes = (jax.ShapeDtypeStruct((m, k), dtype), weight, jax.ShapeDtypeStruct((e,), jnp.int32))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert "xla.gpu.triton" in text and f"grouped_nvfp4_matmul_{variant}" in text
+
+
 @pytest.mark.parametrize("variant,block_m", [("gemv", 8), ("dot_t", 16)])
 def test_lowers_with_experts_not_a_power_of_two_and_split_k(variant, block_m):
     """60 experts (a masked load of the group sizes), per-expert FP8 scales, float32 partial sums."""
@@ -303,12 +361,31 @@ def _nvfp4_args(**change):
         ({"options": {"block_n": 48}}, "block_n=48"),
         ({"options": {"block_k": 16}}, "block_k=16"),
         ({"options": {"split_k": 0}}, "split_k=0"),
+        ({"options": {"variant": "dot_w", "block_k": 64}}, "block_k=64 must be >= 128 for variant='dot_w'"),
+        ({"options": {"variant": "dot_t_w", "block_m": 8}}, "block_m=8 must be a power of two >= 16"),
+        (
+            {"x": jnp.ones((6, 64), jnp.float32), "options": {"variant": "dot_t_w"}},
+            "variant='dot_t_w' runs float16 dots, which would round float32 x",
+        ),
     ],
 )
 def test_nvfp4_rejects_bad_inputs_naming_the_value(change, match):
     args, options = _nvfp4_args(**change)
     with pytest.raises(ValueError, match=match):
         grouped_nvfp4_matmul(**args, interpret=True, **options)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "plain"])
+def test_word_variants_take_only_nvfp4(fmt):
+    x, sizes = jnp.ones((2, 128), jnp.bfloat16), jnp.asarray([1, 1], jnp.int32)
+    if fmt == "fp8":
+        weight = (jnp.ones((2, 16, 128), jnp.float8_e4m3fn), jnp.ones((2,), jnp.float32))
+    else:
+        weight = (jnp.ones((2, 16, 128), jnp.bfloat16),)
+    with pytest.raises(
+        ValueError, match=f"variant='dot_w' decodes NVFP4 words: it takes fmt='nvfp4', not '{fmt}'"
+    ):
+        grouped_matmul(x, weight, sizes, fmt=fmt, variant="dot_w", block_k=128, interpret=True)
 
 
 def test_nvfp4_rejects_k_not_a_multiple_of_16():
