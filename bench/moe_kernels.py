@@ -40,6 +40,7 @@ from bench.ceilings import QUICK, Sizes, measure_hbm_read, relative_error
 from bench.kernels import _time_compiled
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from pallas_kernels.moe_matmul import GroupedConfig, grouped_matmul, reference_grouped_matmul
+from pallas_kernels.nvfp4_matmul import WORD_MIN_BLOCK_K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +109,22 @@ def routings_per_call(batch: int, shape: MoEShape, per_expert: int) -> int:
 
 def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
-    most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two."""
+    most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two;
+    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two)."""
     gemv_m = min(batch, 8)
+    words = fmt == "nvfp4"
     if quick:
-        return [
+        out = [
             GroupedConfig("gemv", gemv_m, 32, 64),
             GroupedConfig("dot_t", 16, 32, 64),
             GroupedConfig("dot", 16, 32, 64),
         ]
+        if words:  # a 128-element step is the word variants' shortest; longer than K only masks
+            out += [
+                GroupedConfig("dot_t_w", 16, 32, WORD_MIN_BLOCK_K),
+                GroupedConfig("dot_w", 16, 32, WORD_MIN_BLOCK_K),
+            ]
+        return out
     if fmt == "nvfp4":
         gemv_tiles, dot_tiles = [(32, 512), (64, 256), (16, 1024)], [(64, 256), (128, 256)]
     else:
@@ -127,6 +136,15 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
     if k >= 2048:  # long K loops: two programs per tile put more loads in flight
         out.append(GroupedConfig("gemv", gemv_m, gemv_tiles[0][0], gemv_tiles[0][1] // 2, split_k=2))
     out += [GroupedConfig("dot_t", 16, bn, min(bk, kmax)) for bn, bk in dot_tiles]
+    if words:
+        word_tiles = [
+            ("dot_t_w", 64, 256),
+            ("dot_t_w", 128, 256),
+            ("dot_t_w", 64, 512),
+            ("dot_t_w", 128, 512),
+        ]
+        word_tiles += [("dot_w", 64, 256), ("dot_w", 128, 512)]
+        out += [GroupedConfig(v, 16, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax))) for v, bn, bk in word_tiles]
     return list(dict.fromkeys(out))
 
 
