@@ -34,7 +34,12 @@ def prompt_flops(cfg, params, context: int) -> float:
 
 
 def measure(cfg, params, shape, batch, context, chunk, rate, machine, commit):
-    core = make_core(cfg, params, batch=batch, context=context, steps=1, kv_dtype="bf16", prefill_chunk=chunk)
+    start = time.perf_counter()
+    core = make_core(
+        cfg, params, batch=batch, context=context, steps=1, kv_dtype="bf16", prefill_chunk=chunk,
+        warmup=False, prefix_cache=False,  # the warm-up run compiles what the prompts use; no hits
+    )
+    print(f"  {shape} batch{batch} ctx{context}: engine ready in {time.perf_counter() - start:.0f} s", flush=True)
     rng = np.random.default_rng(0)
 
     def run_once(tag: str) -> tuple[float, float]:
@@ -51,14 +56,15 @@ def measure(cfg, params, shape, batch, context, chunk, rate, machine, commit):
                     first = time.perf_counter() - start
         return time.perf_counter() - start, first
 
-    run_once("warm")  # compiles the chunk programs
+    warm, _ = run_once("warm")  # compiles the chunk programs
+    print(f"  warm-up prefill (compiles included) {warm:.0f} s", flush=True)
     wall, ttft = run_once("bench")
     figure = batch * context / wall
     ceiling = rate / (prompt_flops(cfg, params, context) / context)
     name = f"prefill {shape} bf16 batch{batch} {context_label(context)}"
     return make_record(name, figure, "tok/s", ceiling, "tok/s", machine=machine, commit=commit, details={
         "batch": batch, "context": context, "chunk": chunk, "ttft_s": ttft, "wall_s": wall,
-        "matmul_bf16_TFLOPs": rate / 1e12,
+        "matmul_bf16_TFLOPs": rate / 1e12, "warmup_s": warm,
     })  # fmt: skip
 
 
@@ -80,7 +86,9 @@ def main(argv: list[str] | None = None):
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     records = []
     for shape in args.shapes.split(","):
+        start = time.perf_counter()
         cfg, params = build_model(shape, dtype)
+        print(f"{shape}: random weights built in {time.perf_counter() - start:.0f} s", flush=True)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 record = measure(cfg, params, shape, batch, context, args.chunk, rate, machine, commit)
