@@ -556,17 +556,24 @@ def grouped_kernel_ready(*stacks: Any) -> bool:
     return use_kernel and all(_grouped_kernel_operands(w) is not None for w in stacks)
 
 
-def grouped_tiles(fmt: str, tokens: int, rows: int, block_size: int | None = None) -> dict[str, Any]:
+def grouped_tiles(
+    fmt: str, tokens: int, rows: int, block_size: int | None = None, x_dtype: Any = None
+) -> dict[str, Any]:
     """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
 
     One token (decode at batch 1): "gemv", one row per item (no expert holds two rows).
-    Up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_t" with block_m 16 >= the rows any expert can
-    get, so each routed expert is streamed once (it won every batch 2-8 point of the H200 sweep,
-    bench/results/moe-kernels-nvidia-h200.json). More tokens (prefill): "dot" with block_m 64.
-    Block-scaled FP8 tiles are cut to divide the scale block.
+    Up to GROUPED_DECODE_MAX_TOKENS tokens: block_m 16 >= the rows any expert can get, so each
+    routed expert is streamed once: NVFP4 with bf16 / f16 activations (`x_dtype`) takes "dot_w"
+    64 x 256 (the word-decoded float16 dots: 1202 against 668 GB/s on the 80B gate_up at batch 8,
+    997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json), everything else
+    "dot_t" (it won every batch 2-8 point before the word variants). More tokens (prefill): "dot"
+    with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block.
     """
+    sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
+    elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
+        tiles = {"variant": "dot_w", "block_m": 16, "block_n": 64, "block_k": 256}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS:
         tiles = {"variant": "dot_t", "block_m": 16, "block_n": 64}
     else:
@@ -595,7 +602,7 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
     operands = _grouped_kernel_operands(w)
     if use_kernel and operands is not None:
         fmt, leaves, block_size = operands
-        tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size)
+        tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
         return grouped_matmul(
             xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles
         )

@@ -197,6 +197,10 @@ def test_decode_tiles_read_each_routed_expert_once(tokens):
         tiles = grouped_tiles(fmt, tokens, tokens * 10, block_size)
         assert tiles["block_m"] >= tokens
         assert tiles["variant"] == ("gemv" if tokens == 1 else "dot_t")
+    # bf16 activations on NVFP4 experts take the word-decoded float16 dots (float32 would round)
+    tiles = grouped_tiles("nvfp4", tokens, tokens * 10, None, jnp.bfloat16)
+    assert tiles["block_m"] >= tokens and tiles["variant"] == ("gemv" if tokens == 1 else "dot_w")
+    assert grouped_tiles("fp8", tokens, tokens * 10, None, jnp.bfloat16)["variant"] != "dot_w"
 
 
 def test_prefill_tiles_use_tensor_cores_and_fit_the_fp8_scale_block():
