@@ -11,7 +11,8 @@ of the real kernel's work, so the step where GB/s falls names the bound:
 
     read       load the uint32 words and the uint8 block scales, xor/add them (no decode)
     decode     + the word decode to float16 and the block-scale multiply, summed elementwise
-    dot_t_w    the real kernel (nvfp4_matmul variant "dot_t_w": + 8 float16 dots per K step)
+    gemv_w     a real kernel (nvfp4_matmul "gemv_w": + the products with x on CUDA cores)
+    dot_t_w    a real kernel (nvfp4_matmul "dot_t_w": + 8 float16 dots per K step instead)
     bf16_dot   plain bf16 weights through the same dot_t structure (Triton's dense streaming)
     bf16_gemv  plain bf16 weights, float32 FMAs on CUDA cores (no tensor cores)
     xla_bf16   XLA's bf16 dot on the bf16 weight (cuBLAS: the rate we know is reachable)
@@ -41,7 +42,7 @@ from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
-PROBES = ("read", "decode", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16")
+PROBES = ("read", "decode", "gemv_w", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16")
 DEFAULT_SHAPES = "34816x5120,5120x17408"  # Qwen3.5-27B gate_up and down ([N, K])
 # (block_n, bytes of one weight row per K step, num_warps, num_stages)
 TILES = [(bn, row_bytes, w, s) for bn, row_bytes, w, s in itertools.product((64, 128), (256, 512), (4, 8), (3, 4))]
@@ -125,8 +126,8 @@ def probe_fn(probe: str, n: int, k: int, tiles: tuple[int, int, int, int], inter
             return call(words, scale_bits)
 
         return run
-    if probe == "dot_t_w":
-        opts = dict(variant="dot_t_w", block_n=block_n, block_k=row_bytes * 2, split_k=1)  # noqa: C408
+    if probe in ("dot_t_w", "gemv_w"):
+        opts = dict(variant=probe, block_n=block_n, block_k=row_bytes * 2, split_k=1)  # noqa: C408
         opts.update(num_warps=warps, num_stages=stages, interpret=interpret)
 
         def run(x, words, scale_bits, tensor_scale):

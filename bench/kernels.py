@@ -254,6 +254,8 @@ SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs <
 def _variants(fmt: str, batch: int) -> list[str]:
     gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv"]
     words = ["dot_w", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
+    if fmt == "nvfp4" and batch <= qc.GEMV_MAX_M:
+        words = ["gemv_w", *words]  # word decode, float16 products on CUDA cores
     return words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
 
 
@@ -271,7 +273,9 @@ def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]
     `refine_configs` varies those around the winners."""
     per_variant = {}
     for variant in _variants(fmt, batch):
-        if qc.is_gemv(variant):
+        if variant == "gemv_w":  # bench.kernel_bounds: 64 rows x 512 elements decoded fastest
+            block_ns, block_ks = [64, 32, 128], [512, 1024, 256]
+        elif qc.is_gemv(variant):
             block_ns = [32, 16, 64]
             block_ks = [512, 1024, 256] if fmt == "nvfp4" else [256, 512, 128]
         else:
@@ -283,7 +287,8 @@ def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]
         for bk in block_ks:
             for bn in block_ns:
                 for split in _splits(-(-n // bn), -(-k // bk)):
-                    configs.append(qc.MatmulConfig(variant, bn, bk, split, 4, 3))
+                    warps = 8 if variant == "gemv_w" else 4  # the decode probe ran best with 8
+                    configs.append(qc.MatmulConfig(variant, bn, bk, split, warps, 3))
         per_variant[variant] = configs
     ordered = []
     for rank in range(max(len(c) for c in per_variant.values())):

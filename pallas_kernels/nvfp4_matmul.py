@@ -24,8 +24,15 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
   "tiled"    prefill (large M): [block_m, block_n] output tiles on a flat grid in grouped order,
              each weight tile decoded to bf16 once per K step for all block_m rows; writes y
              directly (tensor scale applied, no split K, no padding of x).
+  "gemv_w"   word decode (below) on CUDA cores, no tensor cores (M <= 8): each weight element
+             times its float16 activation is exact in float16 (<= 3 + 8 significant bits), the 8
+             products of a word are summed in float16 and the sum converted once, times the block
+             scale, into float32 accumulators. The only rounding is that of the 8-term float16
+             sums (GEMV_W_TOLERANCE of max |y| at most; below a bf16 output's own rounding). On
+             the H200 the tensor-core dots of the word decode cost more than the decode itself
+             (bench/kernel_bounds.py: 27B gate_up read 2083 GB/s, + decode 1735, + dots 719);
   "dot_w", "dot_t_w", "tiled_w"
-             the same three on float16 tensor cores with the weight decoded from whole 32-bit
+             the dot formulations on float16 tensor cores with the weight decoded from whole 32-bit
              words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
              the nibble decode above); the activation enters as float16, each row scaled by a
              power of two (`_quant_common.f16_rows`: exact for bf16 inputs) and its columns
@@ -50,9 +57,13 @@ from pallas_kernels import compat
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w")
+DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w")
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
-WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w")  # float16 dots on weights decoded from uint32 words
+# Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
+WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w")
+# gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
+# from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
+GEMV_W_TOLERANCE = 4e-3
 
 # Default configuration by the largest M it serves (qc.pick_config): fill in from
 # `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
@@ -279,6 +290,30 @@ def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, wo
     return acc
 
 
+def _word_gemv_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, rows):
+    """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
+    word-decoded weight p times x row r's columns p * K/8 + kw ...), the sum in float16."""
+    bs = bw // 2
+    k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
+    s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
+    words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+    bits = qc.load(
+        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
+    )
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+    scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
+    weights = qc.e2m1_word_f16(words)
+    x_mask = None if k_mask is None else k_mask[None, :]
+    out = []
+    for r in range(rows):
+        total = None
+        for p, w in enumerate(weights):
+            xp = qc.load(x_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)], x_mask)
+            total = w * xp if total is None else total + w * xp
+        out.append(acc[r] + total.astype(jnp.float32) * scale)
+    return tuple(out)
+
+
 def _nvfp4_word_kernel(
     x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
     words_ref,  # [N, K/8] uint32: bytes 4j .. 4j+3 of each packed row (elements 8j .. 8j+7)
@@ -304,14 +339,20 @@ def _nvfp4_word_kernel(
     m_mask = None if m_size % rows == 0 else (i * rows + jnp.arange(rows)) < m_size
 
     def step(t, acc):
+        kw = (split * steps + t) * bw
+        if variant == "gemv_w":
+            return _word_gemv_step(
+                acc, x_ref, words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
+                words_k=words_k, even_k=even_k, rows=rows,
+            )  # fmt: skip
         return _word_step(
-            acc, x_ref, words_ref, scale_ref, kw=(split * steps + t) * bw, col0=col0, bn=bn, bw=bw,
+            acc, x_ref, words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw,
             n_mask=n_mask, words_k=words_k, even_k=even_k, row0=i * rows, rows=rows, m_mask=m_mask,
             transposed=variant == "dot_t_w",
         )  # fmt: skip
 
     qc.accumulate_and_store(
-        step, steps, variant=variant, rows=rows, bn=bn, gemv_width=0,
+        step, steps, variant=variant, rows=rows, bn=bn, gemv_width=bw,
         out_ref=out_ref, split=split, row0=i * rows, col0=col0, n_mask=n_mask,
     )  # fmt: skip
 
@@ -567,6 +608,9 @@ def _word_call(
             interpret=interpret,
             name="nvfp4_matmul_tiled_w",
         )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
+    gemv = cfg.variant == "gemv_w"
+    if gemv:  # all M rows in one program, unpadded
+        block_m = m
     m_pad = compat.cdiv(m, block_m) * block_m
     steps = compat.cdiv(compat.cdiv(words_k, block_w), cfg.split_k)
     kernel = functools.partial(
