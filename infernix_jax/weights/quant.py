@@ -237,12 +237,20 @@ _register(NVFP4Weight, ("packed", "block_scale", "tensor_scale", "input_scale"))
 
 
 def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
-    """Formulation and tiles for the NVFP4 decode kernel; split K until there are ~2 programs per
-    SM (132 on H200). bf16 / f16 activations take the word-decoded float16 dot ("dot_w", the
-    fastest on the H200 sweep: 108 us for the 27B gate_up at batch 1 against 136 for "dot"), with
-    32-row tiles where N gives 4 programs per SM; float32 activations keep "dot" (float16 would
-    round them)."""
+    """Formulation and tiles for the NVFP4 decode kernel (H200 sweep at 58a6e08,
+    bench/results/kernels-nvidia-h200.json).
+
+    One bf16 / f16 row on a layer of >= 2**24 weights takes "gemv_w" (word decode, float16
+    products on CUDA cores: the 27B gate_up at 1107 GB/s against 996 for "dot_w"), 512-element K
+    steps, 32-row tiles when K >= 4096 (64 below), split in two while there are fewer than ~2.7
+    programs per SM, 8 warps. More rows, or smaller layers, take the word-decoded float16 dot
+    ("dot_w"), split K until there are ~2 programs per SM; float32 activations keep "dot"
+    (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if words and m == 1 and n * k >= 1 << 24:
+        block_n = 32 if k >= 4096 else 64
+        split_k = 2 if -(-n // block_n) < 352 else 1
+        return {"variant": "gemv_w", "block_n": block_n, "block_k": 512, "split_k": split_k, "num_warps": 8}
     block_n = 32 if words and n >= 32 * 4 * 132 else 64
     block_k = 256
     n_tiles, k_steps = -(-n // block_n), -(-k // block_k)

@@ -15,6 +15,11 @@ from infernix_jax.cache.attention_choice import (
 )
 from infernix_jax.cache.kv_formats import get_kv_format
 from infernix_jax.cache.kv_pool import PagedKV
+from pallas_kernels.compat import on_gpu
+
+# float32 pages: the interpreter and XLA agree to rounding on the CPU; a GPU's XLA dots run float32
+# through TF32-class precision by default (differences of ~1e-4 measured on the H200).
+F32_TOL = 2e-3 if on_gpu() else 1e-5
 
 
 def _written_pool(fmt: str, rng, batch=3, kv_heads=2, head_dim=32, max_blocks=3):
@@ -44,17 +49,17 @@ def test_decode_through_the_kernel_equals_the_xla_path(fmt):
     with decode_attention_mode("interpret"):
         got = np.asarray(kv.attend(q, positions, 32**-0.5))
     assert got.shape == want.shape == (3, 1, 6, 32)
-    tol = 1e-5 if fmt == "bf16" else 2e-2  # quantized tiles meet q in bf16 inside the kernel's dots
+    tol = F32_TOL if fmt == "bf16" else 2e-2  # quantized tiles meet q in bf16 inside the kernel's dots
     np.testing.assert_allclose(got[:2], want[:2], rtol=tol, atol=tol)
     assert np.isfinite(got[2]).all()
 
 
-def test_multi_token_queries_and_cpu_auto_stay_on_xla():
+def test_multi_token_queries_stay_on_xla_and_auto_compiles_on_gpus_only():
     with decode_attention_mode("kernel"):
         assert use_decode_kernel(1) == (True, False)
         assert use_decode_kernel(4) == (False, False)  # prefill chunks and verify windows
     with decode_attention_mode("auto"):
-        assert use_decode_kernel(1) == (False, False)  # this suite runs on the CPU backend
+        assert use_decode_kernel(1) == (on_gpu(), False)  # compiled on a GPU, XLA elsewhere
 
 
 def test_unknown_mode_is_refused():
@@ -79,7 +84,7 @@ def test_prefill_chunks_through_the_kernel_equal_the_xla_path(fmt):
     with prefill_attention_mode("interpret"):
         got = np.asarray(kv.attend(q, positions, 32**-0.5))
     assert got.shape == want.shape == (3, t, 6, 32)
-    tol = 1e-5 if fmt == "bf16" else 2e-2
+    tol = F32_TOL if fmt == "bf16" else 2e-2
     np.testing.assert_allclose(got[:2], want[:2], rtol=tol, atol=tol)
     np.testing.assert_allclose(got[2, :40], want[2, :40], rtol=tol, atol=tol)
 
@@ -90,7 +95,7 @@ def test_prefill_kernel_takes_long_chunks_with_power_of_two_heads_only():
         assert use_prefill_kernel(PREFILL_KERNEL_MIN_TOKENS - 1, 256) == (False, False)  # verify windows
         assert use_prefill_kernel(4096, 96) == (False, False)  # the kernel's tiles need 2**n
     with prefill_attention_mode("auto"):
-        assert use_prefill_kernel(4096, 256) == (False, False)  # this suite runs on the CPU backend
+        assert use_prefill_kernel(4096, 256) == (on_gpu(), False)
     with pytest.raises(ValueError, match="prefill attention mode"), prefill_attention_mode("gpu"):
         pass
 

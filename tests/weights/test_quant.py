@@ -194,3 +194,17 @@ def test_bad_calls_are_rejected():
         quantize_q8(jnp.ones((4, 64)), group_size=48)
     with pytest.raises(ValueError, match="kernel mode"), kernel_mode("fast"):
         pass
+
+
+def test_nvfp4_decode_tiles_follow_rows_dtype_and_layer_size():
+    """One bf16 row on a large layer takes the CUDA-core word kernel; more rows, float32 rows and
+    small layers take the dot formulations (float32 would be rounded by float16)."""
+    from infernix_jax.weights.quant import nvfp4_tiles
+
+    gate_up = nvfp4_tiles(1, 5120, 34816, jnp.bfloat16)
+    assert (gate_up["variant"], gate_up["block_n"], gate_up["split_k"]) == ("gemv_w", 32, 1)
+    assert nvfp4_tiles(1, 17408, 5120, jnp.bfloat16)["split_k"] == 2  # 160 row tiles: split K
+    assert nvfp4_tiles(1, 2048, 8192, jnp.float16)["block_n"] == 64
+    assert nvfp4_tiles(2, 5120, 34816, jnp.bfloat16)["variant"] == "dot_w"
+    assert nvfp4_tiles(1, 5120, 34816, jnp.float32)["variant"] == "dot"
+    assert nvfp4_tiles(1, 512, 2048, jnp.bfloat16)["variant"] == "dot_w"
