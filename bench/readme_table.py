@@ -36,6 +36,8 @@ def table(results_dir: Path = RESULTS_DIR, kernel_rows: int = 4) -> str:
             records = [r for r in records if "gate_up" in r["name"] and " m4096" in r["name"]]
         elif path.name.startswith("kernels"):  # the largest matrices only; the file has every shape
             records = [r for r in records if "gate_up" in r["name"]][:kernel_rows]
+        elif path.name.startswith("kernel-bounds"):  # the 27B gate_up probes (the file has down too)
+            records = [r for r in records if "34816x5120" in r["name"]]
         elif path.name.startswith("attention-kernels"):  # bf16 KV at 32K; the file has every format
             records = [r for r in records if " bf16 " in r["name"] and r["name"].endswith("ctx32k")]
         elif path.name.startswith("moe-kernels"):  # gate_up, uniform routing, batch 1 and 8
