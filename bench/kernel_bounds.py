@@ -10,8 +10,10 @@ grid (one program per `block_n` weight rows, a K loop of `block_k` elements) and
 of the real kernel's work, so the step where GB/s falls names the bound:
 
     read       load the uint32 words and the uint8 block scales, xor/add them (no decode)
+    read_pf    the same with the next step's loads issued before this step's xor (loop carry)
     decode     + the word decode to float16 and the block-scale multiply, summed elementwise
     gemv_w     a real kernel (nvfp4_matmul "gemv_w": + the products with x on CUDA cores)
+    gemv_wp    a real kernel (gemv_w with the next step's loads issued early, as read_pf)
     dot_t_w    a real kernel (nvfp4_matmul "dot_t_w": + 8 float16 dots per K step instead)
     bf16_dot   plain bf16 weights through the same dot_t structure (Triton's dense streaming)
     bf16_gemv  plain bf16 weights, float32 FMAs on CUDA cores (no tensor cores)
@@ -42,7 +44,7 @@ from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
-PROBES = ("read", "decode", "gemv_w", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16")
+PROBES = ("read", "read_pf", "decode", "gemv_w", "gemv_wp", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16")
 DEFAULT_SHAPES = "34816x5120,5120x17408"  # Qwen3.5-27B gate_up and down ([N, K])
 # (block_n, bytes of one weight row per K step, num_warps, num_stages)
 TILES = [(bn, row_bytes, w, s) for bn, row_bytes, w, s in itertools.product((64, 128), (256, 512), (4, 8), (3, 4))]
@@ -74,6 +76,21 @@ def _probe_kernel(words_ref, scale_ref, out_ref, *, probe: str, block_n: int, bl
             extra = extra + bits.astype(jnp.uint32)
         return acc, extra
 
+    if probe == "read_pf":
+        def load_step(t):
+            t = jnp.minimum(t, steps - 1)
+            words = compat.load(words_ref.at[rows, compat.ds(t * block_w, block_w)])
+            return words, compat.load(scale_ref.at[rows, compat.ds(t * (block_w // 2), block_w // 2)])
+
+        def prefetching(t, carry):
+            acc, extra, words, bits = carry
+            ahead = load_step(t + 1)
+            return (acc ^ words, extra + bits.astype(jnp.uint32), *ahead)
+
+        init = (jnp.zeros((block_n, block_w), jnp.uint32), jnp.zeros((block_n, block_w // 2), jnp.uint32))
+        acc, extra, _, _ = jax.lax.fori_loop(0, steps, prefetching, (*init, *load_step(0)))
+        compat.store(out_ref.at[rows], (acc.sum(axis=1) + extra.sum(axis=1)).astype(jnp.float32))
+        return
     dtype = jnp.uint32 if probe == "read" else jnp.float16
     acc = jnp.zeros((block_n, block_w), dtype)
     extra = jnp.zeros((block_n, block_w // 2), jnp.uint32)
@@ -112,7 +129,7 @@ def probe_fn(probe: str, n: int, k: int, tiles: tuple[int, int, int, int], inter
     block_n, row_bytes, warps, stages = tiles
     params = compat.triton_compiler_params(num_warps=warps, num_stages=stages)
     grid = (n // block_n,)
-    if probe in ("read", "decode"):
+    if probe in ("read", "read_pf", "decode"):
         block_w = row_bytes // 4
         kernel = functools.partial(
             _probe_kernel, probe=probe, block_n=block_n, block_w=block_w, steps=(k // 8) // block_w
@@ -126,7 +143,7 @@ def probe_fn(probe: str, n: int, k: int, tiles: tuple[int, int, int, int], inter
             return call(words, scale_bits)
 
         return run
-    if probe in ("dot_t_w", "gemv_w"):
+    if probe in ("dot_t_w", "gemv_w", "gemv_wp"):
         opts = dict(variant=probe, block_n=block_n, block_k=row_bytes * 2, split_k=1)  # noqa: C408
         opts.update(num_warps=warps, num_stages=stages, interpret=interpret)
 

@@ -255,7 +255,7 @@ def _variants(fmt: str, batch: int) -> list[str]:
     gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv"]
     words = ["dot_w", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
     if fmt == "nvfp4" and batch <= qc.GEMV_MAX_M:
-        words = ["gemv_w", *words]  # word decode, float16 products on CUDA cores
+        words = ["gemv_wp", "gemv_w", *words]  # word decode, float16 products on CUDA cores
     return words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
 
 
@@ -273,7 +273,7 @@ def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]
     `refine_configs` varies those around the winners."""
     per_variant = {}
     for variant in _variants(fmt, batch):
-        if variant == "gemv_w":  # bench.kernel_bounds: 64 rows x 512 elements decoded fastest
+        if variant in ("gemv_w", "gemv_wp"):  # bench.kernel_bounds: 512-element K steps decoded fastest
             block_ns, block_ks = [64, 32, 128], [512, 1024, 256]
         elif qc.is_gemv(variant):
             block_ns = [32, 16, 64]
@@ -287,7 +287,7 @@ def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]
         for bk in block_ks:
             for bn in block_ns:
                 for split in _splits(-(-n // bn), -(-k // bk)):
-                    warps = 8 if variant == "gemv_w" else 4  # the decode probe ran best with 8
+                    warps = 8 if variant.startswith("gemv_w") else 4  # the decode probe ran best with 8
                     configs.append(qc.MatmulConfig(variant, bn, bk, split, warps, 3))
         per_variant[variant] = configs
     ordered = []

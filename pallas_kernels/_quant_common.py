@@ -228,13 +228,16 @@ def split_sum(partial: jax.Array) -> jax.Array:
     return partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
 
 
-def accumulate_and_store(step, steps, *, variant, rows, bn, gemv_width, out_ref, split, row0, col0, n_mask):
+def accumulate_and_store(
+    step, steps, *, variant, rows, bn, gemv_width, out_ref, split, row0, col0, n_mask, carry_extra=()
+):
     """Run a decode kernel's K loop (`step(t, acc)`) and store its float32 partial sums in
     out_ref [split_k, M, N] ("dot": [M, N] tiles; "dot_t": [N, M] tiles; gemv formulations: one
-    [bn, gemv_width] accumulator per activation row, summed over K once after the loop)."""
+    [bn, gemv_width] accumulator per activation row, summed over K once after the loop). gemv
+    formulations may carry more values after the accumulators (`carry_extra`: their start)."""
     if is_gemv(variant):
         zeros = tuple(jnp.zeros((bn, gemv_width), jnp.float32) for _ in range(rows))
-        acc = jax.lax.fori_loop(0, steps, step, zeros)
+        acc = jax.lax.fori_loop(0, steps, step, (*zeros, *carry_extra))
         for r in range(rows):
             compat.store(
                 out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],

@@ -31,6 +31,9 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              sums (GEMV_W_TOLERANCE of max |y| at most; below a bf16 output's own rounding). On
              the H200 the tensor-core dots of the word decode cost more than the decode itself
              (bench/kernel_bounds.py: 27B gate_up read 2083 GB/s, + decode 1735, + dots 719);
+  "gemv_wp"  gemv_w with the next K step's words and scales loaded before this step's products
+             (carried through the loop): Triton pipelines only the loads that feed dots, so a
+             CUDA-core kernel keeps bytes in flight only by asking for them early;
   "dot_w", "dot_t_w", "tiled_w"
              the dot formulations on float16 tensor cores with the weight decoded from whole 32-bit
              words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
@@ -57,10 +60,10 @@ from pallas_kernels import compat
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w")
+DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp")
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
-WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w")
+WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp")
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -290,9 +293,8 @@ def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, wo
     return acc
 
 
-def _word_gemv_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, rows):
-    """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
-    word-decoded weight p times x row r's columns p * K/8 + kw ...), the sum in float16."""
+def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k):
+    """The [bn, bw] uint32 words and [bn, bw / 2] scale bits of the K step at word column kw."""
     bs = bw // 2
     k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
     s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
@@ -300,10 +302,16 @@ def _word_gemv_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mas
     bits = qc.load(
         scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
     )
+    return words, bits
+
+
+def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows):
+    """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
+    word-decoded weight p times x row r's columns p * K/8 + kw ...), the sum in float16."""
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
+    scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
     weights = qc.e2m1_word_f16(words)
-    x_mask = None if k_mask is None else k_mask[None, :]
+    x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
     out = []
     for r in range(rows):
         total = None
@@ -338,13 +346,33 @@ def _nvfp4_word_kernel(
     # be read on every K step, twice the weight tile's bytes.
     m_mask = None if m_size % rows == 0 else (i * rows + jnp.arange(rows)) < m_size
 
+    def kw_of(t):
+        return (split * steps + t) * bw
+
+    def loads(t):
+        return _word_loads(words_ref, scale_ref, kw=kw_of(t), col0=col0, bn=bn, bw=bw, n_mask=n_mask,
+                           words_k=words_k, even_k=even_k)  # fmt: skip
+
+    def products(acc, t, words, bits):
+        return _word_gemv_products(acc, x_ref, words, bits, kw=kw_of(t), bn=bn, bw=bw, words_k=words_k,
+                                   even_k=even_k, rows=rows)  # fmt: skip
+
+    if variant == "gemv_wp":  # the next step's words are loaded before this step's products
+        def prefetching_step(t, carry):
+            acc, words, bits = carry[:rows], carry[rows], carry[rows + 1]
+            ahead = loads(jnp.minimum(t + 1, steps - 1))  # the last step reloads itself
+            return (*products(acc, t, words, bits), *ahead)
+
+        qc.accumulate_and_store(
+            prefetching_step, steps, variant=variant, rows=rows, bn=bn, gemv_width=bw, out_ref=out_ref,
+            split=split, row0=i * rows, col0=col0, n_mask=n_mask, carry_extra=loads(0),
+        )  # fmt: skip
+        return
+
     def step(t, acc):
-        kw = (split * steps + t) * bw
+        kw = kw_of(t)
         if variant == "gemv_w":
-            return _word_gemv_step(
-                acc, x_ref, words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                words_k=words_k, even_k=even_k, rows=rows,
-            )  # fmt: skip
+            return products(acc, t, *loads(t))
         return _word_step(
             acc, x_ref, words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw,
             n_mask=n_mask, words_k=words_k, even_k=even_k, row0=i * rows, rows=rows, m_mask=m_mask,
@@ -608,8 +636,7 @@ def _word_call(
             interpret=interpret,
             name="nvfp4_matmul_tiled_w",
         )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
-    gemv = cfg.variant == "gemv_w"
-    if gemv:  # all M rows in one program, unpadded
+    if qc.is_gemv(cfg.variant):  # all M rows in one program, unpadded
         block_m = m
     m_pad = compat.cdiv(m, block_m) * block_m
     steps = compat.cdiv(compat.cdiv(words_k, block_w), cfg.split_k)
