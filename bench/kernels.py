@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None):
 
 L2_DEFEAT_BYTES = 160 << 20  # weight copies per timed call: together well over the H200's 50 MB L2
 MAX_COPIES = 8
-TARGET_TRIAL_S = 2e-3  # GPU time per timing trial (back-to-back calls, one sync at the end)
+TARGET_TRIAL_S = 1e-2  # GPU time per timing trial (back-to-back calls, one sync at the end)
 SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs < 4 per SM
 
 
@@ -320,13 +320,17 @@ def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bo
 
 def _time_compiled(compiled, xs, ws, copies: int, target_s: float = TARGET_TRIAL_S) -> float:
     """Seconds per matmul: calls queued back to back (dispatch overlaps the GPU), one sync per
-    trial, median of 3 trials of about `target_s` each."""
+    trial, median of 5 trials of about `target_s` each (at least 3 calls a trial). The call count
+    comes from a second, timed call: the first one can carry one-off costs (a first launch, lazy
+    loading), and sizing trials by it made them a single call each, whose dispatch latency is
+    noise at a few hundred microseconds (two timings of one kernel differed 3x that way)."""
+    jax.block_until_ready(compiled(xs, ws))
     start = time.perf_counter()
     jax.block_until_ready(compiled(xs, ws))
-    first = time.perf_counter() - start
-    reps = max(1, min(200, math.ceil(target_s / max(first, 1e-6))))
+    one = time.perf_counter() - start
+    reps = max(3, min(500, math.ceil(target_s / max(one, 1e-6))))
     trials = []
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         out = None
         for _ in range(reps):
