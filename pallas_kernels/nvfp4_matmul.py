@@ -266,6 +266,18 @@ def _nvfp4_tiled_kernel(
     compat.store(view, y, mask=_mask2(m_mask, n_mask, (bm, bn)))
 
 
+def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k):
+    """The [bn, bw] uint32 words and [bn, bw / 2] scale bits of the K step at word column kw."""
+    bs = bw // 2
+    k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
+    s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
+    words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+    bits = qc.load(
+        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
+    )
+    return words, bits
+
+
 def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, row0, rows,
                m_mask, transposed):  # fmt: skip
     """acc += x [rows, 8 * bw elements] @ W.T for the K step of `bw` weight words starting at word
@@ -275,10 +287,8 @@ def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, wo
     code / 2**14 times an e4m3 scale is exact in float16 (<= 6 significant bits, >= 2**-24)."""
     bs, f32 = bw // 2, jnp.float32
     k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
-    s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
-    words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
-    bits = qc.load(
-        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
+    words, bits = _word_loads(
+        words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw, n_mask=n_mask, words_k=words_k, even_k=even_k
     )
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
     scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
@@ -291,18 +301,6 @@ def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, wo
         else:  # [rows, bw] x [bn, bw] -> [rows, bn]
             acc += jax.lax.dot_general(xp, w, qc.dims_nt(), preferred_element_type=f32)
     return acc
-
-
-def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k):
-    """The [bn, bw] uint32 words and [bn, bw / 2] scale bits of the K step at word column kw."""
-    bs = bw // 2
-    k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
-    s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
-    words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
-    bits = qc.load(
-        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
-    )
-    return words, bits
 
 
 def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows):
