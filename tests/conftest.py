@@ -5,20 +5,61 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 # Tests run on the CPU with float32 unless a test says otherwise.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
-# No test writes JAX's persistent compilation cache, even when an engine is built with its default
-# `compilation_cache_dir`: the cache is shared with every other process of the machine, and twice a
-# test worker crashed (SIGSEGV inside jaxlib 0.10.2's CPU compiler) compiling or serializing an
-# n-gram memory engine's programs into it, in a process where an earlier test had enabled it.
-jax.config.update("jax_enable_compilation_cache", False)
+# JAX's persistent compilation cache, for one test run only: a directory in the run's pytest
+# basetemp (an xdist worker's basetemp is `<the run's basetemp>/popen-gwN`, so the workers of a run
+# share it), removed when the run ends. Tests of different modules and workers build the same tiny
+# engines, and `_release_compiled_programs` below drops every in-memory program after each module,
+# so without it a run compiled the same programs many times over. Nothing else is written, even by
+# an engine built with its default `compilation_cache_dir`: the first compilation, in
+# `pytest_configure`, fixes the cache's directory for the process. (The suite used to keep the
+# cache off: it was then the machine-wide one, and twice a worker died in jaxlib's CPU compiler while
+# writing it, most likely at the `vm.max_map_count` limit that `_release_compiled_programs` now keeps
+# workers under: docs/model_config.md.) In jax 0.10.2 a program loaded from the cache still counts
+# as a compilation for the tests that assert none after warm-up:
+# `/jax/core/compile/backend_compile_duration` times the whole `compile_or_get_cached` call, cache
+# hits included (docs/engine.md). INFERNIX_TEST_COMPILATION_CACHE=0 turns it off.
+CACHE_DIR_NAME = "jax-compilation-cache"
+
+
+def _run_temp_dir(config: pytest.Config) -> Path:
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def _runs_tests(config: pytest.Config) -> bool:
+    """A process that runs tests: an xdist worker, or pytest without workers (not xdist's controller)."""
+    return hasattr(config, "workerinput") or not config.pluginmanager.has_plugin("dsession")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path plugin has set up the run's basetemp
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("INFERNIX_TEST_COMPILATION_CACHE", "1") == "0" or not _runs_tests(config):
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    directory = _run_temp_dir(config) / CACHE_DIR_NAME
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # The first compilation decides, once per process, whether and where the cache lives.
+    jax.jit(lambda x: x + 1)(np.int32(0)).block_until_ready()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(_run_temp_dir(config) / CACHE_DIR_NAME, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
