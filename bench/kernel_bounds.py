@@ -47,58 +47,44 @@ from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 PROBES = ("read", "read_pf", "decode", "gemv_w", "gemv_wp", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16")
 DEFAULT_SHAPES = "34816x5120,5120x17408"  # Qwen3.5-27B gate_up and down ([N, K])
 # (block_n, bytes of one weight row per K step, num_warps, num_stages)
-TILES = [(bn, row_bytes, w, s) for bn, row_bytes, w, s in itertools.product((64, 128), (256, 512), (4, 8), (3, 4))]
+TILES = [
+    (bn, row_bytes, w, s) for bn, row_bytes, w, s in itertools.product((64, 128), (256, 512), (4, 8), (3, 4))
+]
 QUICK_TILES = [(32, 128, 4, 3)]
 
 
 def _probe_kernel(words_ref, scale_ref, out_ref, *, probe: str, block_n: int, block_w: int, steps: int):
-    """read / decode: one program's [block_n] rows, K in steps of block_w words (shapes divide)."""
+    """read / read_pf / decode: one program's [block_n] rows, K in steps of block_w words (shapes
+    divide). Every probe loads each step's words and scale bits once; read_pf loads step t + 1
+    before folding step t in (carried through the loop)."""
     j = compat.program_id(0)
     rows = compat.ds(j * block_n, block_n)
 
-    def step(t, acc):
+    def load_step(t):
+        t = jnp.minimum(t, steps - 1)  # read_pf's load past the last step reloads it
         words = compat.load(words_ref.at[rows, compat.ds(t * block_w, block_w)])
-        bits = compat.load(scale_ref.at[rows, compat.ds(t * (block_w // 2), block_w // 2)])
-        if probe == "read":
-            return acc ^ words, None
+        return words, compat.load(scale_ref.at[rows, compat.ds(t * (block_w // 2), block_w // 2)])
+
+    def fold(acc, extra, words, bits):
+        if probe != "decode":  # the bytes only: xor the words, add the scale bits
+            return acc ^ words, extra + bits.astype(jnp.uint32)
         scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
         scale = jnp.broadcast_to(scale[:, :, None], (block_n, block_w // 2, 2)).reshape(block_n, block_w)
-        total = acc
         for w in qc.e2m1_word_f16(words):
-            total = total + w * scale
-        return total, None
-
-    def body(t, carry):
-        acc, extra = carry
-        acc, _ = step(t, acc)
-        if probe == "read":  # the scales must be read too: fold them in
-            bits = compat.load(scale_ref.at[rows, compat.ds(t * (block_w // 2), block_w // 2)])
-            extra = extra + bits.astype(jnp.uint32)
+            acc = acc + w * scale
         return acc, extra
 
-    if probe == "read_pf":
-        def load_step(t):
-            t = jnp.minimum(t, steps - 1)
-            words = compat.load(words_ref.at[rows, compat.ds(t * block_w, block_w)])
-            return words, compat.load(scale_ref.at[rows, compat.ds(t * (block_w // 2), block_w // 2)])
-
-        def prefetching(t, carry):
-            acc, extra, words, bits = carry
-            ahead = load_step(t + 1)
-            return (acc ^ words, extra + bits.astype(jnp.uint32), *ahead)
-
-        init = (jnp.zeros((block_n, block_w), jnp.uint32), jnp.zeros((block_n, block_w // 2), jnp.uint32))
-        acc, extra, _, _ = jax.lax.fori_loop(0, steps, prefetching, (*init, *load_step(0)))
-        compat.store(out_ref.at[rows], (acc.sum(axis=1) + extra.sum(axis=1)).astype(jnp.float32))
-        return
-    dtype = jnp.uint32 if probe == "read" else jnp.float16
-    acc = jnp.zeros((block_n, block_w), dtype)
+    acc = jnp.zeros((block_n, block_w), jnp.float16 if probe == "decode" else jnp.uint32)
     extra = jnp.zeros((block_n, block_w // 2), jnp.uint32)
-    acc, extra = jax.lax.fori_loop(0, steps, body, (acc, extra))
-    if probe == "read":
-        out = (acc.sum(axis=1) + extra.sum(axis=1)).astype(jnp.float32)
+    if probe == "read_pf":
+
+        def body(t, carry):
+            return (*fold(*carry), *load_step(t + 1))
+
+        acc, extra, _, _ = jax.lax.fori_loop(0, steps, body, (acc, extra, *load_step(0)))
     else:
-        out = acc.astype(jnp.float32).sum(axis=1)
+        acc, extra = jax.lax.fori_loop(0, steps, lambda t, c: fold(*c, *load_step(t)), (acc, extra))
+    out = acc.astype(jnp.float32).sum(axis=1) + extra.sum(axis=1).astype(jnp.float32)
     compat.store(out_ref.at[rows], out)
 
 
@@ -194,7 +180,9 @@ def bench_probe(probe, n, k, tiles_list, *, interpret, pool, copy_bytes):
     for tiles in tiles_list:
         fn = probe_fn(probe, n, k, tiles, interpret)
         try:
-            lowered[tiles] = jax.jit(lambda xs, ws, fn=fn: tuple(fn(x, *w) for x, w in zip(xs, ws))).lower(xs, ws)
+            lowered[tiles] = jax.jit(lambda xs, ws, fn=fn: tuple(fn(x, *w) for x, w in zip(xs, ws))).lower(
+                xs, ws
+            )
         except Exception as e:  # noqa: BLE001 - a tiling this shape cannot take: recorded
             lowered[tiles] = e
     futures = {t: pool.submit(low.compile) for t, low in lowered.items() if not isinstance(low, Exception)}
@@ -210,10 +198,14 @@ def bench_probe(probe, n, k, tiles_list, *, interpret, pool, copy_bytes):
 
 
 def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel_bounds", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernel_bounds", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="NxK weight shapes, comma separated")
     parser.add_argument("--probes", default=",".join(PROBES))
-    parser.add_argument("--quick", action="store_true", help="tiny shape, interpret mode: a smoke run anywhere")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shape, interpret mode: a smoke run anywhere"
+    )
     parser.add_argument("--out", help="output file (default: bench/results/kernel-bounds-<machine>.json)")
     args = parser.parse_args(argv)
     interpret = args.quick or jax.default_backend() == "cpu"
