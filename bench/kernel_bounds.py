@@ -14,6 +14,8 @@ of the real kernel's work, so the step where GB/s falls names the bound:
     decode     + the word decode to float16 and the block-scale multiply, summed elementwise
     gemv_w     a real kernel (nvfp4_matmul "gemv_w": + the products with x on CUDA cores)
     gemv_wp    a real kernel (gemv_w with the next step's loads issued early, as read_pf)
+    gemv_ws    a real kernel (gemv_wp's work streamed: a fixed grid of two programs per SM, each
+               walking an equal run of (row tile, K step) units, loads one unit ahead)
     dot_t_w    a real kernel (nvfp4_matmul "dot_t_w": + 8 float16 dots per K step instead)
     bf16_dot   plain bf16 weights through the same dot_t structure (Triton's dense streaming)
     bf16_gemv  plain bf16 weights, float32 FMAs on CUDA cores (no tensor cores)
@@ -44,7 +46,9 @@ from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
-PROBES = ("read", "read_pf", "decode", "gemv_w", "gemv_wp", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16")
+PROBES = (
+    "read", "read_pf", "decode", "gemv_w", "gemv_wp", "gemv_ws", "dot_t_w", "bf16_dot", "bf16_gemv", "xla_bf16"
+)  # fmt: skip
 DEFAULT_SHAPES = "34816x5120,5120x17408"  # Qwen3.5-27B gate_up and down ([N, K])
 # (block_n, bytes of one weight row per K step, num_warps, num_stages)
 TILES = [
@@ -129,7 +133,7 @@ def probe_fn(probe: str, n: int, k: int, tiles: tuple[int, int, int, int], inter
             return call(words, scale_bits)
 
         return run
-    if probe in ("dot_t_w", "gemv_w", "gemv_wp"):
+    if probe in ("dot_t_w", "gemv_w", "gemv_wp", "gemv_ws"):
         opts = dict(variant=probe, block_n=block_n, block_k=row_bytes * 2, split_k=1)  # noqa: C408
         opts.update(num_warps=warps, num_stages=stages, interpret=interpret)
 

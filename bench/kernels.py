@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--sweep", action="store_true", help="GPU: sweep formulations and tiles per point")
     parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="wall-clock cap of the sweep")
     parser.add_argument("--compile-threads", type=int, default=8, help="sweep: parallel XLA compiles")
+    parser.add_argument("--variants", help="sweep: only these formulations (comma-separated; default all)")
     parser.add_argument("--prefill", action="store_true", help="GPU: the tiled kernel at prefill sizes")
     parser.add_argument("--prefill-ms", default="4096,1024", help="prefill: activation rows (M) per point")
     parser.add_argument(
@@ -251,12 +252,13 @@ TARGET_TRIAL_S = 1e-2  # GPU time per timing trial (back-to-back calls, one sync
 SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs < 4 per SM
 
 
-def _variants(fmt: str, batch: int) -> list[str]:
-    gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv"]
+def _variants(fmt: str, batch: int, only: tuple[str, ...] | None = None) -> list[str]:
+    gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv_ws", "gemv"]
     words = ["dot_w", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
     if fmt == "nvfp4" and batch <= qc.GEMV_MAX_M:
-        words = ["gemv_wp", "gemv_w", *words]  # word decode, float16 products on CUDA cores
-    return words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
+        words = ["gemv_ws", "gemv_wp", "gemv_w", *words]  # word decode, float16 products on CUDA cores
+    out = words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
+    return out if only is None else [v for v in out if v in only]
 
 
 def _splits(n_tiles: int, k_steps: int) -> list[int]:
@@ -267,12 +269,31 @@ def _splits(n_tiles: int, k_steps: int) -> list[int]:
     return out
 
 
-def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]:
+STREAMED_PROGRAMS = (2 * SMS, 3 * SMS, SMS, 4 * SMS)  # "gemv_ws" grids tried, most promising first
+
+
+def sweep_configs(
+    fmt: str, n: int, k: int, batch: int, variants: tuple[str, ...] | None = None
+) -> list[qc.MatmulConfig]:
     """Coarse grid for one point, most promising first and round-robin over formulations so a
-    budget cut keeps every formulation represented. num_warps 4, num_stages 3 here;
-    `refine_configs` varies those around the winners."""
+    budget cut keeps every formulation represented (`variants`: only these). num_warps 4 (8 for
+    the word-decoded gemv formulations), num_stages 3 here; `refine_configs` varies those around
+    the winners."""
     per_variant = {}
-    for variant in _variants(fmt, batch):
+    for variant in _variants(fmt, batch, variants):
+        if qc.is_streamed(variant):  # the streamed grid instead of split K
+            block_ns = [32, 64, 16] if fmt == "nvfp4" else [16, 32]
+            block_ks = [512, 1024, 256] if fmt == "nvfp4" else [256, 512, 128]
+            if fmt == "fp8_block128":
+                block_ks = [b for b in block_ks if b <= 128]
+            warps = 8 if fmt == "nvfp4" else 4
+            per_variant[variant] = [
+                qc.MatmulConfig(variant, bn, bk, 1, warps, 3, programs=programs)
+                for programs in STREAMED_PROGRAMS
+                for bk in block_ks
+                for bn in block_ns
+            ]
+            continue
         if variant in ("gemv_w", "gemv_wp"):  # bench.kernel_bounds: 512-element K steps decoded fastest
             block_ns, block_ks = [64, 32, 128], [512, 1024, 256]
         elif qc.is_gemv(variant):
@@ -291,7 +312,7 @@ def sweep_configs(fmt: str, n: int, k: int, batch: int) -> list[qc.MatmulConfig]
                     configs.append(qc.MatmulConfig(variant, bn, bk, split, warps, 3))
         per_variant[variant] = configs
     ordered = []
-    for rank in range(max(len(c) for c in per_variant.values())):
+    for rank in range(max((len(c) for c in per_variant.values()), default=0)):
         ordered += [c[rank] for c in per_variant.values() if rank < len(c)]
     return ordered
 
@@ -363,7 +384,9 @@ def _compile_all(fmt, configs, static, xs, ws, pool, interpret=False):
     return out
 
 
-def sweep_point(fmt, n, k, batch, weights, static, *, deadline: float, pool, interpret=False) -> dict:
+def sweep_point(
+    fmt, n, k, batch, weights, static, *, deadline: float, pool, interpret=False, variants=None
+) -> dict:
     """Time the coarse grid until 65% of the time to `deadline` is spent, then warps x stages
     around the two best until the deadline; returns the point's summary (best, XLA time, table)."""
     coarse_deadline = time.perf_counter() + 0.65 * max(0.0, deadline - time.perf_counter())
@@ -390,7 +413,7 @@ def sweep_point(fmt, n, k, batch, weights, static, *, deadline: float, pool, int
                 except Exception as e:  # noqa: BLE001
                     results[cfg] = f"{type(e).__name__}: {str(e)[:160]}"
 
-    coarse = sweep_configs(fmt, n, k, batch)
+    coarse = sweep_configs(fmt, n, k, batch, variants)
     run(coarse, coarse_deadline)
     timed = sorted((t, c) for c, t in results.items() if isinstance(t, float))
     run(refine_configs([c for _, c in timed[:2]], set(results)), deadline)
@@ -433,7 +456,8 @@ def run_sweep(args) -> list:
     slug = machine_slug(machine)
     out_path = args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, batches)
-    n_configs = sum(len(sweep_configs(fmt, n, k, b)) for fmt, (n, k), _ in points for b in batches)
+    variants = tuple(args.variants.split(",")) if args.variants else None
+    n_configs = sum(len(sweep_configs(fmt, n, k, b, variants)) for fmt, (n, k), _ in points for b in batches)
     print(
         f"sweep: {len(points) * len(batches)} points, at most {n_configs} coarse configs (+ warps x stages "
         f"around the 2 best per point), budget {args.sweep_budget_s:.0f} s, "
@@ -459,7 +483,8 @@ def run_sweep(args) -> list:
                 print(f"sweep budget spent: skipping {fmt} {n}x{k} batch{batch}")
                 continue
             res = sweep_point(
-                fmt, n, k, batch, weights, static, deadline=deadline, pool=pool, interpret=interpret
+                fmt, n, k, batch, weights, static, deadline=deadline, pool=pool, interpret=interpret,
+                variants=variants,
             )
             mismatches += res["mismatches"]
             if res["best"] is None:

@@ -51,6 +51,7 @@ class MatmulConfig:
     num_stages: int = 3  # Triton software-pipelining depth of the K loop
     block_m: int | None = None  # activation rows per program (None: the entry's default for M)
     group_m: int = 8  # "tiled": M tiles per launch group (programs sharing a weight tile run together)
+    programs: int = 0  # streamed formulations ("gemv_ws"): programs in the grid (0: 2 per SM)
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
@@ -78,6 +79,7 @@ def resolve_config(
     num_stages: int | None,
     block_m: int | None = None,
     group_m: int | None = None,
+    programs: int | None = None,
 ) -> MatmulConfig:
     """The default configuration for M rows with every explicitly given field overriding it.
 
@@ -91,6 +93,8 @@ def resolve_config(
         base = pick_config({k: c for k, c in table.items() if not is_tiled(c.variant)}, m)
     if variant is not None and variant not in variants:
         raise ValueError(f"variant={variant!r} must be one of {variants}")
+    if variant is not None and is_streamed(variant) and split_k is None:
+        split_k = 1  # a base entry's split K is not the streamed formulation's to keep
     chosen = {
         "variant": variant,
         "block_n": block_n,
@@ -100,6 +104,7 @@ def resolve_config(
         "num_stages": num_stages,
         "block_m": block_m,
         "group_m": group_m,
+        "programs": programs,
     }
     cfg = dataclasses.replace(base, **{k: v for k, v in chosen.items() if v is not None})
     if is_gemv(cfg.variant) and m > GEMV_MAX_M:
@@ -108,12 +113,22 @@ def resolve_config(
         raise ValueError(f"variant={cfg.variant!r} takes split_k=1; got split_k={cfg.split_k}")
     if cfg.group_m < 1:
         raise ValueError(f"group_m={cfg.group_m} must be >= 1")
+    if cfg.programs < 0:
+        raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
+    if is_streamed(cfg.variant) and cfg.split_k != 1:
+        raise ValueError(f"variant={cfg.variant!r} spreads K over its programs itself; got split_k={cfg.split_k}")
     return cfg
 
 
 def is_gemv(variant: str) -> bool:
     """True for the CUDA-core formulations ("gemv" and its variants), which take all rows at once."""
     return variant.startswith("gemv")
+
+
+def is_streamed(variant: str) -> bool:
+    """True for the streamed decode formulations ("gemv_ws"): a fixed grid walking (tile, K step)
+    units in one long loop (`streamed_gemv`)."""
+    return variant.endswith("_ws")
 
 
 def is_tiled(variant: str) -> bool:
@@ -255,6 +270,74 @@ def accumulate_and_store(
         view = out_ref.at[split, compat.ds(col0, bn), compat.ds(row0, rows)]
         mask = None if n_mask is None else jnp.broadcast_to(n_mask[:, None], shape)
     compat.store(view, acc, mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedPlan:
+    """How a streamed decode kernel spreads its work: the N tiles' K steps, numbered tile by tile
+    (`units` = tiles * steps), in equal runs of `per_program` consecutive units, one run per
+    program of the `grid`. A tile's units may fall into the runs of up to `slots` programs; each
+    writes its partial sums into its own slot of the float32 output [slots, M, N] (summed outside
+    the kernel), so the result does not depend on the order programs run in."""
+
+    steps: int  # K steps per tile
+    per_program: int
+    grid: int
+    slots: int
+
+    @classmethod
+    def make(cls, n_size: int, block_n: int, steps: int, programs: int) -> StreamedPlan:
+        units = compat.cdiv(n_size, block_n) * steps
+        per_program = compat.cdiv(units, max(1, min(programs, units)))
+        # a run of p units that starts r units into a tile of s spans floor((r + s - 1) / p) + 1 runs
+        slots = 1 if steps == 1 else (steps - 2) // per_program + 2
+        return cls(steps, per_program, compat.cdiv(units, per_program), slots)
+
+
+def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, width, out_ref):
+    """The loop of a streamed gemv formulation, for program `program_id(0)`: its run of (tile, K
+    step) units in one pass, the weights of unit u + 1 loaded while unit u's products run (Triton
+    pipelines only the loads that feed dots, so a CUDA-core kernel keeps bytes in flight by asking
+    early), the [bn, width] float32 accumulators of each row summed and stored at each tile's end.
+
+    Against one program per tile, the loads stay in flight across tiles and every program has the
+    same work (no tail wave, no split-K choice). `loads(col0, ks, valid)` returns one unit's
+    weights (rows col0 .., K step ks; nothing read where `valid` is false, a traced bool);
+    `products(acc, ks, loaded)` returns the rows' accumulators with that unit added."""
+    p, steps, per = compat.program_id(0), plan.steps, plan.per_program
+    units = compat.cdiv(n_size, bn) * steps
+    start = p * per
+    end = jnp.minimum(start + per, units)
+
+    def unit_loads(u, valid):
+        return loads(jax.lax.div(u, steps) * bn, jax.lax.rem(u, steps), valid)
+
+    def tile_body(tile, ahead):
+        base = tile * steps
+
+        def step(ks, carry):
+            u = base + ks
+            nxt = unit_loads(jnp.minimum(u + 1, units - 1), u + 1 < end)
+            return (*products(carry[:rows], ks, carry[rows:]), *nxt)
+
+        zeros = tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows))
+        first, last = jnp.maximum(start - base, 0), jnp.minimum(end - base, steps)
+        carry = jax.lax.fori_loop(first, last, step, (*zeros, *ahead))
+        col0 = tile * bn
+        slot = p - jax.lax.div(base, per)  # this program's place among the tile's
+        n_mask = (col0 + jnp.arange(bn)) < n_size
+        for r in range(rows):
+            view = out_ref.at[slot, compat.ds(r, 1), compat.ds(col0, bn)]
+            compat.store(view, carry[r].sum(axis=1)[None, :], mask=n_mask[None, :])
+        for s in range(1, plan.slots):  # the program ending the tile zeroes the slots nobody wrote
+            unused = (s > slot) & (last == steps) & n_mask
+            for r in range(rows):
+                view = out_ref.at[jnp.int32(s), compat.ds(r, 1), compat.ds(col0, bn)]
+                compat.store(view, jnp.zeros((1, bn), jnp.float32), mask=unused[None, :])
+        return carry[rows:]
+
+    first_tile, last_tile = jax.lax.div(start, steps), jax.lax.div(end - 1, steps)
+    jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, unit_loads(start, start < end))
 
 
 def tiled_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:

@@ -65,6 +65,13 @@ def on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
+def sm_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the first device (a streamed kernel's grid is sized by them);
+    `default` (the H200's 132) where the device does not say, as on the CPU."""
+    count = getattr(jax.devices()[0], "core_count", None)
+    return int(count) if on_gpu() and count else default
+
+
 def kernel_choice(mode: str) -> tuple[bool, bool]:
     """(run the Pallas kernel, through the interpreter) for a dispatch mode: "kernel" compiled,
     "interpret" through the Pallas interpreter (CPU tests of a kernel path), "auto" compiled on a

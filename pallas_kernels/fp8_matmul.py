@@ -12,7 +12,9 @@ the float32 sum once.
 Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md): "gemv"
 (float32 FMAs on CUDA cores, one [block_n, block_k] accumulator per row, M <= 8; a block scale
 is folded into the activation row), "dot" (x [16, bk] @ W.T, M padded to 16) and "dot_t"
-(W [bn, bk] @ x.T), and for prefill "tiled" ([block_m, block_n] output tiles on a flat grid in
+(W [bn, bk] @ x.T), "gemv_ws" (gemv streamed: a fixed grid of `programs`, each walking an equal
+run of (N tile, K step) units with its loads one unit ahead, `_quant_common.streamed_gemv`), and
+for prefill "tiled" ([block_m, block_n] output tiles on a flat grid in
 grouped order, the weight tile cast to bf16 once per K step for all block_m rows, y written
 directly; with block scales a tile may span several scale rows: block_n a multiple of
 block_size, each row's scale applied to the K step's float32 product). The entry picks one by M
@@ -31,6 +33,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
+
+DECODE_VARIANTS = (*qc.DECODE_VARIANTS, "gemv_ws")
+VARIANTS = (*DECODE_VARIANTS, "tiled")
 
 # Default configuration by the largest M it serves (qc.pick_config): fill in from
 # `python -m bench.kernels --sweep` (bench/results/kernels-sweep-<machine>.json).
@@ -125,6 +130,50 @@ def _fp8_kernel(
         step, steps, variant=variant, rows=rows, bn=bn, gemv_width=bk, out_ref=out_ref, split=split,
         row0=i * rows, col0=col0, n_mask=n_mask,
     )  # fmt: skip
+
+
+def _fp8_streamed_kernel(
+    x_ref,  # [M, K] activations, unpadded
+    w_ref,  # [N, K] uint8: the bits of the float8_e4m3fn weight
+    scale_ref,  # [ceil(N/b), ceil(K/b)] float32 block scales (unused when per-tensor)
+    out_ref,  # [slots, M, N] float32 partial sums
+    *,
+    plan: qc.StreamedPlan,
+    rows: int,
+    n_size: int,
+    k_size: int,
+    block_n: int,
+    block_k: int,
+    scale_block: int | None,
+    even_k: bool,
+):
+    """"gemv_ws": gemv's float32 products over a streamed plan (`_quant_common.streamed_gemv`), each
+    unit's weight tile (and its block scale) loaded one unit ahead."""
+    bn, bk = block_n, block_k
+
+    def k_mask_at(k0):
+        return None if even_k else (k0 + jnp.arange(bk)) < k_size
+
+    def loads(col0, ks, valid):
+        k0 = ks * bk
+        n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
+        bits = qc.load(w_ref.at[compat.ds(col0, bn), compat.ds(k0, bk)], _mask2(n_mask, k_mask_at(k0), (bn, bk)))
+        if scale_block is None:
+            return (bits,)
+        kb = jnp.minimum(k0 // scale_block, scale_ref.shape[1] - 1)  # a masked tail step may overshoot
+        return bits, scale_ref[col0 // scale_block, kb]
+
+    def products(acc, ks, loaded):
+        k0 = ks * bk
+        w = jax.lax.bitcast_convert_type(loaded[0], jnp.float8_e4m3fn).astype(jnp.float32)
+        out = []
+        for r in range(rows):
+            x = qc.load(x_ref.at[compat.ds(r, 1), compat.ds(k0, bk)], _mask2(None, k_mask_at(k0), (1, bk)))
+            x = x.astype(jnp.float32)
+            out.append(acc[r] + w * (x if scale_block is None else x * loaded[1]))
+        return tuple(out)
+
+    qc.streamed_gemv(loads, products, plan=plan, n_size=n_size, rows=rows, bn=bn, width=bk, out_ref=out_ref)
 
 
 def _fp8_tiled_kernel(
@@ -242,6 +291,7 @@ def validate_fp8_matmul(x, w, scale, block_size, block_m, block_n, block_k, spli
         "num_warps",
         "num_stages",
         "group_m",
+        "programs",
         "out_dtype",
         "interpret",
     ),
@@ -260,6 +310,7 @@ def fp8_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     group_m: int | None = None,
+    programs: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -276,6 +327,7 @@ def fp8_matmul(
     cfg = qc.resolve_config(
         DEFAULT_CONFIGS,
         m,
+        variants=VARIANTS,
         variant=variant,
         block_n=block_n,
         block_k=block_k,
@@ -284,6 +336,7 @@ def fp8_matmul(
         num_stages=num_stages,
         block_m=block_m,
         group_m=group_m,
+        programs=programs,
     )
     if block_size is not None:  # defaults (not explicit tiles) shrink to fit inside a scale block
         cfg = dataclasses.replace(
@@ -294,7 +347,6 @@ def fp8_matmul(
             block_k=cfg.block_k if block_k is not None else min(cfg.block_k, block_size),
         )
     variant = cfg.variant
-    gemv = qc.is_gemv(variant)
     block_m = min(compat.pow2_at_least(m, 16), 64) if cfg.block_m is None else cfg.block_m
     validate_fp8_matmul(x, w, scale, block_size, block_m, cfg.block_n, cfg.block_k, cfg.split_k, variant)
     k = x.shape[1]
@@ -303,11 +355,39 @@ def fp8_matmul(
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     if variant == "tiled":
         return _tiled_call(x.astype(compute_dtype), w, scale, block_size, cfg, block_m, out_dtype, interpret)
+    scale_arr = jnp.ones((1, 1), jnp.float32) if block_size is None else jnp.asarray(scale, jnp.float32)
+    if qc.is_streamed(variant):
+        steps = compat.cdiv(k, cfg.block_k)
+        plan = qc.StreamedPlan.make(n, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
+        kernel = functools.partial(
+            _fp8_streamed_kernel, plan=plan, rows=m, n_size=n, k_size=k, block_n=cfg.block_n,
+            block_k=cfg.block_k, scale_block=block_size, even_k=k % cfg.block_k == 0,
+        )  # fmt: skip
+        partial = compat.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((plan.slots, m, n), jnp.float32),
+            grid=(plan.grid,),
+            compiler_params=qc.compiler_params(cfg),
+            interpret=interpret,
+            name=f"fp8_matmul_{variant}",
+        )(x.astype(compute_dtype), jax.lax.bitcast_convert_type(w, jnp.uint8), scale_arr)
+        y = qc.split_sum(partial)
+    else:
+        y = _decode_call(x.astype(compute_dtype), w, scale_arr, block_size, cfg, block_m, interpret)
+    if block_size is None:
+        y = y * jnp.asarray(scale, jnp.float32).reshape(())
+    return y.astype(out_dtype)
+
+
+def _decode_call(x, w, scale_arr, block_size, cfg: qc.MatmulConfig, block_m: int, interpret) -> jax.Array:
+    """The gemv / dot / dot_t pallas_call and the split-K sum: float32 [M, N], before any
+    per-tensor scale."""
+    (m, k), n, variant = x.shape, w.shape[0], cfg.variant
+    gemv = qc.is_gemv(variant)
     rows = m if gemv else block_m
     m_pad = m if gemv else compat.cdiv(m, block_m) * block_m
-    xp = jnp.pad(x.astype(compute_dtype), ((0, m_pad - m), (0, 0)))
+    xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     steps = compat.cdiv(compat.cdiv(k, cfg.block_k), cfg.split_k)
-    scale_arr = jnp.ones((1, 1), jnp.float32) if block_size is None else jnp.asarray(scale, jnp.float32)
     kernel = functools.partial(
         _fp8_kernel,
         variant=variant,
@@ -331,10 +411,7 @@ def fp8_matmul(
         name=f"fp8_matmul_{variant}",
     )(xp, jax.lax.bitcast_convert_type(w, jnp.uint8), scale_arr)
     y = qc.split_sum(partial)
-    y = y.T[:m] if variant == "dot_t" else y[:m]
-    if block_size is None:
-        y = y * jnp.asarray(scale, jnp.float32).reshape(())
-    return y.astype(out_dtype)
+    return y.T[:m] if variant == "dot_t" else y[:m]
 
 
 def _tiled_call(x, w, scale, block_size, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret):

@@ -34,6 +34,10 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
   "gemv_wp"  gemv_w with the next K step's words and scales loaded before this step's products
              (carried through the loop): Triton pipelines only the loads that feed dots, so a
              CUDA-core kernel keeps bytes in flight only by asking for them early;
+  "gemv_ws"  gemv_wp's loads and products streamed (`_quant_common.streamed_gemv`): a fixed grid
+             of `programs` (default two per SM), each walking an equal run of (N tile, K step)
+             units in one loop, its loads one unit ahead across tile boundaries; partial sums of a
+             tile shared by several programs go to separate slots, summed after the kernel;
   "dot_w", "dot_t_w", "tiled_w"
              the dot formulations on float16 tensor cores with the weight decoded from whole 32-bit
              words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
@@ -60,10 +64,10 @@ from pallas_kernels import compat
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp")
+DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws")
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
-WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp")
+WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws")
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -383,6 +387,35 @@ def _nvfp4_word_kernel(
     )  # fmt: skip
 
 
+def _nvfp4_streamed_kernel(
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    words_ref,  # [N, K/8] uint32
+    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
+    out_ref,  # [slots, M, N] float32 partial sums
+    *,
+    plan: qc.StreamedPlan,
+    rows: int,
+    n_size: int,
+    words_k: int,
+    block_n: int,
+    block_w: int,
+    even_k: bool,
+):
+    """"gemv_ws": gemv_w's loads and products over a streamed plan (`_quant_common.streamed_gemv`)."""
+    bn, bw = block_n, block_w
+
+    def loads(col0, ks, valid):
+        n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
+        return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
+                           words_k=words_k, even_k=even_k)  # fmt: skip
+
+    def products(acc, ks, loaded):
+        return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
+                                   even_k=even_k, rows=rows)  # fmt: skip
+
+    qc.streamed_gemv(loads, products, plan=plan, n_size=n_size, rows=rows, bn=bn, width=bw, out_ref=out_ref)
+
+
 def _nvfp4_word_tiled_kernel(
     x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
     row_scale_ref,  # [M, 1] float32: tensor scale * 2**14 / each row's power-of-two factor
@@ -474,6 +507,7 @@ def default_block_m(m: int) -> int:
         "num_warps",
         "num_stages",
         "group_m",
+        "programs",
         "out_dtype",
         "interpret",
     ),
@@ -492,6 +526,7 @@ def nvfp4_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     group_m: int | None = None,
+    programs: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -502,7 +537,8 @@ def nvfp4_matmul(
     elements (block_k / 2 bytes per row per step). block_m is the row tile of the dot
     formulations (default: the table's, else M rounded up to a power of two in [16, 64]); "gemv"
     and "gemv_bs" take all M <= 8 rows in one program. group_m: M tiles per launch group of
-    "tiled" (`_quant_common.grouped_tile`). `interpret=True` runs the same kernel through the Pallas
+    "tiled" (`_quant_common.grouped_tile`). programs: the grid of "gemv_ws" (default two per SM).
+    `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
     m, _k = x.shape if x.ndim == 2 else (0, 0)
@@ -518,6 +554,7 @@ def nvfp4_matmul(
         num_stages=num_stages,
         block_m=block_m,
         group_m=group_m,
+        programs=programs,
     )
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
@@ -634,6 +671,22 @@ def _word_call(
             interpret=interpret,
             name="nvfp4_matmul_tiled_w",
         )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
+    if qc.is_streamed(cfg.variant):
+        steps = compat.cdiv(words_k, block_w)
+        plan = qc.StreamedPlan.make(n, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
+        kernel = functools.partial(
+            _nvfp4_streamed_kernel, plan=plan, rows=m, n_size=n, words_k=words_k, block_n=cfg.block_n,
+            block_w=block_w, even_k=words_k % block_w == 0,
+        )  # fmt: skip
+        partial = compat.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((plan.slots, m, n), jnp.float32),
+            grid=(plan.grid,),
+            compiler_params=params,
+            interpret=interpret,
+            name=f"nvfp4_matmul_{cfg.variant}",
+        )(qc.word_columns(x16), words, scale_bits)
+        return (qc.split_sum(partial) * row_scale[:, None]).astype(out_dtype)
     if qc.is_gemv(cfg.variant):  # all M rows in one program, unpadded
         block_m = m
     m_pad = compat.cdiv(m, block_m) * block_m

@@ -119,6 +119,8 @@ def test_kernel_matches_reference(variant, m, n, k, tiles):
     args = _random_nvfp4(rng, m, n, k)
     if variant in WORD_VARIANTS:  # their dots span block_k / 8 words
         tiles = {**tiles, "block_k": max(tiles["block_k"], WORD_MIN_BLOCK_K)}
+    if qc.is_streamed(variant):  # its programs share K themselves: a few, so runs cross tiles
+        tiles = {**{t: v for t, v in tiles.items() if t != "split_k"}, "programs": 3}
     got = nvfp4_matmul(*args, variant=variant, out_dtype=jnp.float32, interpret=True, **tiles)
     want = reference_nvfp4_matmul(*args)
     assert got.shape == (m, n)
@@ -176,9 +178,48 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, split_k):
         jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((), jnp.float32),
     )
+    split_k = 1 if qc.is_streamed(variant) else split_k  # streamed: its programs share K themselves
     fn = jax.jit(functools.partial(nvfp4_matmul, variant=variant, block_n=64, block_k=256, split_k=split_k))
     text = compat.lower_for_cuda(fn, *shapes)
     assert "xla.gpu.triton" in text and f"nvfp4_matmul_{variant}" in text
+
+
+@pytest.mark.parametrize(
+    "m,n,k,block_n,block_k,programs",
+    [
+        (1, 64, 1024, 32, 128, 3),  # 16 units in runs of 6: tiles shared by 2 programs, a third slot zeroed
+        (3, 70, 512, 32, 128, 5),  # ragged N: the last tile's rows past N are neither read nor written
+        (2, 130, 544, 64, 128, 7),  # ragged K
+        (1, 64, 2048, 32, 128, 9),  # runs of 4 in 16-step tiles: a tile spans 5 programs
+        (8, 48, 256, 16, 128, 100),  # more programs asked for than units
+    ],
+)
+def test_streamed_gemv_matches_reference_for_any_number_of_programs(m, n, k, block_n, block_k, programs):
+    """Each program's run of (tile, K step) units may start and end inside tiles: the slots add up
+    to the reference (the interpreter starts outputs as NaN, so a slot nobody wrote would show)."""
+    args = _random_nvfp4(np.random.default_rng(m + n + k + programs), m, n, k)
+    got = nvfp4_matmul(*args, variant="gemv_ws", block_n=block_n, block_k=block_k, programs=programs,
+                       out_dtype=jnp.float32, interpret=True)  # fmt: skip
+    want = reference_nvfp4_matmul(*args)
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=GEMV_W_TOLERANCE, atol=GEMV_W_TOLERANCE * scale)
+
+
+@pytest.mark.parametrize("n_tiles,steps", [(1, 1), (5, 1), (3, 2), (7, 10), (80, 34), (1088, 10)])
+def test_streamed_plan_covers_every_unit_once_within_its_slots(n_tiles, steps):
+    for programs in (1, 2, 3, 7, 64, 264, 10_000):
+        plan = qc.StreamedPlan.make(n_tiles * 16, 16, steps, programs)
+        units = n_tiles * steps
+        assert plan.grid <= programs and (plan.grid - 1) * plan.per_program < units <= plan.grid * plan.per_program
+        owners = np.arange(units) // plan.per_program  # the program of each unit
+        spans = [len(set(owners[t * steps : (t + 1) * steps])) for t in range(n_tiles)]
+        assert max(spans) <= plan.slots
+
+
+def test_streamed_gemv_refuses_split_k():
+    args = _random_nvfp4(np.random.default_rng(9), 1, 32, 256)
+    with pytest.raises(ValueError, match="spreads K over its programs itself"):
+        nvfp4_matmul(*args, variant="gemv_ws", split_k=2, block_k=128, interpret=True)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +234,7 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, split_k):
         ({"tiles": {"block_n": 48}}, "block_n=48"),
         ({"tiles": {"block_k": 16}}, "block_k=16"),
         ({"tiles": {"split_k": 0}}, "split_k=0"),
+        ({"tiles": {"variant": "gemv_ws", "block_k": 128, "programs": -1}}, "programs=-1"),
         ({"tiles": {"variant": "wide"}}, "variant='wide'"),
     ],
 )
@@ -232,6 +274,8 @@ def test_tiled_formulation_matches_reference(m, n, k, tiles, variant):
     args = _random_nvfp4(np.random.default_rng(m + n + k), m, n, k)
     if variant == "tiled_w":
         tiles = {**tiles, "block_k": max(tiles["block_k"], WORD_MIN_BLOCK_K)}
+    if qc.is_streamed(variant):  # its programs share K themselves: a few, so runs cross tiles
+        tiles = {**{t: v for t, v in tiles.items() if t != "split_k"}, "programs": 3}
     got = nvfp4_matmul(*args, variant=variant, out_dtype=jnp.float32, interpret=True, **tiles)
     want = reference_nvfp4_matmul(*args)
     assert got.shape == (m, n)
