@@ -237,16 +237,26 @@ _register(NVFP4Weight, ("packed", "block_scale", "tensor_scale", "input_scale"))
 
 
 def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
-    """Formulation and tiles for the NVFP4 decode kernel (H200 sweep at 58a6e08,
+    """Formulation and tiles for the NVFP4 decode kernel (H200 sweeps at 58a6e08 and efc37c1,
     bench/results/kernels-nvidia-h200.json).
 
-    One bf16 / f16 row on a layer of >= 2**24 weights takes "gemv_w" (word decode, float16
-    products on CUDA cores: the 27B gate_up at 1107 GB/s against 996 for "dot_w"), 512-element K
-    steps, 32-row tiles when K >= 4096 (64 below), split in two while there are fewer than ~2.7
-    programs per SM, 8 warps. More rows, or smaller layers, take the word-decoded float16 dot
-    ("dot_w"), split K until there are ~2 programs per SM; float32 activations keep "dot"
-    (float16 would round them)."""
+    With bf16 / f16 rows (word decode, float16 products):
+    - one row on a layer with K >= 4096 and either N >= 8192 or >= 2**26 weights (the 27B
+      gate_up, down, q_gated, gdn_in) takes "gemv_ws", streamed over two programs per SM in
+      32 x 512 tiles (gate_up 1772 GB/s, down 1553, q_gated 1446 against gemv_w's 1721, 1265,
+      1249 on a 3277 GB/s H200);
+    - one row on a smaller layer with K >= 4096 (the 80B o_proj, 2048 x 4096) and 2-8 rows on
+      it take "gemv_ws" 64 x 512 / 32 x 512 (406 and 282 GB/s against 300 and 219 for dot_w);
+    - other single rows on layers of >= 2**24 weights take "gemv_w" 512-element K steps, split
+      in two while there are fewer than ~2.7 programs per SM, 8 warps;
+    - the rest take the word-decoded float16 dot ("dot_w"), split K until there are ~2 programs
+      per SM. float32 activations keep "dot" (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    streamed = {"variant": "gemv_ws", "block_k": 512, "split_k": 1, "num_warps": 8}
+    if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
+        return {**streamed, "block_n": 32}
+    if words and m <= 8 and k >= 4096 and n * k < 1 << 24:
+        return {**streamed, "block_n": 64 if m == 1 else 32}
     if words and m == 1 and n * k >= 1 << 24:
         block_n = 32 if k >= 4096 else 64
         split_k = 2 if -(-n // block_n) < 352 else 1
@@ -324,7 +334,7 @@ class FP8Weight(QuantizedWeight):
         return (self.data.astype(jnp.float32) * self._scale_full()).astype(dtype)
 
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
-        tiles = {}  # per-tensor scale: the kernel's defaults by M (from the H200 sweep)
+        tiles = fp8_tiles(x2d.shape[0], *self.shape[::-1]) if self.ndim == 2 else {}
         if self.block_size is not None:  # tiles must divide the scale block; "dot" won at 128 blocks
             tiles = {
                 "variant": "dot",
@@ -345,6 +355,25 @@ class FP8Weight(QuantizedWeight):
 
 
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
+
+def fp8_tiles(m: int, k: int, n: int) -> dict:
+    """Formulation and tiles for the per-tensor FP8 decode kernel (H200 sweep at efc37c1,
+    bench/results/kernels-nvidia-h200.json); {} (the kernel's table) past 64 rows.
+
+    One row on a layer of >= 2**27 weights (the 27B gate_up) takes "gemv" 16 x 512, 8 warps,
+    4 stages (2520 GB/s of a 3277 GB/s H200, against 2366 for "dot"); other decode rows take
+    "dot" 64 x 128 with K split until there are ~4 programs per SM (down 2283 GB/s at split 8,
+    q_gated 2199 at 4), at most 8-way and leaving >= 4 K steps per program."""
+    if m > 64:
+        return {}
+    if m == 1 and n * k >= 1 << 27:
+        return {"variant": "gemv", "block_n": 16, "block_k": 512, "split_k": 1, "num_warps": 8, "num_stages": 4}
+    n_tiles, k_steps = -(-n // 64), -(-k // 128)
+    split_k = 1
+    while split_k < 8 and n_tiles * split_k < 4 * 132 and k_steps // (2 * split_k) >= 4:
+        split_k *= 2
+    return {"variant": "dot", "block_n": 64, "block_k": 128, "split_k": split_k}
+
 
 
 def _to_e4m3(v: Array) -> Array:

@@ -197,14 +197,33 @@ def test_bad_calls_are_rejected():
 
 
 def test_nvfp4_decode_tiles_follow_rows_dtype_and_layer_size():
-    """One bf16 row on a large layer takes the CUDA-core word kernel; more rows, float32 rows and
-    small layers take the dot formulations (float32 would be rounded by float16)."""
+    """One bf16 row on a large layer takes the streamed CUDA-core word kernel, mid-sized ones the
+    per-tile one; more rows, float32 rows and small layers take the dot formulations (float32
+    would be rounded by float16)."""
     from infernix_jax.weights.quant import nvfp4_tiles
 
     gate_up = nvfp4_tiles(1, 5120, 34816, jnp.bfloat16)
-    assert (gate_up["variant"], gate_up["block_n"], gate_up["split_k"]) == ("gemv_w", 32, 1)
-    assert nvfp4_tiles(1, 17408, 5120, jnp.bfloat16)["split_k"] == 2  # 160 row tiles: split K
+    assert (gate_up["variant"], gate_up["block_n"], gate_up["split_k"]) == ("gemv_ws", 32, 1)
+    assert nvfp4_tiles(1, 17408, 5120, jnp.bfloat16)["variant"] == "gemv_ws"  # 2**26 weights and up
+    o_proj = nvfp4_tiles(1, 6144, 5120, jnp.bfloat16)
+    assert (o_proj["variant"], o_proj["split_k"]) == ("gemv_w", 2)  # 160 row tiles: split K
     assert nvfp4_tiles(1, 2048, 8192, jnp.float16)["block_n"] == 64
+    assert nvfp4_tiles(1, 4096, 2048, jnp.bfloat16)["variant"] == "gemv_ws"  # the 80B o_proj
+    assert nvfp4_tiles(8, 4096, 2048, jnp.bfloat16)["variant"] == "gemv_ws"
     assert nvfp4_tiles(2, 5120, 34816, jnp.bfloat16)["variant"] == "dot_w"
     assert nvfp4_tiles(1, 5120, 34816, jnp.float32)["variant"] == "dot"
     assert nvfp4_tiles(1, 512, 2048, jnp.bfloat16)["variant"] == "dot_w"
+
+
+def test_fp8_decode_tiles_split_k_until_the_grid_fills_the_gpu():
+    """Per-tensor FP8: the widest layer's single row takes the CUDA-core kernel; other decode rows
+    the dot with K split until ~4 programs per SM, never below 4 K steps a program; prefill rows
+    keep the kernel's own table."""
+    from infernix_jax.weights.quant import fp8_tiles
+
+    assert fp8_tiles(1, 5120, 34816)["variant"] == "gemv"
+    down = fp8_tiles(1, 17408, 5120)
+    assert (down["variant"], down["split_k"]) == ("dot", 8)  # 80 row tiles of 64
+    assert fp8_tiles(8, 5120, 12288)["split_k"] == 4
+    assert fp8_tiles(1, 512, 2048)["split_k"] == 1  # 4 K steps of 128: nothing to split
+    assert fp8_tiles(4096, 5120, 5120) == {}
