@@ -111,8 +111,12 @@ def _runs(experts: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _lookup_rows(rows_id: int, experts: np.ndarray, row_bytes: int) -> jax.Array:
-    """The registered host rows, checked against what the program asks of them."""
+def _lookup_rows(rows_id: int, experts: np.ndarray, out_shape: tuple[int, int]) -> jax.Array:
+    """The registered host rows, checked against what the program asks of them (`experts`: the
+    ids to copy into an output of `out_shape`)."""
+    rows_out, row_bytes = out_shape
+    if not 0 <= experts.size <= rows_out:
+        raise ValueError(f"{experts.size} rows asked for an output of {rows_out}")
     rows = HOST_ROWS.get(rows_id)
     if rows is None:
         raise RuntimeError(f"no host rows {rows_id} (their engine was closed)")
@@ -127,11 +131,15 @@ def _lookup_rows(rows_id: int, experts: np.ndarray, row_bytes: int) -> jax.Array
 
 def _dma_rows(ctx, out, header) -> None:
     """buffer_callback body of `copy_rows_by_dma`: the copies, on the device's stream or in memory."""
+    from jax.experimental.buffer_callback import ExecutionStage
+
+    if ctx.stage != ExecutionStage.EXECUTE:  # nothing to prepare
+        return
     if out.__dlpack_device__()[0] == 1:  # kDLCPU: every buffer is host memory
         head = np.asarray(header)
         count, row_bytes = int(head[1]), out.shape[1]
         experts = head[2 : 2 + count]
-        rows = _lookup_rows(int(head[0]), experts, row_bytes)
+        rows = _lookup_rows(int(head[0]), experts, out.shape)
         dst = np.asarray(out)
         base = rows.unsafe_buffer_pointer()
         for at, first, n in _runs(experts):
@@ -151,7 +159,7 @@ def _cuda_dma_rows(stream: int, out, header) -> None:
         cuda.check("cuStreamSynchronize", stream)
         count, row_bytes = int(head[1]), out.shape[1]
         experts = head[2 : 2 + count]
-        rows = _lookup_rows(int(head[0]), experts, row_bytes)
+        rows = _lookup_rows(int(head[0]), experts, out.shape)
         base, dst = rows.unsafe_buffer_pointer(), _device_pointer(out)
         for at, first, n in _runs(experts):
             cuda.check(
@@ -175,7 +183,6 @@ class _CudaDriver:
         "cuMemsetD8Async": (ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p),
         "cuStreamSynchronize": (ctypes.c_void_p,),
         "cuStreamGetCtx": (ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)),
-        "cuCtxGetCurrent": (ctypes.POINTER(ctypes.c_void_p),),
         "cuCtxPushCurrent_v2": (ctypes.c_void_p,),
         "cuCtxPopCurrent_v2": (ctypes.POINTER(ctypes.c_void_p),),
         "cuGetErrorName": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
@@ -198,13 +205,8 @@ class _CudaDriver:
 
     @contextlib.contextmanager
     def context_of(self, stream: int):
-        """Make `stream`'s context current on this thread for the block, where none is (XLA's
-        thread need not keep its context current between its own calls)."""
-        current = ctypes.c_void_p()
-        self.check("cuCtxGetCurrent", ctypes.byref(current))
-        if current.value:
-            yield
-            return
+        """Make `stream`'s context current on this thread for the block (XLA's thread need not
+        keep one current between its own calls, nor the one of this stream)."""
         ctx = ctypes.c_void_p()
         self.check("cuStreamGetCtx", stream, ctypes.byref(ctx))
         self.check("cuCtxPushCurrent_v2", ctx)

@@ -3,6 +3,9 @@ the in-program copy brings the asked experts' bytes to the device."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,3 +94,54 @@ def test_dma_copies_refuse_rows_that_are_gone_or_ids_out_of_range():
         jax.block_until_ready(copy(jnp.int32(10**6), jnp.asarray([1, 2], jnp.int32), jnp.int32(2)))
     with pytest.raises(ValueError, match="u8"):
         host_copy.register_host_rows(jnp.zeros((4, 2), jnp.float32))
+
+
+class _HostBuffer:
+    """A numpy array posing as a device buffer (`__cuda_array_interface__`) for the GPU code path."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.shape = array, array.shape
+        self.__cuda_array_interface__ = {"data": (array.ctypes.data, False)}
+
+
+class _FakeDriver:
+    """Does what the CUDA driver calls of `host_copy._cuda_dma_rows` would, in host memory; logs them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def check(self, name: str, *args) -> None:
+        self.calls.append(name)
+        if name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2"):
+            dst, src, size, _stream = args
+            ctypes.memmove(dst, src, size)
+        elif name == "cuMemsetD8Async":
+            dst, value, size, _stream = args
+            ctypes.memset(dst, value, size)
+
+    @contextlib.contextmanager
+    def context_of(self, stream: int):
+        yield
+
+
+def test_the_gpu_dma_path_reads_the_ids_once_and_copies_each_run_of_ids(monkeypatch):
+    """The CUDA side of "dma" (`_cuda_dma_rows`) with a driver that works in host memory: one
+    read-back and one synchronisation, one copy per run of consecutive ids, the rest zeroed."""
+    driver = _FakeDriver()
+    monkeypatch.setattr(host_copy, "_cuda", lambda: driver)
+    rows = np.random.default_rng(4).integers(0, 256, (12, 16), dtype=np.uint8)
+    host = jax.device_put(rows, PINNED)
+    rows_id = host_copy.register_host_rows(host)
+    chosen = [2, 3, 4, 7, 9, 10]  # three runs
+    header = np.asarray([rows_id, len(chosen), *chosen, -1, -1], np.int32)
+    out = np.full((8, 16), 0xAB, np.uint8)
+    host_copy._cuda_dma_rows(0, _HostBuffer(out), _HostBuffer(header))
+    want = np.zeros_like(out)
+    want[: len(chosen)] = rows[chosen]
+    np.testing.assert_array_equal(out, want)
+    assert driver.calls == [
+        "cuMemcpyDtoHAsync_v2",
+        "cuStreamSynchronize",
+        *["cuMemcpyHtoDAsync_v2"] * 3,
+        "cuMemsetD8Async",
+    ]
