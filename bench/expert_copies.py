@@ -15,8 +15,20 @@ at random), in one jitted program. Methods:
 - `loop-bytes` (what the model does, `mlp.copy_host_rows` with a count) / `unrolled-bytes`: each
   layer's experts as one uint8 stack [E, expert_bytes]; one copy per expert, then the leaves are
   cut out of the bytes on the device (bitcasts).
+- `bucket-bytes` (`mlp.copy_missed_rows` "buckets"): `lax.switch` on the count picks a static
+  size (0, 1, 2, 3, 4, 6, 8, 12, ...); its branch makes that many row copies, unrolled.
+- `dma-bytes` (`mlp.copy_missed_rows` "dma"): one buffer callback per layer reads the ids back
+  once and enqueues one host-to-device copy per run of consecutive ids on XLA's stream.
+- `streams-bytes`: the unrolled row copies, each in its own `compute_on("gpu_stream:i")`, so that
+  the runtime may run them side by side (the CPU ignores the streams).
+- `host-gather-buckets`: per bucket (as `bucket-bytes`), the rows gathered on the host inside
+  the program (`compute_on("device_host")`) into a pinned staging block, then one copy of it.
+- `host-gather-bytes`: one host gather of all `--slots` rows (-1 reads expert 0), one copy.
 - `contiguous`: one static slice of `--missed` consecutive experts' bytes per layer: the best a
   copy of those bytes can do, for reference.
+
+Methods that fail (a backend without host compute, streams or the CUDA driver) are reported and
+skipped; the others still run. The risky ones come last: `--methods` picks some.
 
 Ceiling: pinned-host -> device bandwidth of one large copy, measured in the same run. Figure:
 copied expert bytes (only the missed ones) per second. Records go to
@@ -36,9 +48,22 @@ from bench.ceilings import QUICK, Sizes, measure_host_to_device
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.prefix_host import PINNED_HOST, memory_kinds
 from infernix_jax.experts.offload import expert_rows
-from infernix_jax.model.mlp import copy_host_rows, expert_rows_to_leaves
+from infernix_jax.model.host_copy import register_host_rows
+from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_rows_to_leaves, fetch_buckets
 
-METHODS = ("loop-leaves", "unrolled-leaves", "loop-bytes", "unrolled-bytes", "contiguous")
+METHODS = (
+    "loop-leaves",
+    "unrolled-leaves",
+    "loop-bytes",
+    "unrolled-bytes",
+    "contiguous",
+    "bucket-bytes",
+    "dma-bytes",
+    "streams-bytes",
+    "host-gather-buckets",
+    "host-gather-bytes",
+)
+LEAF_METHODS = ("loop-leaves", "unrolled-leaves")  # the others read byte rows [E, expert_bytes]
 
 
 def expert_leaves(num_experts: int, hidden: int, inter: int) -> list[tuple[tuple[int, ...], np.dtype]]:
@@ -95,10 +120,53 @@ def _unrolled(stack_leaves: list[jax.Array], missed: jax.Array) -> list[jax.Arra
     return [jnp.concatenate([r[j] for r in rows]) for j in range(len(stack_leaves))]
 
 
-def copy_fn(method: str, shapes):
-    """A jitted function (host stacks per layer, missed [L, M], num_missed [L]) -> fetched leaves."""
+def _unrolled_on_streams(host_rows: jax.Array, missed: jax.Array) -> jax.Array:
+    """Every row of `missed` copied on its own GPU stream (`compute_on("gpu_stream:i")`)."""
+    from jax.experimental.compute_on import compute_on
 
-    def one_layer(host, missed, num_missed):
+    rows = []
+    for i in range(missed.shape[0]):
+        with compute_on(f"gpu_stream:{i + 1}"):
+            rows.append(copy_host_rows(host_rows, missed[i : i + 1]))
+    return jnp.concatenate(rows)
+
+
+def _gathered_on_host(host_rows: jax.Array, experts: jax.Array) -> jax.Array:
+    """Rows [len(experts), row_bytes]: gathered by host compute inside the program into a pinned
+    staging block, then one host-to-device copy of the block."""
+    from jax.experimental.compute_on import compute_on2
+
+    ids = jax.device_put(jnp.maximum(experts, 0), jax.memory.Space.Host)
+    gather = compute_on2(
+        lambda rows, ids: jnp.take(rows, ids, axis=0, mode="clip"),
+        compute_type="device_host",
+        out_memory_spaces=jax.memory.Space.Host,
+    )
+    return jax.device_put(gather(host_rows, ids), jax.memory.Space.Device)
+
+
+def _host_gather_in_buckets(host_rows: jax.Array, missed: jax.Array, num_missed: jax.Array) -> jax.Array:
+    """`_gathered_on_host` of the smallest bucket (`mlp.fetch_buckets`) holding `num_missed` rows."""
+    m_max, row_bytes = missed.shape[0], host_rows.shape[1]
+    buckets = fetch_buckets(m_max)
+
+    def branch(m: int):
+        def run(host_rows, missed):
+            if m == 0:
+                return jnp.zeros((m_max, row_bytes), jnp.uint8)
+            return jnp.pad(_gathered_on_host(host_rows, missed[:m]), [(0, m_max - m), (0, 0)])
+
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), num_missed, side="left")
+    return jax.lax.switch(index, [branch(m) for m in buckets], host_rows, missed)
+
+
+def copy_fn(method: str, shapes):
+    """A jitted function (host stacks per layer, missed [L, M], num_missed [L], host rows' ids [L])
+    -> fetched leaves per layer."""
+
+    def one_layer(host, missed, num_missed, rows_id):
         if method == "loop-leaves":
             return _loop(host, missed, num_missed)
         if method == "unrolled-leaves":
@@ -110,10 +178,20 @@ def copy_fn(method: str, shapes):
         if method == "contiguous":
             rows = jax.device_put(jax.lax.slice_in_dim(host, 0, missed.shape[0]), jax.memory.Space.Device)
             return split_bytes(rows, shapes)
+        if method == "bucket-bytes":
+            return split_bytes(copy_missed_rows("buckets", host, missed, num_missed), shapes)
+        if method == "dma-bytes":
+            return split_bytes(copy_missed_rows("dma", host, missed, num_missed, rows_id), shapes)
+        if method == "streams-bytes":
+            return split_bytes(_unrolled_on_streams(host, missed), shapes)
+        if method == "host-gather-buckets":
+            return split_bytes(_host_gather_in_buckets(host, missed, num_missed), shapes)
+        if method == "host-gather-bytes":
+            return split_bytes(_gathered_on_host(host, missed), shapes)
         raise ValueError(method)
 
-    def run(hosts, missed, num_missed):
-        return [one_layer(h, missed[i], num_missed[i]) for i, h in enumerate(hosts)]
+    def run(hosts, missed, num_missed, rows_ids):
+        return [one_layer(h, missed[i], num_missed[i], rows_ids[i]) for i, h in enumerate(hosts)]
 
     return jax.jit(run)
 
@@ -129,6 +207,9 @@ def main(argv: list[str] | None = None) -> list:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     device = jax.devices()[0]
     if PINNED_HOST not in memory_kinds(device):
         raise SystemExit(f"{device} has no {PINNED_HOST} memory")
@@ -143,34 +224,29 @@ def main(argv: list[str] | None = None) -> list:
     byte_hosts = [jax.device_put(as_bytes(s), on_host) for s in per_layer]
     expert_bytes = as_bytes([s[:1] for s in per_layer[0]]).nbytes
     missed = np.full((layers, args.slots), -1, np.int32)
-    for i in range(layers):
-        missed[i, : args.missed] = rng.choice(experts, args.missed, replace=False)
+    for i in range(layers):  # ascending, as the model lists a layer's missed experts
+        missed[i, : args.missed] = np.sort(rng.choice(experts, args.missed, replace=False))
     num_missed = np.full(layers, args.missed, np.int32)
+    rows_ids = np.asarray([register_host_rows(h) for h in byte_hosts], np.int32)  # for dma-bytes
     bandwidth = measure_host_to_device(QUICK if args.quick else Sizes()).rate
     machine, commit = machine_name(), git_commit()
     moved = layers * args.missed * expert_bytes
-    records = []
+    records, failed = [], []
     out = args.out or f"expert-copies-{machine_slug(machine)}{'-quick' if args.quick else ''}.json"
     for method in args.methods.split(","):
-        fn = copy_fn(method, shapes)
-        hosts = byte_hosts if method in ("loop-bytes", "unrolled-bytes", "contiguous") else leaf_hosts
+        hosts = leaf_hosts if method in LEAF_METHODS else byte_hosts
         ids = (
             np.tile(np.arange(args.slots, dtype=np.int32), (layers, 1)) if method == "contiguous" else missed
         )
-        start = time.perf_counter()
-        got = jax.block_until_ready(fn(hosts, jnp.asarray(ids), jnp.asarray(num_missed)))
-        compile_s = time.perf_counter() - start
-        for i in range(layers):  # the copied rows are the experts asked for
-            for leaf, stack in zip(got[i], per_layer[i]):
-                want = stack[ids[i, : args.missed]]
-                if not np.array_equal(np.asarray(leaf[: args.missed]).view(np.uint8), want.view(np.uint8)):
-                    raise SystemExit(f"{method}: layer {i} copied the wrong bytes")
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(hosts, jnp.asarray(ids), jnp.asarray(num_missed)))
-            times.append(time.perf_counter() - start)
-        seconds = float(np.median(times))
+        inputs = (hosts, jnp.asarray(ids), jnp.asarray(num_missed), jnp.asarray(rows_ids))
+        try:
+            seconds, compile_s = time_method(
+                copy_fn(method, shapes), inputs, per_layer, args.missed, args.repeats
+            )
+        except Exception as e:  # noqa: BLE001 - a method this backend lacks; the others still run
+            failed.append(method)
+            print(f"{method:19s} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            continue
         rate = moved / seconds
         record = make_record(
             f"expert copies pinned_host -> device {method} {layers} layers x {args.missed} of {args.slots} "
@@ -180,11 +256,35 @@ def main(argv: list[str] | None = None) -> list:
                      "expert_bytes": expert_bytes, "seconds": seconds, "compile_s": compile_s,
                      "per_layer_ms": seconds / layers * 1e3},
         )  # fmt: skip
-        print(f"{method:16s} {seconds * 1e3:8.3f} ms ({seconds / layers * 1e3:.3f} ms a layer): "
+        print(f"{method:19s} {seconds * 1e3:8.3f} ms ({seconds / layers * 1e3:.3f} ms a layer): "
               f"{rate / 1e9:6.2f} GB/s = {record.fraction:.1%} of {bandwidth / 1e9:.1f} GB/s", flush=True)  # fmt: skip
         records.append(record)
         write_records(records, out)
+    if failed:
+        print(f"failed: {', '.join(failed)}", flush=True)
     return records
+
+
+def time_method(
+    fn, inputs, per_layer: list[list[np.ndarray]], missed: int, repeats: int
+) -> tuple[float, float]:
+    """(median seconds of a call, seconds of the first call: compilation included) of `fn` on
+    `inputs`, after checking that every layer's first `missed` rows are the asked experts' bytes."""
+    start = time.perf_counter()
+    got = jax.block_until_ready(fn(*inputs))
+    compile_s = time.perf_counter() - start
+    ids = np.asarray(inputs[1])
+    for i, stacks in enumerate(per_layer):
+        for leaf, stack in zip(got[i], stacks):
+            want = stack[ids[i, :missed]]
+            if not np.array_equal(np.asarray(leaf[:missed]).view(np.uint8), want.view(np.uint8)):
+                raise ValueError(f"layer {i} copied the wrong bytes")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), compile_s
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python -m bench.experts --layers 48          # the full depth (needs ~44 GB of host RAM for experts)
     python -m bench.experts --quick              # tiny model, any machine (the CPU in tests)
     python -m bench.experts --host-reads program # missed experts copied from pinned host memory in the program
+    python -m bench.experts --host-reads program --host-copy dma   # ... by one callback per layer
 
 The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
 NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
@@ -86,6 +87,7 @@ def make_core(
     gpu_budget,
     prefill_chunk: int = 16,
     host_reads: str = "callback",
+    host_copy: str = "loop",
 ) -> EngineCore:
     batch = 4
     config = EngineConfig(
@@ -93,6 +95,7 @@ def make_core(
         prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(1, batch),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
         structured_output=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
+        expert_host_copy=host_copy,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
 
@@ -152,6 +155,13 @@ def main(argv: list[str] | None = None):
         help="how missed experts reach the GPU (EngineConfig.expert_host_reads); records of 'program' "
         "say so in their names",
     )
+    parser.add_argument(
+        "--host-copy",
+        default="loop",
+        choices=("loop", "buckets", "dma"),
+        help="with --host-reads program: how the program copies them (EngineConfig.expert_host_copy); "
+        "records of other than 'loop' say so in their names",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     machine, commit = machine_name(), git_commit()
@@ -176,8 +186,9 @@ def main(argv: list[str] | None = None):
     records = []
     for label, budget in [*budgets.items(), ("all-resident", None)]:
         core = make_core(
-            cfg, params, context=args.context, steps=args.steps, gpu_budget=budget, host_reads=args.host_reads
-        )
+            cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
+            host_reads=args.host_reads, host_copy=args.host_copy,
+        )  # fmt: skip
         runs = [(batch, "dynamic") for batch in batches] + ([(batches[0], "static")] if budget else [])
         for batch, policy in runs:
             if policy == "static":
@@ -186,8 +197,10 @@ def main(argv: list[str] | None = None):
             details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
                        "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
                        "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
-                       "host_reads": args.host_reads, **r}  # fmt: skip
+                       "host_reads": args.host_reads, "host_copy": args.host_copy, **r}  # fmt: skip
             reads = " host reads in program" if args.host_reads == "program" and budget else ""
+            if reads and args.host_copy != "loop":
+                reads += f" copy {args.host_copy}"
             name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
                 record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,

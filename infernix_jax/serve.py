@@ -176,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a copy from pinned host memory inside the program (every expert in RAM), or auto (default: "
         "program on a GPU when every expert fits in RAM, else callback)",
     )
+    experts.add_argument(
+        "--expert-host-copy",
+        default=None,
+        choices=("loop", "buckets", "dma"),
+        help="with program host reads, how a layer's missed experts are copied from pinned host memory: "
+        "one copy per expert in a loop (default), unrolled copies in static-size branches, or one "
+        "callback per layer enqueueing the copies (docs/experts.md)",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -275,6 +283,7 @@ def build_engine(args: argparse.Namespace):
             "expert_artifact",
             "expert_profile",
             "expert_host_reads",
+            "expert_host_copy",
         )
         if getattr(args, name, None) is not None
     }

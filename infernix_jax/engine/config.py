@@ -72,6 +72,10 @@ class EngineConfig:
     # "auto": "program" on a GPU when every expert fits in RAM (4-9x the callbacks' tok/s on the
     # H200, docs/experts.md), else "callback"
     expert_host_reads: str = "auto"
+    # with expert_host_reads "program": how the program copies a layer's missed experts out of
+    # pinned host memory: "loop" (one copy per expert in a loop), "buckets" (unrolled copies in
+    # static-size branches) or "dma" (one callback per layer enqueueing the copies; model/host_copy.py)
+    expert_host_copy: str = "loop"
 
     def __post_init__(self) -> None:
         errors = []
@@ -127,6 +131,8 @@ class EngineConfig:
             errors.append(
                 f"expert_host_reads must be auto, callback or program, got {self.expert_host_reads!r}"
             )
+        if self.expert_host_copy not in ("loop", "buckets", "dma"):
+            errors.append(f"expert_host_copy must be loop, buckets or dma, got {self.expert_host_copy!r}")
         if errors:
             raise ValueError("; ".join(errors))
 

@@ -149,6 +149,7 @@ class EngineCore:
                 artifact=config.expert_artifact,
                 profile=config.expert_profile,
                 host_reads=config.expert_host_reads,
+                host_copy=config.expert_host_copy,
             )
             params = self.experts.params
         num_blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)

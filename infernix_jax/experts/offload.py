@@ -36,6 +36,7 @@ from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget,
 from infernix_jax.experts.profile import RoutingProfile
 from infernix_jax.experts.store import ExpertReadError, ExpertStore
 from infernix_jax.jit import jit
+from infernix_jax.model.host_copy import HOST_COPIES, register_host_rows
 from infernix_jax.model.mlp import (
     SlottedExperts,
     copy_host_rows,
@@ -221,16 +222,20 @@ class ExpertOffload:
         artifact: str | Artifact | None = None,
         profile: RoutingProfile | str | None = None,
         host_reads: str = "auto",
+        host_copy: str = "loop",
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
 
         gpu_budget / host_budget: bytes ("16GiB"), "all", or 0. Experts beyond both budgets need
         `artifact` (a converted artifact holding these weights). host_reads: "callback",
-        "program" (the module docstring) or "auto" (`resolve_host_reads`). Raises ValueError when
-        they do not fit anywhere, or when "program" is asked for with experts on disk."""
+        "program" (the module docstring) or "auto" (`resolve_host_reads`); host_copy: how
+        "program" copies the missed experts (`model.host_copy.HOST_COPIES`). Raises ValueError
+        when they do not fit anywhere, or when "program" is asked for with experts on disk."""
         if host_reads not in HOST_READS:
             raise ValueError(f"host_reads must be one of {HOST_READS}, got {host_reads!r}")
+        if host_copy not in HOST_COPIES:
+            raise ValueError(f"host_copy must be one of {HOST_COPIES}, got {host_copy!r}")
         layout = layout_of(cfg, params)
         if isinstance(profile, str):
             profile = RoutingProfile.load(profile)
@@ -285,17 +290,21 @@ class ExpertOffload:
             slot_leaves = _stack([experts[e] for e in resident], layout, slots)
             for slot, e in enumerate(resident):
                 cache.assign(rank, slot, e)
-            host_stacks = None
+            host_stacks = rows_id = None
             if host_memory is not None:  # every expert, the slotted ones too: slots are a cache
                 rows = expert_rows([experts[e] for e in range(num_experts)])
                 (host_stacks,) = host_memory.adopt((rows,))
                 del rows
+                if host_copy == "dma":
+                    rows_id = _committed(np.int32(register_host_rows(host_stacks)))
             slotted = SlottedExperts(
                 *jax.tree.unflatten(layout.treedef, [_committed(a) for a in slot_leaves]),
                 slot_map=_committed(cache.slot_map[rank]),
                 source_id=source_id,
                 layer=rank,
                 host_stacks=host_stacks,
+                host_copy=host_copy,
+                host_rows_id=rows_id,
             )
             new_moe = dataclasses.replace(
                 params.layers[layer].moe, gate_proj=slotted, up_proj=None, down_proj=None

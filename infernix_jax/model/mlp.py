@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from infernix_jax.config import ModelConfig
+from infernix_jax.model import host_copy
 from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.weights.quant import (
     QuantizedWeight,
@@ -155,16 +156,19 @@ class SlottedExperts:
     layer: int = 0  # static: the source's key for this layer
     # Every expert of the layer as one byte row each, u8 [E, expert_bytes] in `pinned_host` memory
     # (its flattened (gate, up, down) leaves end to end), or None. When given, a missed expert is
-    # copied from it inside the program (`_read_missed_in_program`: no host callback, one
-    # host-to-device copy per expert); the routing still reaches the source through the forward's
-    # one report.
+    # copied from it inside the program (`_read_missed_in_program`: no host callback); the routing
+    # still reaches the source through the forward's one report.
     host_stacks: Any = None
+    # static: how the program copies the missed rows out of host_stacks (`host_copy.HOST_COPIES`)
+    host_copy: str = "loop"
+    # i32 []: host_stacks' key in `host_copy.HOST_ROWS` (host_copy "dma" only; else None)
+    host_rows_id: Any = None
 
 
 jax.tree_util.register_dataclass(
     SlottedExperts,
-    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id", "host_stacks"],
-    meta_fields=["layer"],
+    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id", "host_stacks", "host_rows_id"],
+    meta_fields=["layer", "host_copy"],
 )
 
 # id -> the host object serving missed experts: fetch(layer, counts i32 [E], missed i32 [m]) -> leaves [m, ...]
@@ -297,16 +301,37 @@ def copy_host_rows(host_rows: jax.Array, experts: jax.Array, count: jax.Array | 
     )
 
 
+def copy_missed_rows(
+    method: str,
+    host_rows: jax.Array,
+    missed: jax.Array,
+    num_missed: jax.Array,
+    rows_id: jax.Array | None = None,
+) -> jax.Array:
+    """Rows [len(missed), expert_bytes] on the device: the first `num_missed` of `missed` copied
+    from the `pinned_host` rows `host_rows` the way `method` names (`host_copy.HOST_COPIES`), zeros
+    after. "dma" finds the rows by `rows_id` (`host_copy.register_host_rows`) instead."""
+    if method == "loop":
+        return copy_host_rows(host_rows, missed, num_missed)
+    if method == "buckets":
+        return host_copy.copy_rows_in_buckets(host_rows, missed, num_missed, fetch_buckets(missed.shape[0]))
+    if method == "dma":
+        if rows_id is None:
+            raise ValueError('host copy "dma" needs the host rows\' id (host_copy.register_host_rows)')
+        return host_copy.copy_rows_by_dma(rows_id, missed, num_missed, host_rows.shape[1])
+    raise ValueError(f"host copy must be one of {host_copy.HOST_COPIES}, got {method!r}")
+
+
 def _read_missed_in_program(se: SlottedExperts, missed: jax.Array, num_missed: jax.Array):
     """The missed experts' weights (gate, up, down), each [len(missed), ...] on the device, copied
-    from the `pinned_host` byte rows inside the program (`copy_host_rows`; rows past `num_missed`
-    are never selected).
+    from the `pinned_host` byte rows inside the program (`copy_missed_rows`, the way
+    `se.host_copy` names; rows past `num_missed` are never selected).
 
     `missed` i32 [M] lists the missed expert ids first, then -1: a layer that misses nothing in a
     large step copies nothing."""
     slots = (se.gate_proj, se.up_proj, se.down_proj)
     like, treedef = jax.tree.flatten(slots)
-    rows = copy_host_rows(se.host_stacks, missed, num_missed)
+    rows = copy_missed_rows(se.host_copy, se.host_stacks, missed, num_missed, se.host_rows_id)
     return jax.tree.unflatten(treedef, expert_rows_to_leaves(rows, like))
 
 

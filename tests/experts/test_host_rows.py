@@ -3,13 +3,17 @@ the in-program copy brings the asked experts' bytes to the device."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from infernix_jax.experts.offload import expert_rows, promote_from_host_program
-from infernix_jax.model.mlp import copy_host_rows, expert_rows_to_leaves
+from infernix_jax.model import host_copy
+from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_rows_to_leaves
 
 PINNED = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 
@@ -53,3 +57,91 @@ def test_promotion_writes_host_experts_into_the_listed_slots_only():
     new = promote_from_host_program(slots, ids, host, experts)
     for got, want in zip(new, stacks):  # slot 0 <- expert 4, slot 1 kept, slot 2 <- expert 5
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want[[4, 1, 5]].view(np.uint8))
+
+
+@pytest.mark.parametrize("method", host_copy.HOST_COPIES)
+def test_every_host_copy_brings_the_asked_rows_and_zeros_after(method):
+    """Each way of copying missed experts (`host_copy.HOST_COPIES`): for random ids and every
+    count from 0 to the most rows, the first `count` rows are the source rows' bytes and the
+    rest are zeros, on the device. Ids come ascending (as the model gives them: consecutive ones
+    make one "dma" copy) and shuffled."""
+    rng = np.random.default_rng(3)
+    experts, row_bytes, m = 23, 72, 9
+    rows = rng.integers(0, 256, (experts, row_bytes), dtype=np.uint8)
+    host = jax.device_put(rows, PINNED)
+    rows_id = jnp.int32(host_copy.register_host_rows(host))
+    copy = jax.jit(lambda h, e, c, i: copy_missed_rows(method, h, e, c, i))
+    for count in range(m + 1):
+        for ordered in (True, False):
+            chosen = rng.choice(experts, count, replace=False)
+            chosen = np.sort(chosen) if ordered else chosen
+            ids = np.full(m, -1, np.int32)
+            ids[:count] = chosen
+            got = copy(host, jnp.asarray(ids), jnp.int32(count), rows_id)
+            assert got.sharding.memory_kind == "device" and got.shape == (m, row_bytes)
+            want = np.zeros((m, row_bytes), np.uint8)
+            want[:count] = rows[chosen]
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{method}, count {count}")
+
+
+def test_dma_copies_refuse_rows_that_are_gone_or_ids_out_of_range():
+    rows = jax.device_put(np.zeros((4, 8), np.uint8), PINNED)
+    rows_id = host_copy.register_host_rows(rows)
+    copy = jax.jit(lambda i, e, c: host_copy.copy_rows_by_dma(i, e, c, 8))
+    with pytest.raises(Exception, match="out of range"):
+        jax.block_until_ready(copy(jnp.int32(rows_id), jnp.asarray([1, 4], jnp.int32), jnp.int32(2)))
+    with pytest.raises(Exception, match="no host rows"):
+        jax.block_until_ready(copy(jnp.int32(10**6), jnp.asarray([1, 2], jnp.int32), jnp.int32(2)))
+    with pytest.raises(ValueError, match="u8"):
+        host_copy.register_host_rows(jnp.zeros((4, 2), jnp.float32))
+
+
+class _HostBuffer:
+    """A numpy array posing as a device buffer (`__cuda_array_interface__`) for the GPU code path."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.shape = array, array.shape
+        self.__cuda_array_interface__ = {"data": (array.ctypes.data, False)}
+
+
+class _FakeDriver:
+    """Does what the CUDA driver calls of `host_copy._cuda_dma_rows` would, in host memory; logs them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def check(self, name: str, *args) -> None:
+        self.calls.append(name)
+        if name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2"):
+            dst, src, size, _stream = args
+            ctypes.memmove(dst, src, size)
+        elif name == "cuMemsetD8Async":
+            dst, value, size, _stream = args
+            ctypes.memset(dst, value, size)
+
+    @contextlib.contextmanager
+    def context_of(self, stream: int):
+        yield
+
+
+def test_the_gpu_dma_path_reads_the_ids_once_and_copies_each_run_of_ids(monkeypatch):
+    """The CUDA side of "dma" (`_cuda_dma_rows`) with a driver that works in host memory: one
+    read-back and one synchronisation, one copy per run of consecutive ids, the rest zeroed."""
+    driver = _FakeDriver()
+    monkeypatch.setattr(host_copy, "_cuda", lambda: driver)
+    rows = np.random.default_rng(4).integers(0, 256, (12, 16), dtype=np.uint8)
+    host = jax.device_put(rows, PINNED)
+    rows_id = host_copy.register_host_rows(host)
+    chosen = [2, 3, 4, 7, 9, 10]  # three runs
+    header = np.asarray([rows_id, len(chosen), *chosen, -1, -1], np.int32)
+    out = np.full((8, 16), 0xAB, np.uint8)
+    host_copy._cuda_dma_rows(0, _HostBuffer(out), _HostBuffer(header))
+    want = np.zeros_like(out)
+    want[: len(chosen)] = rows[chosen]
+    np.testing.assert_array_equal(out, want)
+    assert driver.calls == [
+        "cuMemcpyDtoHAsync_v2",
+        "cuStreamSynchronize",
+        *["cuMemcpyHtoDAsync_v2"] * 3,
+        "cuMemsetD8Async",
+    ]

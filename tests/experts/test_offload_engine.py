@@ -171,13 +171,16 @@ def test_statistics_add_up(model, artifact):
         assert (cache.slot_map[layer] >= 0).sum() == SLOTS
 
 
-@pytest.mark.parametrize("host_reads", ["callback", "program"])
+@pytest.mark.parametrize("host_reads", ["callback", "program", "program+dma"])
 def test_no_compilation_after_warmup_while_slots_change(model, host_reads):
     """Swapped slots come out of the slot programs committed to the device, and so were built:
     a swap never makes the step programs compile again (it once did with host reads in the
     program, every step, costing seconds per token on a GPU)."""
     cfg, params = model
-    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_host_reads=host_reads)
+    reads, _, copy = host_reads.partition("+")
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS), expert_host_reads=reads, expert_host_copy=copy or "loop"
+    )
     core = EngineCore(cfg, params, config)
     compiles = []
 
@@ -303,14 +306,21 @@ def test_layers_whose_experts_all_sit_in_slots_make_no_host_round_trip(model, re
     assert stats.layer_steps > 0 and cache.routing_counts.sum() > 0
 
 
-def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callbacks(model, resident):
-    """expert_host_reads="program": missed experts are copied from pinned-host stacks inside the
-    program. The output equals the all-resident model's, no layer calls the fetch callback, and
-    the routing reports still count every miss as a host hit with its bytes."""
+@pytest.mark.parametrize("host_copy", ["loop", "buckets", "dma"])
+def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callbacks(
+    model, resident, host_copy
+):
+    """expert_host_reads="program", with each way of copying (expert_host_copy): missed experts are
+    copied from pinned-host stacks inside the program. The output equals the all-resident model's,
+    no layer calls the fetch callback, and the routing reports still count every miss as a host
+    hit with its bytes."""
     cfg, params = model
-    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_host_reads="program")
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS), expert_host_reads="program", expert_host_copy=host_copy
+    )
     core = EngineCore(cfg, params, config)
     slotted = core.experts.params.layers[core.experts.layout.moe_layers[0]].moe.gate_proj
+    assert slotted.host_copy == host_copy and (slotted.host_rows_id is not None) == (host_copy == "dma")
     rows = slotted.host_stacks  # one byte row per expert, all of them
     assert rows.sharding.memory_kind == "pinned_host"
     assert rows.shape == (NUM_EXPERTS, core.experts.layout.expert_bytes) and rows.dtype == jnp.uint8
@@ -344,3 +354,5 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
         EngineCore(cfg, params, config.replace(expert_host_reads="program"))
     with pytest.raises(ValueError, match="expert_host_reads must be auto, callback or program"):
         CONFIG.replace(expert_host_reads="dma")
+    with pytest.raises(ValueError, match="expert_host_copy must be loop, buckets or dma"):
+        CONFIG.replace(expert_host_copy="gather")
