@@ -11,7 +11,6 @@ versus everything the host does around them (scheduling, packing arrays, dispatc
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,7 +129,6 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.experts = None  # ExpertOffload when routed experts live in device slots + host/disk tiers
-        self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None  # see _dispatcher
         # the prefix cache's salt: from the loaded weights, before experts move to slots and tiers
         fingerprint = weights_fingerprint(params) if config.prefix_cache else ""
         budget = config.gpu_expert_budget
@@ -459,15 +457,6 @@ class EngineCore:
         return wait
 
     # ---- structured output ---------------------------------------------------------------------
-    @property
-    def _dispatcher(self) -> concurrent.futures.ThreadPoolExecutor:
-        """One worker thread that dispatches split constrained decoding's forwards, made on first use."""
-        if self._forward_thread is None:
-            self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="infernix-forward"
-            )
-        return self._forward_thread
-
     def _needs_host_each_token(self, state: RequestState) -> bool:
         constrained = self.constraints.get(state.request_id)
         return constrained is not None and constrained.needs_host_each_token()
@@ -647,13 +636,7 @@ class EngineCore:
         t - 1 is fed once more (the request has ended, so what the extra token writes is never read)
         but does not sample. Per step the host uploads only the masks: the block table and slots go
         up once, the positions come from the forward before (re-uploaded only when a row stops
-        feeding), which rows sample only when that changes.
-
-        The forward is dispatched from a worker thread (`_dispatcher`) while this thread reads,
-        advances the matchers and fills the masks: on a GPU the dispatch call itself is long (XLA
-        launches the program's kernels from the calling thread, with the GIL released: 15 ms of
-        a 17 ms step on the 27B shape, docs/structured_output.md), and serialising it with the
-        host's own per-token work made the host, not the device, the bound."""
+        feeding), which rows sample only when that changes."""
         pending, sampling_rows = None, run.live  # the last dispatched sample, read one step later
         wait = 0.0
         current, block_table, slots = jax.device_put((batch.tokens, batch.block_table, batch.slots))
@@ -661,22 +644,17 @@ class EngineCore:
         active, active_rows = None, None  # device copy of sampling_rows, and the rows it holds
         for step in range(run.steps + 1):
             feed = run.live & (step < batch.max_steps)  # may still hold a row the pending sample stops
-            forward = None
+            logits = None
             if step < run.steps and feed.any():
                 if fed is None or not np.array_equal(feed, fed):
                     positions = jax.device_put(np.where(feed, batch.positions + step, -1).astype(np.int32))
                     fed = feed
-                forward = self._dispatcher.submit(
-                    self.runner.decode_forward, current, positions, block_table, slots
-                )
-            try:
-                if pending is not None:  # read the previous step's tokens while this forward runs
-                    t0 = time.perf_counter()
-                    read = self.runner.read_step(pending)
-                    wait += time.perf_counter() - t0
-                    self._record_constrained_step(run, sampling_rows, read)
-            finally:  # the runner's pools are the forward's until its dispatch returns
-                logits, positions = forward.result() if forward is not None else (None, positions)
+                logits, positions = self.runner.decode_forward(current, positions, block_table, slots)
+            if pending is not None:  # read the previous step's tokens while this forward runs
+                t0 = time.perf_counter()
+                read = self.runner.read_step(pending)
+                wait += time.perf_counter() - t0
+                self._record_constrained_step(run, sampling_rows, read)
             if logits is None:
                 break
             run.fed_after_stop |= feed & ~run.live
