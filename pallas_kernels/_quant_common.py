@@ -12,6 +12,9 @@
     - ``"dot_t"`` W_tile [bn, bk] @ x_tile.T -> [bn, 16] ("swap AB"): the big weight tile is the
       left operand, so with block_n >= 64 Hopper can issue wgmma with the dequantized tile
       straight from registers; x is the small right operand.
+* ``"gemv_ws"`` (streamed gemv, `streamed_gemv`): the gemv's products on a fixed grid of
+  programs, each walking an equal run of (N tile, K step) units in one loop with its loads one
+  unit ahead; partial sums of tiles shared by programs go to separate slots (`StreamedPlan`).
 * For large M (prefill), ``"tiled"``: the classic tensor-core GEMM. Grid of
   (M tiles x N tiles) programs, each an x tile [block_m, bk] @ W_tile.T into a float32
   [block_m, block_n] accumulator, the weight tile unpacked to bf16 in registers once per K step
@@ -289,7 +292,8 @@ class StreamedPlan:
     def make(cls, n_size: int, block_n: int, steps: int, programs: int) -> StreamedPlan:
         units = compat.cdiv(n_size, block_n) * steps
         per_program = compat.cdiv(units, max(1, min(programs, units)))
-        # a run of p units that starts r units into a tile of s spans floor((r + s - 1) / p) + 1 runs
+        # a tile of s units starting r units into a run of p spans floor((r + s - 1) / p) + 1 runs:
+        # at most floor((s - 2) / p) + 2, as r <= p - 1
         slots = 1 if steps == 1 else (steps - 2) // per_program + 2
         return cls(steps, per_program, compat.cdiv(units, per_program), slots)
 
