@@ -254,7 +254,7 @@ SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs <
 
 def _variants(fmt: str, batch: int, only: tuple[str, ...] | None = None) -> list[str]:
     gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv_ws", "gemv"]
-    words = ["dot_w", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
+    words = ["dot_w", "dot_ws", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
     if fmt == "nvfp4" and batch <= qc.GEMV_MAX_M:
         words = ["gemv_ws", "gemv_wp", "gemv_w", *words]  # word decode, float16 products on CUDA cores
     out = words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
@@ -284,9 +284,11 @@ def sweep_configs(
         if qc.is_streamed(variant):  # the streamed grid instead of split K
             block_ns = [32, 64, 16] if fmt == "nvfp4" else [16, 32]
             block_ks = [512, 1024, 256] if fmt == "nvfp4" else [256, 512, 128]
+            if variant == "dot_ws":  # dot_w's tiles (64 x 256 won most batch-8 points)
+                block_ns, block_ks = [64, 32], [256, 512]
             if fmt == "fp8_block128":
                 block_ks = [b for b in block_ks if b <= 128]
-            warps = 8 if fmt == "nvfp4" else 4
+            warps = 8 if variant == "gemv_ws" and fmt == "nvfp4" else 4
             per_variant[variant] = [
                 qc.MatmulConfig(variant, bn, bk, 1, warps, 3, programs=programs)
                 for programs in STREAMED_PROGRAMS

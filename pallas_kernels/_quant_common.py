@@ -298,16 +298,18 @@ class StreamedPlan:
         return cls(steps, per_program, compat.cdiv(units, per_program), slots)
 
 
-def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, width, out_ref):
-    """The loop of a streamed gemv formulation, for program `program_id(0)`: its run of (tile, K
-    step) units in one pass, the weights of unit u + 1 loaded while unit u's products run (Triton
-    pipelines only the loads that feed dots, so a CUDA-core kernel keeps bytes in flight by asking
-    early), the [bn, width] float32 accumulators of each row summed and stored at each tile's end.
+def streamed_loop(loads, products, *, plan: StreamedPlan, n_size, bn, init, store):
+    """The loop of a streamed formulation, for program `program_id(0)`: its run of (tile, K step)
+    units in one pass, the weights of unit u + 1 loaded while unit u's products run (Triton
+    pipelines only the loads that feed dots; issuing them a unit early by hand keeps bytes in
+    flight across tile boundaries too), each tile's accumulators stored at its end.
 
     Against one program per tile, the loads stay in flight across tiles and every program has the
     same work (no tail wave, no split-K choice). `loads(col0, ks, valid)` returns one unit's
     weights (rows col0 .., K step ks; nothing read where `valid` is false, a traced bool);
-    `products(acc, ks, loaded)` returns the rows' accumulators with that unit added."""
+    `products(acc, ks, loaded)` returns the accumulators (a tuple, `init()`'s zeros at each tile's
+    start) with that unit added; `store(acc, slot, col0, mask)` writes a tile's accumulators, or
+    zeros where acc is None, to output slot `slot` for the rows (N) where `mask` holds."""
     p, steps, per = compat.program_id(0), plan.steps, plan.per_program
     units = compat.cdiv(n_size, bn) * steps
     start = p * per
@@ -318,30 +320,41 @@ def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, widt
 
     def tile_body(tile, ahead):
         base = tile * steps
+        zeros = init()
+        n_acc = len(zeros)
 
         def step(ks, carry):
             u = base + ks
             nxt = unit_loads(jnp.minimum(u + 1, units - 1), u + 1 < end)
-            return (*products(carry[:rows], ks, carry[rows:]), *nxt)
+            return (*products(carry[:n_acc], ks, carry[n_acc:]), *nxt)
 
-        zeros = tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows))
         first, last = jnp.maximum(start - base, 0), jnp.minimum(end - base, steps)
         carry = jax.lax.fori_loop(first, last, step, (*zeros, *ahead))
         col0 = tile * bn
         slot = p - jax.lax.div(base, per)  # this program's place among the tile's
         n_mask = (col0 + jnp.arange(bn)) < n_size
-        for r in range(rows):
-            view = out_ref.at[slot, compat.ds(r, 1), compat.ds(col0, bn)]
-            compat.store(view, carry[r].sum(axis=1)[None, :], mask=n_mask[None, :])
+        store(carry[:n_acc], slot, col0, n_mask)
         for s in range(1, plan.slots):  # the program ending the tile zeroes the slots nobody wrote
-            unused = (s > slot) & (last == steps) & n_mask
-            for r in range(rows):
-                view = out_ref.at[jnp.int32(s), compat.ds(r, 1), compat.ds(col0, bn)]
-                compat.store(view, jnp.zeros((1, bn), jnp.float32), mask=unused[None, :])
-        return carry[rows:]
+            store(None, jnp.int32(s), col0, (s > slot) & (last == steps) & n_mask)
+        return carry[n_acc:]
 
     first_tile, last_tile = jax.lax.div(start, steps), jax.lax.div(end - 1, steps)
     jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, unit_loads(start, start < end))
+
+
+def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, width, out_ref):
+    """`streamed_loop` for a gemv formulation: one [bn, width] float32 accumulator per activation
+    row, summed over its width once per tile into out_ref [slots, M, N]."""
+
+    def init():
+        return tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows))
+
+    def store(acc, slot, col0, mask):
+        for r in range(rows):
+            value = jnp.zeros((1, bn), jnp.float32) if acc is None else acc[r].sum(axis=1)[None, :]
+            compat.store(out_ref.at[slot, compat.ds(r, 1), compat.ds(col0, bn)], value, mask=mask[None, :])
+
+    streamed_loop(loads, products, plan=plan, n_size=n_size, bn=bn, init=init, store=store)
 
 
 def tiled_grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:

@@ -38,6 +38,7 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              of `programs` (default two per SM), each walking an equal run of (N tile, K step)
              units in one loop, its loads one unit ahead across tile boundaries; partial sums of a
              tile shared by several programs go to separate slots, summed after the kernel;
+  "dot_ws"   dot_w's float16 dots on the same streamed plan (M in tiles of block_m);
   "dot_w", "dot_t_w", "tiled_w"
              the dot formulations on float16 tensor cores with the weight decoded from whole 32-bit
              words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
@@ -64,10 +65,10 @@ from pallas_kernels import compat
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws")
+DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws")
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
-WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws")
+WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws")
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -289,11 +290,17 @@ def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, wo
     as uint8 bits as in `_nvfp4_kernel`; exact in float16), then 8 float16 dots, one per element
     position p of the words (x columns p * K/8 + kw ..., see `_quant_common.word_columns`).
     code / 2**14 times an e4m3 scale is exact in float16 (<= 6 significant bits, >= 2**-24)."""
-    bs, f32 = bw // 2, jnp.float32
-    k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
     words, bits = _word_loads(
         words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw, n_mask=n_mask, words_k=words_k, even_k=even_k
     )
+    return _word_dots(acc, x_ref, words, bits, kw=kw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
+                      row0=row0, rows=rows, m_mask=m_mask, transposed=transposed)  # fmt: skip
+
+
+def _word_dots(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, rows, m_mask, transposed):
+    """`_word_step`'s 8 float16 dots on loaded words and scale bits."""
+    bs, f32 = bw // 2, jnp.float32
+    k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
     scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
     x_mask = _mask2(m_mask, k_mask, (rows, bw))
@@ -414,6 +421,47 @@ def _nvfp4_streamed_kernel(
                                    even_k=even_k, rows=rows)  # fmt: skip
 
     qc.streamed_gemv(loads, products, plan=plan, n_size=n_size, rows=rows, bn=bn, width=bw, out_ref=out_ref)
+
+
+def _nvfp4_streamed_dot_kernel(
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    words_ref,  # [N, K/8] uint32
+    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
+    out_ref,  # [slots, Mp, N] float32 partial sums
+    *,
+    plan: qc.StreamedPlan,
+    rows: int,  # block_m
+    m_size: int,
+    n_size: int,
+    words_k: int,
+    block_n: int,
+    block_w: int,
+    even_k: bool,
+):
+    """"dot_ws": dot_w's float16 dots over a streamed plan (`_quant_common.streamed_loop`), one
+    [block_m, block_n] accumulator per tile; grid axis 1 walks the M tiles."""
+    bn, bw = block_n, block_w
+    row0 = compat.program_id(1) * rows
+    m_mask = None if m_size % rows == 0 else (row0 + jnp.arange(rows)) < m_size
+
+    def loads(col0, ks, valid):
+        n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
+        return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
+                           words_k=words_k, even_k=even_k)  # fmt: skip
+
+    def products(acc, ks, loaded):
+        return (_word_dots(acc[0], x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
+                           row0=row0, rows=rows, m_mask=m_mask, transposed=False),)  # fmt: skip
+
+    def init():
+        return (jnp.zeros((rows, bn), jnp.float32),)
+
+    def store(acc, slot, col0, mask):
+        value = jnp.zeros((rows, bn), jnp.float32) if acc is None else acc[0]
+        view = out_ref.at[slot, compat.ds(row0, rows), compat.ds(col0, bn)]
+        compat.store(view, value, mask=jnp.broadcast_to(mask[None, :], (rows, bn)))
+
+    qc.streamed_loop(loads, products, plan=plan, n_size=n_size, bn=bn, init=init, store=store)
 
 
 def _nvfp4_word_tiled_kernel(
@@ -674,19 +722,23 @@ def _word_call(
     if qc.is_streamed(cfg.variant):
         steps = compat.cdiv(words_k, block_w)
         plan = qc.StreamedPlan.make(n, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
-        kernel = functools.partial(
-            _nvfp4_streamed_kernel, plan=plan, rows=m, n_size=n, words_k=words_k, block_n=cfg.block_n,
-            block_w=block_w, even_k=words_k % block_w == 0,
-        )  # fmt: skip
+        common = dict(plan=plan, n_size=n, words_k=words_k, block_n=cfg.block_n, block_w=block_w,  # noqa: C408
+                      even_k=words_k % block_w == 0)  # fmt: skip
+        if cfg.variant == "gemv_ws":  # all M rows in one program
+            kernel, m_pad, m_tiles = functools.partial(_nvfp4_streamed_kernel, rows=m, **common), m, 1
+        else:  # dot_ws: M in tiles of block_m on grid axis 1
+            m_tiles = compat.cdiv(m, block_m)
+            m_pad = m_tiles * block_m
+            kernel = functools.partial(_nvfp4_streamed_dot_kernel, rows=block_m, m_size=m, **common)
         partial = compat.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((plan.slots, m, n), jnp.float32),
-            grid=(plan.grid,),
+            out_shape=jax.ShapeDtypeStruct((plan.slots, m_pad, n), jnp.float32),
+            grid=(plan.grid, m_tiles),
             compiler_params=params,
             interpret=interpret,
             name=f"nvfp4_matmul_{cfg.variant}",
         )(qc.word_columns(x16), words, scale_bits)
-        return (qc.split_sum(partial) * row_scale[:, None]).astype(out_dtype)
+        return (qc.split_sum(partial)[:m] * row_scale[:, None]).astype(out_dtype)
     if qc.is_gemv(cfg.variant):  # all M rows in one program, unpadded
         block_m = m
     m_pad = compat.cdiv(m, block_m) * block_m

@@ -18,6 +18,7 @@ def test_streamed_configs_take_programs_instead_of_split_k():
     # block-scaled FP8 keeps tiles inside its 128 x 128 scale blocks
     assert all(c.block_k <= 128 for c in kernels.sweep_configs("fp8_block128", 1024, 1024, 1, ("gemv_ws",)))
     assert kernels.sweep_configs("nvfp4", 1024, 1024, 16, ("gemv_ws",)) == []  # gemv serves M <= 8
+    assert {c.variant for c in kernels.sweep_configs("nvfp4", 1024, 1024, 16, ("gemv_ws", "dot_ws"))} == {"dot_ws"}
 
 
 def test_a_streamed_sweep_configuration_equals_the_xla_path():

@@ -184,25 +184,31 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(variant, n, k, split_k):
     assert "xla.gpu.triton" in text and f"nvfp4_matmul_{variant}" in text
 
 
+STREAMED_CASES = [  # m, n, k, block_n, block_k, programs
+    (1, 64, 1024, 32, 128, 3),  # 16 units in runs of 6: tiles shared by 2 programs, a third slot zeroed
+    (3, 70, 512, 32, 128, 5),  # ragged N: the last tile's rows past N are neither read nor written
+    (2, 130, 544, 64, 128, 7),  # ragged K
+    (1, 64, 2048, 32, 128, 9),  # runs of 4 in 16-step tiles: a tile spans 5 programs
+    (8, 48, 256, 16, 128, 100),  # more programs asked for than units
+    (20, 48, 512, 16, 128, 4),  # two M tiles of 16, the second ragged (dot_ws only: gemv serves M <= 8)
+]
+
+
 @pytest.mark.parametrize(
-    "m,n,k,block_n,block_k,programs",
-    [
-        (1, 64, 1024, 32, 128, 3),  # 16 units in runs of 6: tiles shared by 2 programs, a third slot zeroed
-        (3, 70, 512, 32, 128, 5),  # ragged N: the last tile's rows past N are neither read nor written
-        (2, 130, 544, 64, 128, 7),  # ragged K
-        (1, 64, 2048, 32, 128, 9),  # runs of 4 in 16-step tiles: a tile spans 5 programs
-        (8, 48, 256, 16, 128, 100),  # more programs asked for than units
-    ],
+    "variant,m,n,k,block_n,block_k,programs",
+    [(v, *case) for v in ("gemv_ws", "dot_ws") for case in STREAMED_CASES if v == "dot_ws" or case[0] <= 8],
 )
-def test_streamed_gemv_matches_reference_for_any_number_of_programs(m, n, k, block_n, block_k, programs):
+def test_streamed_formulations_match_reference_for_any_number_of_programs(
+    variant, m, n, k, block_n, block_k, programs
+):
     """Each program's run of (tile, K step) units may start and end inside tiles: the slots add up
     to the reference (the interpreter starts outputs as NaN, so a slot nobody wrote would show)."""
     args = _random_nvfp4(np.random.default_rng(m + n + k + programs), m, n, k)
-    got = nvfp4_matmul(*args, variant="gemv_ws", block_n=block_n, block_k=block_k, programs=programs,
+    got = nvfp4_matmul(*args, variant=variant, block_n=block_n, block_k=block_k, programs=programs,
                        out_dtype=jnp.float32, interpret=True)  # fmt: skip
     want = reference_nvfp4_matmul(*args)
-    scale = float(jnp.abs(want).max())
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=GEMV_W_TOLERANCE, atol=GEMV_W_TOLERANCE * scale)
+    tol = GEMV_W_TOLERANCE if variant == "gemv_ws" else 1e-5  # gemv_ws rounds its 8-product float16 sums
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize("n_tiles,steps", [(1, 1), (5, 1), (3, 2), (7, 10), (80, 34), (1088, 10)])
