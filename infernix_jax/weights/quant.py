@@ -357,23 +357,26 @@ class FP8Weight(QuantizedWeight):
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
 
 def fp8_tiles(m: int, k: int, n: int) -> dict:
-    """Formulation and tiles for the per-tensor FP8 decode kernel (H200 sweep at efc37c1,
-    bench/results/kernels-nvidia-h200.json); {} (the kernel's table) past 64 rows.
+    """Formulation and tiles for the per-tensor FP8 decode kernel where the H200 sweep at efc37c1
+    (bench/results/kernels-nvidia-h200.json) beat the kernel's own table; {} (the table: "gemv"
+    16 x 256 for one row, "dot" 64 x 128 split 2 up to 8) elsewhere.
 
-    One row on a layer of >= 2**27 weights (the 27B gate_up) takes "gemv" 16 x 512, 8 warps,
-    4 stages (2520 GB/s of a 3277 GB/s H200, against 2366 for "dot"); other decode rows take
-    "dot" 64 x 128 with K split until there are ~4 programs per SM (down 2283 GB/s at split 8,
-    q_gated 2199 at 4), at most 8-way and leaving >= 4 K steps per program."""
-    if m > 64:
-        return {}
+    One row: the widest layer (>= 2**27 weights, the 27B gate_up) takes "gemv" 16 x 512, 8 warps,
+    4 stages (2520 GB/s of a 3277 GB/s H200); layers with K >= 4096 and N >= 4096 (the other 27B
+    projections) take "dot" 64 x 128 with K split until there are ~4 programs per SM (down 2283
+    GB/s at split 8, q_gated 2199 at 4, o_proj 1786 at 8). 2-8 rows with K >= 8192 (the 27B down)
+    split K 8 ways (2251 GB/s)."""
     if m == 1 and n * k >= 1 << 27:
         return {"variant": "gemv", "block_n": 16, "block_k": 512, "split_k": 1, "num_warps": 8, "num_stages": 4}
-    n_tiles, k_steps = -(-n // 64), -(-k // 128)
-    split_k = 1
-    while split_k < 8 and n_tiles * split_k < 4 * 132 and k_steps // (2 * split_k) >= 4:
-        split_k *= 2
-    return {"variant": "dot", "block_n": 64, "block_k": 128, "split_k": split_k}
-
+    if m == 1 and k >= 4096 and n >= 4096:
+        n_tiles, k_steps = -(-n // 64), -(-k // 128)
+        split_k = 1
+        while split_k < 8 and n_tiles * split_k < 4 * 132 and k_steps // (2 * split_k) >= 4:
+            split_k *= 2
+        return {"variant": "dot", "block_n": 64, "block_k": 128, "split_k": split_k}
+    if 1 < m <= 8 and k >= 8192:
+        return {"variant": "dot", "block_n": 64, "block_k": 128, "split_k": 8}
+    return {}
 
 
 def _to_e4m3(v: Array) -> Array:
