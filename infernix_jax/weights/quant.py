@@ -243,27 +243,33 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     With bf16 / f16 rows (word decode, float16 products):
     - one row on a layer with K >= 4096 and either N >= 8192 or >= 2**26 weights (the 27B
       gate_up, down, q_gated, gdn_in) takes "gemv_ws", streamed over two programs per SM in
-      32 x 512 tiles (gate_up 1772 GB/s, down 1553, q_gated 1446 against gemv_w's 1721, 1265,
-      1249 on a 3277 GB/s H200);
+      32-row tiles, 512-element K steps (1024 for N < 16384 at K <= 8192: q_gated 1275 against
+      1100 GB/s); gate_up 1772 GB/s, down 1553 against gemv_w's 1721, 1265 on a 3277 GB/s H200;
     - one row on a smaller layer with K >= 4096 (the 80B o_proj, 2048 x 4096) and 2-8 rows on
       it take "gemv_ws" 64 x 512 / 32 x 512 (406 and 282 GB/s against 300 and 219 for dot_w);
-    - other single rows on layers of >= 2**24 weights take "gemv_w" 512-element K steps, split
-      in two while there are fewer than ~2.7 programs per SM, 8 warps;
+    - other single rows on layers of > 2**24 weights take "gemv_w" 512-element K steps, 8 warps,
+      split in two while there are fewer than ~2.7 programs per SM (K >= 4096), in four below
+      (the 80B gdn_in 12288 x 2048: 1043 GB/s against 680 at two);
+    - one row on a layer of <= 2**24 weights takes the bf16-decode "dot" 64 x 256 with K split
+      up to four ways (it beat dot_w on every such 80B layer: 569 against 348 GB/s on q_gated);
     - the rest take the word-decoded float16 dot ("dot_w"), split K until there are ~2 programs
       per SM. float32 activations keep "dot" (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    streamed = {"variant": "gemv_ws", "block_k": 512, "split_k": 1, "num_warps": 8}
+    streamed = {"variant": "gemv_ws", "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
-        return {**streamed, "block_n": 32}
+        return {**streamed, "block_n": 32, "block_k": 1024 if n < 16384 and k <= 8192 else 512}
     if words and m <= 8 and k >= 4096 and n * k < 1 << 24:
-        return {**streamed, "block_n": 64 if m == 1 else 32}
-    if words and m == 1 and n * k >= 1 << 24:
+        return {**streamed, "block_n": 64 if m == 1 else 32, "block_k": 512}
+    if words and m == 1 and n * k > 1 << 24:
         block_n = 32 if k >= 4096 else 64
-        split_k = 2 if -(-n // block_n) < 352 else 1
+        split_k = (2 if -(-n // block_n) < 352 else 1) if k >= 4096 else 4
         return {"variant": "gemv_w", "block_n": block_n, "block_k": 512, "split_k": split_k, "num_warps": 8}
-    block_n = 32 if words and n >= 32 * 4 * 132 else 64
     block_k = 256
-    n_tiles, k_steps = -(-n // block_n), -(-k // block_k)
+    k_steps = -(-k // block_k)
+    if m == 1 and n * k <= 1 << 24:
+        return {"variant": "dot", "block_n": 64, "block_k": block_k, "split_k": max(1, min(k_steps // 2, 4))}
+    block_n = 32 if words and n >= 32 * 4 * 132 else 64
+    n_tiles = -(-n // block_n)
     split_k = max(1, min(k_steps // 4, -(-264 // n_tiles)))
     return {"variant": "dot_w" if words else "dot", "block_n": block_n, "block_k": block_k, "split_k": split_k}
 

@@ -212,7 +212,10 @@ def test_nvfp4_decode_tiles_follow_rows_dtype_and_layer_size():
     assert nvfp4_tiles(8, 4096, 2048, jnp.bfloat16)["variant"] == "gemv_ws"
     assert nvfp4_tiles(2, 5120, 34816, jnp.bfloat16)["variant"] == "dot_w"
     assert nvfp4_tiles(1, 5120, 34816, jnp.float32)["variant"] == "dot"
-    assert nvfp4_tiles(1, 512, 2048, jnp.bfloat16)["variant"] == "dot_w"
+    assert nvfp4_tiles(1, 512, 2048, jnp.bfloat16)["variant"] == "dot"  # one row, a small layer
+    assert nvfp4_tiles(2, 512, 2048, jnp.bfloat16)["variant"] == "dot_w"
+    assert nvfp4_tiles(1, 5120, 12288, jnp.bfloat16)["block_k"] == 1024
+    assert nvfp4_tiles(1, 2048, 12288, jnp.bfloat16)["split_k"] == 4  # gemv_w below K = 4096
 
 
 def test_fp8_decode_tiles_split_k_until_the_grid_fills_the_gpu():
