@@ -28,7 +28,10 @@ import pytest
 # workers under: docs/model_config.md.) In jax 0.10.2 a program loaded from the cache still counts
 # as a compilation for the tests that assert none after warm-up:
 # `/jax/core/compile/backend_compile_duration` times the whole `compile_or_get_cached` call, cache
-# hits included (docs/engine.md). INFERNIX_TEST_COMPILATION_CACHE=0 turns it off.
+# hits included (docs/engine.md). JAX writes an entry in place (jax/_src/lru_cache.py), so a worker
+# reading an entry that the other is still writing gets "Error reading persistent compilation cache
+# entry ... truncated stream": a warning, and that program is compiled instead.
+# INFERNIX_TEST_COMPILATION_CACHE=0 turns it off.
 CACHE_DIR_NAME = "jax-compilation-cache"
 
 
