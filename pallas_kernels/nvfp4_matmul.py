@@ -394,6 +394,18 @@ def _nvfp4_word_kernel(
     )  # fmt: skip
 
 
+def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_k):
+    """The `loads(col0, ks, valid)` of the streamed word formulations (`_quant_common.streamed_loop`):
+    one unit's words and scale bits, nothing read for rows past N or where `valid` is false."""
+
+    def loads(col0, ks, valid):
+        n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
+        return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
+                           words_k=words_k, even_k=even_k)  # fmt: skip
+
+    return loads
+
+
 def _nvfp4_streamed_kernel(
     x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
     words_ref,  # [N, K/8] uint32
@@ -410,11 +422,7 @@ def _nvfp4_streamed_kernel(
 ):
     """"gemv_ws": gemv_w's loads and products over a streamed plan (`_quant_common.streamed_gemv`)."""
     bn, bw = block_n, block_w
-
-    def loads(col0, ks, valid):
-        n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
-        return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                           words_k=words_k, even_k=even_k)  # fmt: skip
+    loads = _streamed_word_loads(words_ref, scale_ref, bn=bn, bw=bw, n_size=n_size, words_k=words_k, even_k=even_k)
 
     def products(acc, ks, loaded):
         return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
@@ -444,10 +452,7 @@ def _nvfp4_streamed_dot_kernel(
     row0 = compat.program_id(1) * rows
     m_mask = None if m_size % rows == 0 else (row0 + jnp.arange(rows)) < m_size
 
-    def loads(col0, ks, valid):
-        n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
-        return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                           words_k=words_k, even_k=even_k)  # fmt: skip
+    loads = _streamed_word_loads(words_ref, scale_ref, bn=bn, bw=bw, n_size=n_size, words_k=words_k, even_k=even_k)
 
     def products(acc, ks, loaded):
         return (_word_dots(acc[0], x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
