@@ -54,7 +54,7 @@ def register_host_rows(rows: jax.Array) -> int:
     return rows_id
 
 
-def _device_row(host_rows: jax.Array, expert: jax.Array) -> jax.Array:
+def device_row(host_rows: jax.Array, expert: jax.Array) -> jax.Array:
     """One row [1, row_bytes] copied from pinned host memory to device memory."""
     return jax.device_put(jax.lax.dynamic_slice_in_dim(host_rows, expert, 1), jax.memory.Space.Device)
 
@@ -75,7 +75,7 @@ def copy_rows_in_buckets(
     def branch(m: int):
         def run(host_rows, experts, count):
             live = (jnp.arange(m) < count)[:, None]  # a larger bucket's extra rows read as zeros
-            rows = [_device_row(host_rows, experts[i]) for i in range(m)]
+            rows = [device_row(host_rows, experts[i]) for i in range(m)]
             got = jnp.where(live, jnp.concatenate(rows), 0) if m else jnp.zeros((0, row_bytes), jnp.uint8)
             return jnp.pad(got, [(0, m_max - m), (0, 0)])
 
