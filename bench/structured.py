@@ -175,6 +175,8 @@ def decode_rate(
     while core.metrics.generated_tokens - generated < tokens * batch:
         core.step()
     wall = time.perf_counter() - start
+    if core.ahead is not None:  # the next engine must not start beside it (docs/structured_output.md)
+        jax.block_until_ready(core.ahead.out)
     produced = core.metrics.generated_tokens - generated
     finished = batch - len(core.scheduler.running)
     return {"tok_s": produced / wall, "ms_per_token": 1e3 * wall / (produced / batch), "finished": finished}
@@ -401,8 +403,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--constrained-decode",
         default="split",
-        choices=("split", "fused"),
-        help="EngineConfig.constrained_decode of the throughput records (fused ones say so in their names)",
+        choices=("split", "fused", "callback"),
+        help="EngineConfig.constrained_decode of the throughput records (other than split: named in them)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -448,7 +450,7 @@ def main(argv: list[str] | None = None):
                 )
                 if batch == 1 and step_ms is None:
                     step_ms = free["ms_per_token"]
-                way = " fused" if args.constrained_decode == "fused" else ""
+                way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
                 name = (
                     f"structured decode {shape} json_schema{way} batch{batch} {context_label(args.context)}"
                 )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from infernix_jax.cache.allocators import BLOCK_SIZE
+from infernix_jax.engine.mask_feed import MaskFeed
 from infernix_jax.engine.request_state import Status
 from infernix_jax.engine.runner import DecodeBatch, next_decode_inputs
 
@@ -50,6 +51,7 @@ class InFlight:
     feed: Any  # device (last token, stopped) per row: the next dispatch's inputs
     budget: Any  # i32 [b]: tokens each row could generate when the dispatch started (host or device)
     budget_bound: np.ndarray  # i32 [b]: the same on the host, or an upper bound of it
+    mask_feed: MaskFeed | None = None  # constrained rows: the host side of the dispatch's masks
 
 
 class AsyncDecode:

@@ -38,11 +38,13 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/infernix_jax/xla"  # JAX persistent cache; None: off
     warmup: bool = True  # compile every bucket at start (with a progress bar)
     structured_output: bool = True  # warm-up also compiles the one-step masked decode programs
-    # how a batch with constrained rows decodes (docs/structured_output.md): "fused", one masked
-    # forward+sample program per sampled token, the tokens a grammar forces fed in the same
-    # dispatch; "split", a forward and a masked sample per token, the mask computed while the
-    # forward runs. Split is the default: on one H200 host at batch 1 it took 7.3 ms a token against
-    # fused's 9.3, and at batch 8 it ran at 84% of free speed (docs/structured_output.md)
+    # how a batch with constrained rows decodes (docs/structured_output.md): "callback", the
+    # multi-step decode program with masks, each step's from a host callback after the sample
+    # before (engine/mask_feed.py); "fused", one masked forward+sample program per sampled token,
+    # the tokens a grammar forces fed in the same dispatch; "split", a forward and a masked sample
+    # per token, the mask computed while the forward runs. Split is the default: on one H200 host
+    # at batch 1 it took 7.3 ms a token against fused's 9.3, and at batch 8 it ran at 84% of free
+    # speed (docs/structured_output.md)
     constrained_decode: str = "split"
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
@@ -123,8 +125,10 @@ class EngineConfig:
             errors.append(
                 f"spec_tree_nodes must be in [0, 15] (verify windows <= 16), got {self.spec_tree_nodes}"
             )
-        if self.constrained_decode not in ("fused", "split"):
-            errors.append(f"constrained_decode must be fused or split, got {self.constrained_decode!r}")
+        if self.constrained_decode not in ("callback", "fused", "split"):
+            errors.append(
+                f"constrained_decode must be callback, fused or split, got {self.constrained_decode!r}"
+            )
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         errors += _expert_budget_errors(self.gpu_expert_budget, self.host_expert_budget)

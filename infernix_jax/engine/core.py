@@ -23,6 +23,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.engine.async_decode import AsyncDecode, InFlight, runs_on
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
+from infernix_jax.engine.mask_feed import MaskFeed
 from infernix_jax.engine.memory_plan import auto_expert_budget, plan_blocks
 from infernix_jax.engine.ngram_prefetch import build_ngram_feeder
 from infernix_jax.engine.prefix import (
@@ -70,6 +71,7 @@ class EngineMetrics:
     spec_dispatches: int = 0  # speculative: verify dispatches (steps)
     forced_draft_tokens: int = 0  # speculative: drafts a grammar forced (structured output)
     forced_tokens: int = 0  # structured output: tokens a grammar forced, fed without a sample of their own
+    constrained_host_s: float = 0.0  # structured output ("callback" way): host time inside decode programs
 
     @property
     def mean_accepted_length(self) -> float:
@@ -388,8 +390,12 @@ class EngineCore:
                 self._settle_constraint(chunk.request, status, events)
         return wait
 
-    def _run_decode(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
-        if any(self._needs_host_each_token(r.request) for r in plan.decode):
+    def _run_decode(
+        self, plan: SchedulerOutput, events: list[TokenEvent], feed: MaskFeed | None = None
+    ) -> float:
+        """One multi-step decode dispatch over the plan's rows, read back (with `feed`: under the
+        masks of its constrained rows, `_constrained_callback`)."""
+        if feed is None and any(self._needs_host_each_token(r.request) for r in plan.decode):
             return self._run_decode_constrained(plan, events)
         batch = self.runner.empty_decode(plan.decode_batch, plan.decode_steps)
         for i, row in enumerate(plan.decode):
@@ -405,8 +411,8 @@ class EngineCore:
         try:
             if self.ngram is not None:
                 batch.ngram_rows = self.ngram.decode_rows(plan)
-            out = self.runner.decode(batch)
-            flight = InFlight(plan.decode, batch, out, self.runner.last_feed, budget, budget)
+            out = self.runner.decode(batch, feed)
+            flight = InFlight(plan.decode, batch, out, self.runner.last_feed, budget, budget, feed)
         except Exception as exc:  # noqa: BLE001
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
@@ -447,7 +453,10 @@ class EngineCore:
             state.num_computed += count
             if runs is not None and runs[i]:  # the next dispatch moves its state on: if the host
                 state.cacheable_state = False  # ends it now (a stop string), that state is not its own
-            status, count = self._follow_constraint(state, sampled.tokens[:count, i])
+            if flight.mask_feed is not None:  # its host callback followed the tokens already
+                status, count = flight.mask_feed.outcome(i, count)
+            else:
+                status, count = self._follow_constraint(state, sampled.tokens[:count, i])
             self._accept(state, sampled, i, count, events)
             self._settle_constraint(state, status, events)
             if state.status == Status.RUNNING:
@@ -493,6 +502,8 @@ class EngineCore:
         mask: the same keys, penalties and stops as in decode_program, so their tokens are the ones
         the multi-step program would give. `EngineConfig.constrained_decode` picks the programs
         (`_constrained_fused`, `_constrained_split`)."""
+        if self.config.constrained_decode == "callback":
+            return self._constrained_callback(plan, events)
         b = plan.decode_batch
         batch = self.runner.empty_decode(b, 1)
         for i, row in enumerate(plan.decode):
@@ -521,6 +532,23 @@ class EngineCore:
             row.request.num_computed += count
             self._accept(row.request, sampled, i, count, events)
             self._settle_constraint(row.request, run.statuses[i], events)
+        return wait
+
+    def _constrained_callback(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
+        """The plain multi-step decode under masks: after each sample the program calls the host,
+        which follows the sampled tokens through the rows' constraints and returns the next masks
+        (engine/mask_feed.py). Free rows of the batch get all-ones masks, so their tokens are the
+        ones of the unmasked program."""
+        # A dispatch still in flight (one left to run inert by async decode) finishes first: with
+        # one running, a program with a host callback has hung on the CPU backend (jax 0.10.2).
+        jax.block_until_ready(self.runner.kv_pool)
+        outputs = [self.constraints.get(row.request.request_id) for row in plan.decode]
+        feed = MaskFeed(outputs, plan.decode_batch, self.runner.mask_words)
+        try:
+            wait = self._run_decode(plan, events, feed)
+        finally:
+            feed.close()
+        self.metrics.constrained_host_s += feed.host_s
         return wait
 
     def _constrained_masks(self, run: _ConstrainedRun, rows: np.ndarray) -> np.ndarray:

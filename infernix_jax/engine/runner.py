@@ -40,6 +40,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from infernix_jax.cache import (
     NULL_BLOCK,
@@ -57,6 +58,7 @@ from infernix_jax.cache.prefix_index import HostData
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import allow_all
+from infernix_jax.engine.mask_feed import MaskFeed, host_mask_step
 from infernix_jax.engine.protocol import SamplingParams
 from infernix_jax.engine.sampling import (
     PenaltyState,
@@ -183,18 +185,26 @@ def decode_program(
     slots: jax.Array,  # i32 [b]
     max_steps: jax.Array,  # i32 [b]: tokens each row may generate (0 on padding rows)
     ngram_rows: jax.Array | None = None,  # [L, b, 1, heads, width]: n-gram memory rows (then steps == 1)
+    mask: jax.Array | None = None,  # i32 [b, ceil(v / 32)]: the first step's packed masks (then feed_id)
+    feed_id: jax.Array | None = None,  # i32 []: the engine/mask_feed.py MaskFeed of the later masks
     *,
     cfg: ModelConfig,
     steps: int,
     num_top: int,
 ):
+    """`steps` decode steps on the device. With `mask`, every sample is masked and followed by a
+    host callback (`mask_feed.host_mask_step`) that follows the sampled tokens through the rows'
+    grammars and returns the next step's masks and the rows it stops (constrained decoding)."""
     if ngram_rows is not None and steps != 1:
         raise ValueError("with an n-gram memory a decode dispatch runs one step (the next rows need the token)")
     b = tokens.shape[0]
     arrays, penalties = slot_sampling.rows(slots)
+    if mask is not None:
+        host_step = partial(host_mask_step, words=mask.shape[1])
+        host_shapes = (jax.ShapeDtypeStruct(mask.shape, jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_))
 
     def step(i, carry):
-        kv_pool, state_pool, penalties, current, done, count, out = carry
+        kv_pool, state_pool, penalties, current, done, count, out, step_mask = carry
         active = (i < max_steps) & ~done
         pos = jnp.where(active, positions + i, -1)
         cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
@@ -205,16 +215,20 @@ def decode_program(
             arrays,
             penalties,
             row_keys(arrays, penalties.num_generated),
+            step_mask,
             num_top_logprobs=num_top,
         )
         penalties = update_penalty_state(penalties, sampled.tokens, active)
         done = done | (active & stop_token_hit(arrays, sampled.tokens))
+        if step_mask is not None:  # the host follows the tokens: next masks, rows it ends
+            step_mask, halt = io_callback(host_step, host_shapes, feed_id, sampled.tokens, active)
+            done = done | (active & halt)
         current = jnp.where(active, sampled.tokens, current)
         out = tuple(
             o.at[i].set(x)
             for o, x in zip(out, (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
         )
-        return kv_pool, state_pool, penalties, current, done, count + active.astype(jnp.int32), out
+        return kv_pool, state_pool, penalties, current, done, count + active.astype(jnp.int32), out, step_mask
 
     out = (
         jnp.zeros((steps, b), jnp.int32),
@@ -222,8 +236,8 @@ def decode_program(
         jnp.zeros((steps, b, num_top), jnp.int32),
         jnp.zeros((steps, b, num_top), jnp.float32),
     )
-    carry = (kv_pool, state_pool, penalties, tokens, jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), out)
-    kv_pool, state_pool, penalties, current, done, count, out = jax.lax.fori_loop(0, steps, step, carry)
+    carry = (kv_pool, state_pool, penalties, tokens, jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), out, mask)
+    kv_pool, state_pool, penalties, current, done, count, out, _ = jax.lax.fori_loop(0, steps, step, carry)
     slot_sampling = slot_sampling.with_penalties(slots, penalties)
     return kv_pool, state_pool, slot_sampling, (count, *out), (current, done)
 
@@ -471,7 +485,9 @@ class PrefillBatch:
     snapshot_at: np.ndarray | None = None  # i32 [r, S] or None (no snapshots in this engine)
     snapshot_slots: np.ndarray | None = None  # i32 [r, S]
     mask: np.ndarray | None = None  # i32 [r, mask_words]: packed allowed tokens; None: all
-    ngram_rows: np.ndarray | None = None  # [L, r, t, heads, width]: n-gram memory rows (engine/ngram_prefetch.py)
+    ngram_rows: np.ndarray | None = (
+        None  # [L, r, t, heads, width]: n-gram memory rows (engine/ngram_prefetch.py)
+    )
 
 
 @dataclass
@@ -614,7 +630,9 @@ class Runner:
         token and the tokens its grammar forced (`masked_window_program`, no top alternatives).
         Pass device arrays where the caller can: each numpy argument is a host-to-device copy."""
         if self.ngram_table is not None:
-            raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+            raise ValueError(
+                "structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)"
+            )
         args = [jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)]
         if np.ndim(tokens) == 2:
             program = partial(masked_window_program, cfg=self.cfg)
@@ -633,7 +651,9 @@ class Runner:
         device. Pass device arrays where the caller can (what stays the same over a run of steps):
         each numpy argument is a host-to-device copy per call."""
         if self.ngram_table is not None:
-            raise ValueError("structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)")
+            raise ValueError(
+                "structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)"
+            )
         # committed to the device, as the pools are: host ids or the last sample's, one program
         tokens, positions, block_table, slots = (
             jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots)
@@ -661,11 +681,22 @@ class Runner:
         one device-to-host transfer (k is 0 when it ran without alternatives)."""
         return unpack_step(jax.device_get(packed))
 
-    def decode(self, batch: DecodeBatch):
+    def decode(self, batch: DecodeBatch, feed: MaskFeed | None = None):
         """Dispatch a decode; returns its outputs (read with read_decode). `last_feed` keeps, on the
-        device, each row's last sampled token and whether it stopped, for next_decode_inputs."""
+        device, each row's last sampled token and whether it stopped, for next_decode_inputs. With
+        `feed` (constrained rows), every step samples under the masks the feed gives (its first
+        ones now, the later ones from the program's host callback)."""
         # host arrays, or device ones from the dispatch before (asynchronous decode): one program
         fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps), self.device)
+        masked = {}
+        if feed is not None:
+            if self.ngram_table is not None:
+                raise ValueError(
+                    "structured output with an n-gram memory is not supported yet (docs/ngram_memory.md)"
+                )
+            masked = dict(
+                zip(("mask", "feed_id"), jax.device_put((feed.masks(), np.int32(feed.id)), self.device))
+            )
         self.kv_pool, self.state_pool, self.slot_sampling, out, self.last_feed = decode_program(
             self.params,
             self.kv_pool,
@@ -677,6 +708,7 @@ class Runner:
             batch.slots,
             fed[2],
             batch.ngram_rows,
+            **masked,
             cfg=self.cfg,
             steps=batch.steps,
             num_top=self.num_top,
@@ -775,7 +807,9 @@ class Runner:
         if self.config.spec == "none":  # with speculation every decode row runs the verify program
             work += [("decode", (b, self.config.decode_steps_per_dispatch)) for b in self.config.decode_buckets]
         if self.config.structured_output:
-            work += [("constrained decode", (b, 1)) for b in self.config.decode_buckets]
+            callback = self.config.constrained_decode == "callback"
+            steps = self.config.decode_steps_per_dispatch if callback else 1
+            work += [("constrained decode", (b, steps)) for b in self.config.decode_buckets]
         bar = _progress(len(work), "compiling", progress)
         self.set_slot(SCRATCH_SLOT, SamplingParams(), 0, [0], [])
         if self.config.prefix_cache:  # the prefix cache's row programs (all writes go to row 0: dropped)
@@ -812,6 +846,13 @@ class Runner:
         """Compile the constrained decode programs of one batch bucket on idle rows (position -1: no
         writes, no samples), fed as core.py feeds them: host arrays first, then the device arrays
         the step before returned."""
+        if self.config.constrained_decode == "callback":  # the multi-step program with masks
+            feed = MaskFeed([], batch, self.mask_words)
+            try:
+                out = self.decode(self.empty_decode(batch, self.config.decode_steps_per_dispatch), feed)
+                return jax.block_until_ready(out)
+            finally:
+                feed.close()
         empty = self.empty_decode(batch, 1)
         idle = np.full(batch, -1, np.int32)
         mask = allow_all(batch, self.mask_words)

@@ -209,12 +209,13 @@ def test_logprobs_come_back_from_constrained_batches(llm, backend, prompt):
         assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
 
 
-def test_fused_and_split_constrained_decode_give_the_same_tokens(llm, backend, prompt):
-    # The two ways of decoding a constrained batch (one masked forward+sample program per token, with
-    # the tokens a grammar forces fed in one window; or a forward and a masked sample per token) draw
-    # the same keys under the same masks: the same tokens for constrained and free rows alike, the
-    # same logprobs where asked for. Forced tokens are taken only for rows without logprobs, and not
-    # while a row wants top alternatives (test_logprobs_come_back_from_constrained_batches).
+def test_the_constrained_decode_ways_give_the_same_tokens(llm, backend, prompt):
+    # The three ways of decoding a constrained batch (one masked forward+sample program per token,
+    # with the tokens a grammar forces fed in one window; a forward and a masked sample per token; the
+    # multi-step program with each step's masks from a host callback) draw the same keys under the
+    # same masks: the same tokens for constrained and free rows alike, the same logprobs where asked
+    # for. Forced tokens are taken only for rows without logprobs, and not while a row wants top
+    # alternatives (test_logprobs_come_back_from_constrained_batches).
     json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
 
     def batch():
@@ -227,22 +228,25 @@ def test_fused_and_split_constrained_decode_give_the_same_tokens(llm, backend, p
 
     core = llm.core
     results = {}
-    for mode in ("fused", "split"):
+    for mode in ("fused", "split", "callback"):
         saved = core.config
         core.config = dataclasses.replace(saved, constrained_decode=mode)
-        forced = core.metrics.forced_tokens
+        forced, host_s = core.metrics.forced_tokens, core.metrics.constrained_host_s
         try:
             results[mode] = _tokens_and_logprobs(core, batch())
         finally:
             core.config = saved
         if mode == "fused":
             assert core.metrics.forced_tokens > forced  # the schema's keys and punctuation
-    for request_id, (tokens, logprobs) in results["fused"].items():
-        split_tokens, split_logprobs = results["split"][request_id]
-        assert tokens and tokens == split_tokens, request_id
-        assert [lp.logprob for lp in logprobs] == pytest.approx(
-            [lp.logprob for lp in split_logprobs], abs=1e-5
-        )
+        if mode == "callback":
+            assert core.metrics.constrained_host_s > host_s  # the masks came from its callback
+    for mode in ("fused", "callback"):
+        for request_id, (tokens, logprobs) in results[mode].items():
+            split_tokens, split_logprobs = results["split"][request_id]
+            assert tokens and tokens == split_tokens, (mode, request_id)
+            assert [lp.logprob for lp in logprobs] == pytest.approx(
+                [lp.logprob for lp in split_logprobs], abs=1e-5
+            )
 
 
 def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monkeypatch):
