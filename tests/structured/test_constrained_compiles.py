@@ -1,4 +1,5 @@
-"""Constrained decode after warm-up, each way (`EngineConfig.constrained_decode`): masks
+"""Constrained decode after warm-up, fused and split (`EngineConfig.constrained_decode`; the
+callback way, which is not the default, is left out for the suite's time budget): masks
 are obeyed and nothing compiles, with and without logprobs (the programs have variants without the
 top-k alternatives).
 
@@ -24,7 +25,7 @@ from tests.engine.test_engine_core import COMPILE_EVENT, MAX_CONTEXT, SMALL, pro
 SCRIPT = [11, 40, 5, 33, 60, 21]  # the only output the grammar allows, then END
 
 
-@pytest.fixture(scope="module", params=["callback", "fused", "split"])
+@pytest.fixture(scope="module", params=["fused", "split"])
 def core(request):
     model = infernix_jax.load(HF_FIXTURES / "qwen3_next", max_context=MAX_CONTEXT)
     config = dataclasses.replace(SMALL, constrained_decode=request.param)
