@@ -127,12 +127,13 @@ def test_a_continuation_after_thinking_is_constrained_at_once():
     assert output.slot_sampling() == SamplingParams()
 
 
-def test_constrained_decode_is_split_unless_fused_is_asked_for():
+def test_constrained_decode_is_split_unless_another_way_is_asked_for():
     from infernix_jax.engine.config import EngineConfig
 
     assert EngineConfig().constrained_decode == "split"
     assert EngineConfig(constrained_decode="fused").constrained_decode == "fused"
-    with pytest.raises(ValueError, match="constrained_decode must be fused or split"):
+    assert EngineConfig(constrained_decode="callback").constrained_decode == "callback"
+    with pytest.raises(ValueError, match="constrained_decode must be callback, fused or split"):
         EngineConfig(constrained_decode="fast")
 
 
