@@ -41,7 +41,6 @@ class MaskFeed:
         self.batch, self.words = batch, words
         self.statuses = [OK] * batch
         self.halted = np.zeros(batch, bool)  # the host stopped the row (its grammar ended or broke)
-        self.calls = 0
         self.host_s = 0.0  # time spent in host_mask_step (the device waits for it)
         with _LOCK:
             self.id = next(_IDS) % (2**31 - 1)
@@ -73,7 +72,6 @@ class MaskFeed:
                 self.statuses[i] = status
                 self.halted[i] = True
         mask = self.masks()
-        self.calls += 1
         self.host_s += time.perf_counter() - start
         return mask, self.halted.copy()
 
