@@ -24,7 +24,9 @@ otherwise it dequantizes and lets XLA do the dot. MoE expert stacks [E, N, K] in
 (and plain bf16 stacks, whose `ragged_dot` XLA would expand densely) go through the grouped
 kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count:
 `grouped_kernel_ready` says whether it runs, `grouped_expert_matmul` runs it on rows sorted by
-expert. `kernel_mode(...)` overrides both. The mode is read when a function is traced, so a
+expert. Per-tensor FP8 decode rows take XLA's own convert-fused dot instead of the kernel where the
+H200 measured it faster (`fp8_decode_way`; `fp8_decode_mode` / INFERNIX_FP8_DECODE override it).
+`kernel_mode(...)` overrides both. The mode is read when a function is traced, so a
 jitted function keeps the choice it was traced with.
 """
 
@@ -34,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -340,6 +343,9 @@ class FP8Weight(QuantizedWeight):
         return (self.data.astype(jnp.float32) * self._scale_full()).astype(dtype)
 
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
+        way = fp8_decode_way(x2d.shape[0], *self.shape[::-1])
+        if self.block_size is None and _mode == "auto" and way == "xla":  # "kernel" mode: always the kernel
+            return fp8_xla_matmul(x2d, self.data, self.scale)
         tiles = fp8_tiles(x2d.shape[0], *self.shape[::-1]) if self.ndim == 2 else {}
         if self.block_size is not None:  # tiles must divide the scale block; "dot" won at 128 blocks
             tiles = {
@@ -361,6 +367,59 @@ class FP8Weight(QuantizedWeight):
 
 
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
+
+FP8_DECODE_MODES = ("auto", "kernel", "xla")
+_fp8_decode_mode = os.environ.get("INFERNIX_FP8_DECODE", "auto")
+if _fp8_decode_mode not in FP8_DECODE_MODES:
+    raise ValueError(f"INFERNIX_FP8_DECODE must be one of {', '.join(FP8_DECODE_MODES)}; got {_fp8_decode_mode!r}")
+
+
+@contextlib.contextmanager
+def fp8_decode_mode(mode: str) -> Iterator[None]:
+    """Choose, while tracing inside this block, how per-tensor FP8 decode matmuls run on a GPU:
+    "kernel" (the Pallas kernel), "xla" (`fp8_xla_matmul`) or "auto" (`fp8_decode_way`).
+    The default comes from the environment variable INFERNIX_FP8_DECODE."""
+    global _fp8_decode_mode
+    if mode not in FP8_DECODE_MODES:
+        raise ValueError(f"FP8 decode mode must be one of {', '.join(FP8_DECODE_MODES)}; got {mode!r}")
+    previous, _fp8_decode_mode = _fp8_decode_mode, mode
+    try:
+        yield
+    finally:
+        _fp8_decode_mode = previous
+
+
+def fp8_decode_way(m: int, k: int, n: int) -> str:
+    """"xla" or "kernel": which runs x [m, k] @ W [n, k].T for per-tensor FP8 W on a GPU.
+
+    From the H200 (`python -m bench.xla_quant`, bench/results/xla-quant-nvidia-h200.json, HBM probe
+    3558 GB/s): XLA's fused dot read more bytes per second than the tuned kernel at 8 rows on every
+    27B and 80B layer (27B gate_up 3588 against 2400 GB/s, gdn_in 2805 / 1794, down 3183 / 2263),
+    and at one row on the 27B layers with K >= 4096 below the widest (q_gated 2561 / 2263, gdn_in
+    2308 / 2121, down 2474 / 2319); the kernel kept one row on the widest layer (gate_up: a tie),
+    on 5120 x 6144 (1618 / 1480) and on the 80B layers (gdn_in 1504 / 1232)."""
+    if _fp8_decode_mode != "auto":
+        return _fp8_decode_mode
+    if m >= 2:
+        return "xla"
+    if k >= 4096 and n * k < 1 << 27 and (n >= 8192 or k >= 16384):
+        return "xla"
+    return "kernel"
+
+
+def fp8_xla_matmul(x: Array, data: Array, scale: Array) -> Array:
+    """x [M, K] @ (FP8 W [N, K] * scale).T as one XLA dot whose operand convert XLA fuses into its
+    GEMM (on the H200 a Triton GEMM fusion reading the e4m3 bytes directly): e4m3 values are exact
+    in bf16 and float16, so bf16 / float16 activations meet them in their own dtype with float32
+    accumulation, the kernel's numerics; other activations go in as float32 (full precision)."""
+    dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    y = jax.lax.dot_general(
+        x.astype(dtype), data.astype(dtype), (((1,), (1,)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    return (y * jnp.asarray(scale, jnp.float32).reshape(())).astype(x.dtype)
+
 
 def fp8_tiles(m: int, k: int, n: int) -> dict:
     """Formulation and tiles for the per-tensor FP8 decode kernel where the H200 sweep at efc37c1

@@ -230,3 +230,34 @@ def test_fp8_decode_tiles_split_k_until_the_grid_fills_the_gpu():
     assert fp8_tiles(1, 5120, 12288)["split_k"] == 4
     assert fp8_tiles(8, 17408, 5120)["split_k"] == 8
     assert fp8_tiles(1, 2048, 8192) == fp8_tiles(8, 5120, 12288) == fp8_tiles(4096, 5120, 5120) == {}
+
+
+def test_fp8_decode_takes_xlas_dot_where_the_h200_measured_it_faster():
+    """Per-tensor FP8 on a GPU: XLA's convert-fused dot for 2+ rows and for one row on the large
+    27B layers below the widest; the kernel for one row elsewhere; the mode overrides both."""
+    from infernix_jax.weights.quant import fp8_decode_mode, fp8_decode_way
+
+    assert fp8_decode_way(8, 5120, 34816) == fp8_decode_way(2, 2048, 1024) == "xla"
+    assert fp8_decode_way(1, 5120, 12288) == fp8_decode_way(1, 17408, 5120) == "xla"  # q_gated, down
+    assert fp8_decode_way(1, 5120, 34816) == "kernel"  # gate_up: a tie, the tuned gemv stays
+    assert fp8_decode_way(1, 6144, 5120) == fp8_decode_way(1, 2048, 12288) == "kernel"
+    with fp8_decode_mode("kernel"):
+        assert fp8_decode_way(8, 5120, 34816) == "kernel"
+    with fp8_decode_mode("xla"):
+        assert fp8_decode_way(1, 5120, 34816) == "xla"
+    with pytest.raises(ValueError, match="auto, kernel, xla"), fp8_decode_mode("cublas"):
+        pass
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_fp8_xla_matmul_equals_the_reference(dtype):
+    from infernix_jax.weights.quant import fp8_xla_matmul
+
+    rng = np.random.default_rng(11)
+    q = quantize_fp8(_weight(rng, 40, 96))
+    x = jnp.asarray(rng.standard_normal((3, 96)), dtype)
+    got = jax.jit(fp8_xla_matmul)(x, q.data, q.scale)
+    assert got.dtype == dtype
+    want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32)).T
+    tol = {jnp.float32: 1e-5, jnp.float16: 2e-3}.get(dtype, 2e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
