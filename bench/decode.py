@@ -39,7 +39,9 @@ from bench.engine_setup import (
     make_core,
     place_prompts_without_compute,
 )
+from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
+from infernix_jax.weights.quant import fp8_decode_mode
 
 
 def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
@@ -49,7 +51,7 @@ def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: in
 
 
 def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit,
-            weights="bf16"):  # fmt: skip
+            weights="bf16", profile=False):  # fmt: skip
     dtype = params.final_norm.dtype
     core = make_core(
         cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256,
@@ -71,7 +73,11 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
         raise RuntimeError(f"timed {tokens} tokens, expected {batch * steps * dispatches}: rows stopped early")
     decode_wall = core.metrics.decode_wall_s - start_metrics[0]
     device_wait = core.metrics.decode_device_wait_s - start_metrics[1]
-    device_s = device_only_dispatch_s(core, batch, steps, dispatches)
+    device_s, decode = device_only_dispatch_s(core, batch, steps, dispatches)
+    profiled = {}
+    if profile:  # two more device-only dispatches under the profiler: kernels and idle gaps
+        profiled = profile_device(lambda: core.runner.decode(decode), repeats=2)
+        print(format_summary(profiled), flush=True)
     step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
     ceiling = batch * bandwidth / step_bytes
     figure = tokens / wall
@@ -84,11 +90,12 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
         "host_fraction_not_waiting": 1 - device_wait / decode_wall if decode_wall > 0 else None,
         "ms_per_step": 1e3 * wall / (dispatches * steps),
         "device_ms_per_step": 1e3 * device_s / steps,
+        **({"profile": profiled} if profile else {}),
     })  # fmt: skip
 
 
-def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int) -> float:
-    """Seconds one decode dispatch takes on the device alone: the same program enqueued back to back
+def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int):
+    """(seconds, its input) of one decode dispatch on the device alone: the same program enqueued back to back
     (JAX dispatch is asynchronous, so the host's work hides behind the device's). The engine loop's
     wall time above this is host overhead: scheduling, the launch, reading tokens back, events.
     Runs after the timed loop (it rewrites the rows' next positions; the engine is discarded)."""
@@ -104,7 +111,7 @@ def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int) -> flo
     for _ in range(dispatches):
         out = core.runner.decode(decode)
     jax.block_until_ready(out)
-    return (time.perf_counter() - start) / dispatches
+    return (time.perf_counter() - start) / dispatches, decode
 
 
 def main(argv: list[str] | None = None):
@@ -121,6 +128,11 @@ def main(argv: list[str] | None = None):
                         help="projections and experts in bf16, or quantized to nvfp4 / fp8 on the device")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (any machine)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--fp8-decode", default="auto",
+                        help="FP8 weights: comma-separated ways of their decode matmuls to measure in turn "
+                             "(auto, kernel, xla; weights.quant.fp8_decode_mode)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace two device-only dispatches: busy share and top kernels in the record")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.contexts, args.batches, args.dispatches = "tiny", "256", "1,4", 2
@@ -135,13 +147,21 @@ def main(argv: list[str] | None = None):
         cfg, params = build_model(shape, dtype, weights=args.weights)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches, args.kv_dtype,
-                                 bandwidth, machine, commit, args.weights)  # fmt: skip
-                print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
-                      f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
-                records.append(record)
-                write_records(records, out)  # after each record: a run cut short keeps what it measured
-                gc.collect()  # the engine's device buffers go with it, before the next one is sized
+                modes = args.fp8_decode.split(",")
+                for mode in modes:
+                    if len(modes) > 1:  # engines of one shape share traced programs: trace again
+                        jax.clear_caches()
+                    with fp8_decode_mode(mode):  # read while the engine traces its programs
+                        record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
+                                         args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile)  # fmt: skip
+                    if mode != "auto":
+                        record.name += f" fp8-decode-{mode}"
+                    record.details["fp8_decode"] = mode
+                    print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
+                          f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
+                    records.append(record)
+                    write_records(records, out)  # after each record: a run cut short keeps what it measured
+                    gc.collect()  # the engine's device buffers go with it, before the next one is sized
         del params
         gc.collect()  # a shape's weights must be gone before the next shape's are made
     print("wrote", write_records(records, out))

@@ -1,0 +1,331 @@
+"""Quantized decode matmuls as plain XLA fusions (native float4_e2m1fn / float8 converts) against
+the Pallas kernels and the HBM roofline.
+
+    python -m bench.xla_quant                 # GPU: real layer shapes, batch 1 and 8, ~4 min
+    python -m bench.xla_quant --quick         # tiny shapes on any machine (checks the formulations)
+
+JAX has the E2M1 type (`jnp.float4_e2m1fn`); `lax.bitcast_convert_type` turns ModelOpt's packed
+uint8 bytes into it with no copy, element 2j from the low nibble (ModelOpt's order), so XLA itself
+can fuse the unpacking into the consumer of the weight instead of a kernel doing it by hand.
+Each point times, over the same random weights and several weight copies (> L2):
+
+- `kernel`: the Pallas kernel with the tiles `weights.quant` picks (`nvfp4_tiles` /
+  `fp8_tiles`; the grouped kernel for expert stacks);
+- `auto` (FP8): what `weights.quant` dispatches (`fp8_decode_way`: the kernel or XLA's dot);
+- `xla_dot`: codes converted to bf16, times the block scale, one `dot_general` (float32
+  accumulation) — XLA's GEMM fusion may take the converts in;
+- `xla_dot_blocks` (NVFP4): the dot contracting K as (K/16, 16) on both operands, so the block
+  scale is a plain broadcast (no reshape) inside the weight operand XLA may fuse;
+- `xla_reduce`: the same product as float32 multiplies and a sum over K (a reduction fusion:
+  the row-reduction emitter reads the packed weight once per output row);
+- expert stacks: `xla_pairs`, the per-(token, expert) gather of packed bytes with the native
+  convert, fused into the reduction (what model/mlp.py's gather path could become).
+
+Figures are weight + scale bytes read per second against `measure_hbm_read` of the same run.
+Every formulation is checked against the float32 reference (2% of max |y|) before its time
+counts. The optimized HLO of the gate_up points is written beside the records (`--hlo-out`),
+so the fusion XLA chose can be read. Records: bench/results/xla-quant-<machine>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.ceilings import QUICK, Sizes, measure_hbm_read, relative_error
+from bench.kernels import L2_DEFEAT_BYTES, MAX_COPIES, SHAPES, _random_weight, _time_compiled
+from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
+from infernix_jax.weights.quant import (
+    FP8Weight,
+    NVFP4Weight,
+    fp8_decode_mode,
+    fp8_xla_matmul,
+    grouped_expert_matmul,
+    kernel_mode,
+)
+from pallas_kernels.fp8_matmul import reference_fp8_matmul
+from pallas_kernels.nvfp4_matmul import reference_nvfp4_matmul
+
+QUICK_SHAPES = {"tiny": {"wide": (256, 512)}}
+MOE_80B = (512, 10, {"gate_up": (1024, 2048), "down": (2048, 512)})  # experts, top-k, [N, K] each
+QUICK_MOE = (16, 4, {"gate_up": (64, 128)})
+CONTRACT_K = (((1,), (1,)), ((), ()))
+WARM_S = 0.3  # seconds of back-to-back calls before a point's timings (the GPU leaves its idle clocks)
+
+
+def e2m1_codes(packed: jax.Array) -> jax.Array:
+    """uint8 [.., N, K/2] -> float4_e2m1fn [.., N, K]; element 2j is byte j's low nibble."""
+    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    return f4.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def nvfp4_weight_bf16(packed, block_scale) -> jax.Array:
+    """[.., N, K] bf16 = e2m1 * block scale (exact in bf16: at most 6 significant bits)."""
+    codes = e2m1_codes(packed)
+    blocks = codes.astype(jnp.bfloat16).reshape(*block_scale.shape, 16)
+    return (blocks * block_scale.astype(jnp.bfloat16)[..., None]).reshape(codes.shape)
+
+
+def nvfp4_xla_dot(x, packed, block_scale, tensor_scale):
+    y = jax.lax.dot_general(
+        x.astype(jnp.bfloat16), nvfp4_weight_bf16(packed, block_scale), CONTRACT_K,
+        preferred_element_type=jnp.float32,
+    )
+    return (y * tensor_scale).astype(x.dtype)
+
+
+def nvfp4_xla_dot_blocks(x, packed, block_scale, tensor_scale):
+    """The dot with K kept as (K/16 blocks, 16) on both sides: the block scale is then a plain
+    broadcast along the last axis of the weight operand, with no reshape between it and the dot."""
+    codes = e2m1_codes(packed).reshape(*block_scale.shape, 16).astype(jnp.bfloat16)
+    w = codes * block_scale.astype(jnp.bfloat16)[..., None]  # [N, K/16, 16]
+    xb = x.astype(jnp.bfloat16).reshape(x.shape[0], *block_scale.shape[1:], 16)  # [M, K/16, 16]
+    y = jax.lax.dot_general(xb, w, (((1, 2), (1, 2)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * tensor_scale).astype(x.dtype)
+
+
+def nvfp4_xla_reduce(x, packed, block_scale, tensor_scale):
+    w = nvfp4_weight_bf16(packed, block_scale).astype(jnp.float32)
+    y = jnp.sum(x.astype(jnp.float32)[:, None, :] * w[None], axis=-1)
+    return (y * tensor_scale).astype(x.dtype)
+
+
+fp8_xla_dot = fp8_xla_matmul  # what weights.quant runs for FP8 when it picks XLA
+
+
+def fp8_xla_reduce(x, data, scale):
+    y = jnp.sum(x.astype(jnp.float32)[:, None, :] * data.astype(jnp.float32)[None], axis=-1)
+    return (y * scale).astype(x.dtype)
+
+
+def _dispatched(fmt, fp8_mode="auto"):
+    """What `weights.quant` runs for this weight (FP8: with INFERNIX_FP8_DECODE's choice `fp8_mode`)."""
+
+    def nvfp4(x, packed, block_scale, tensor_scale):
+        with kernel_mode("auto"):
+            return NVFP4Weight(packed, block_scale, tensor_scale).matmul(x)
+
+    def fp8(x, data, scale):
+        with kernel_mode("auto"), fp8_decode_mode(fp8_mode):
+            return FP8Weight(data, scale).matmul(x)
+
+    return nvfp4 if fmt == "nvfp4" else fp8
+
+
+FORMS = {
+    "nvfp4": {"kernel": _dispatched("nvfp4"), "xla_dot": nvfp4_xla_dot, "xla_dot_blocks": nvfp4_xla_dot_blocks,
+              "xla_reduce": nvfp4_xla_reduce},
+    "fp8": {"kernel": _dispatched("fp8", "kernel"), "xla_dot": fp8_xla_dot, "xla_reduce": fp8_xla_reduce,
+            "auto": _dispatched("fp8")},
+}
+REFERENCES = {"nvfp4": reference_nvfp4_matmul, "fp8": reference_fp8_matmul}
+
+
+def _over_copies(one):
+    return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
+
+
+def dense_points(shapes, formats, batches):
+    by_shape = {}
+    for model, layers in shapes.items():
+        for layer, nk in layers.items():
+            by_shape.setdefault(nk, []).append(f"{model} {layer}")
+    return [(fmt, nk, names, b) for nk, names in by_shape.items() for fmt in formats for b in batches]
+
+
+# ------------------------------------------------------------------------------------- experts
+
+
+def expert_pairs_f4(x, ids, packed, block_scale, tensor_scale):
+    """x [T, K], ids [T, k] -> [T, k, N]: each pair's expert gathered as packed bytes, unpacked by
+    the native convert inside the fused reduction."""
+    w = nvfp4_weight_bf16(packed[ids], block_scale[ids]).astype(jnp.float32)  # [T, k, N, K]
+    y = jnp.sum(x.astype(jnp.float32)[:, None, None, :] * w, axis=-1)
+    return (y * tensor_scale[ids][..., None]).astype(x.dtype)
+
+
+def expert_pairs_kernel(x, ids, packed, block_scale, tensor_scale):
+    """The production grouped path: pairs sorted by expert, the grouped kernel, un-sorted."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=packed.shape[0]).astype(jnp.int32)
+    rows = jnp.take(x, order // k, axis=0)
+    with kernel_mode("auto"):
+        ys = grouped_expert_matmul(rows, NVFP4Weight(packed, block_scale, tensor_scale), sizes, tokens=t)
+    return jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
+
+
+def expert_pairs_reference(x, ids, packed, block_scale, tensor_scale):
+    t, k = ids.shape
+    out = []
+    for r in range(t):
+        for j in range(k):
+            e = ids[r, j]
+            out.append(reference_nvfp4_matmul(x[r : r + 1], packed[e], block_scale[e], tensor_scale[e])[0])
+    return jnp.stack(out).reshape(t, k, -1)
+
+
+EXPERT_FORMS = {"kernel": expert_pairs_kernel, "xla_pairs": expert_pairs_f4}
+
+
+def _random_experts(e, n, k, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    packed = jax.random.randint(k1, (e, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scale = jax.random.uniform(k2, (e, n, k // 16), jnp.float32, 0.01, 4.0).astype(jnp.float8_e4m3fn)
+    ts = jax.random.uniform(k3, (e,), jnp.float32, 0.005, 0.02)
+    return packed, scale, ts
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog="python -m bench.xla_quant", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: check the formulations anywhere")
+    parser.add_argument("--formats", default="nvfp4,fp8")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--no-experts", action="store_true", help="skip the expert-stack points")
+    parser.add_argument("--forms", help="only these formulations (comma-separated; default all)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock cap (points past it skipped)")
+    parser.add_argument("--compile-threads", type=int, default=8)
+    parser.add_argument("--hlo-out", help="write the optimized HLO of the largest points here")
+    parser.add_argument("--out", help="output file (default: bench/results/xla-quant-<machine>.json)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    sizes = QUICK if args.quick else Sizes()
+    shapes = QUICK_SHAPES if args.quick else {m: SHAPES[m] for m in args.models.split(",")}
+    batches = [int(b) for b in args.batches.split(",")]
+    machine, commit = machine_name(), git_commit()
+    out_path = args.out or f"xla-quant-{machine_slug(machine)}{'-quick' if args.quick else ''}.json"
+    hbm = measure_hbm_read(sizes)
+    print(f"{hbm.name}: {hbm.figure:.1f} GB/s", flush=True)
+    pool = concurrent.futures.ThreadPoolExecutor(args.compile_threads)
+    records, failures, hlo = [], [], []
+
+    def time_forms(label, forms, args_of_copy, copies, reference, weight_bytes, details):
+        xs_ws = [args_of_copy(c) for c in range(copies)]
+        xs, ws = tuple(a[0] for a in xs_ws), tuple(a[1:] for a in xs_ws)
+        want = reference(xs[0], *ws[0])
+        lowered = {}
+        for form, fn in forms.items():
+            try:
+                lowered[form] = _over_copies(fn).lower(xs, ws)
+            except Exception as e:  # noqa: BLE001 - a formulation this backend cannot lower
+                lowered[form] = e
+        futures = {f: pool.submit(low.compile) for f, low in lowered.items() if not isinstance(low, Exception)}
+        row, compiled = {}, {}
+        for form in forms:
+            try:
+                if form not in futures:
+                    raise lowered[form]
+                comp = futures[form].result()
+                rel = relative_error(comp(xs, ws)[0], want)
+                if rel > 2e-2:
+                    failures.append(f"{label} {form}: differs from the reference by {rel:.3g} of max|y|")
+                    row[form] = {"error": failures[-1]}
+                    continue
+                compiled[form] = comp
+                row[form] = {"rel_err": rel}
+                if args.hlo_out and ("gate_up" in label) and form not in ("kernel", "auto"):
+                    hlo.append(f"// ===== {label} {form}\n{comp.as_text()}")
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                row[form] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        # The GPU clocks down while the compiles run: busy it first, then time the forms in two
+        # rounds in opposite orders and keep each form's faster round, so no form is timed cold.
+        warm_until = time.perf_counter() + WARM_S
+        while compiled and time.perf_counter() < warm_until:
+            for comp in compiled.values():
+                jax.block_until_ready(comp(xs, ws))
+        order = list(compiled)
+        for round_order in (order, order[::-1]):
+            for form in round_order:
+                try:
+                    seconds = _time_compiled(compiled[form], xs, ws, copies)
+                except Exception as e:  # noqa: BLE001
+                    row[form] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    continue
+                if "error" not in row[form]:
+                    row[form]["s"] = min(seconds, row[form].get("s", seconds))
+                    row[form]["gb_s"] = weight_bytes / row[form]["s"] / 1e9
+        for form, r in row.items():
+            if "s" not in r:
+                print(f"  {label} {form}: {r['error'][:200]}", flush=True)
+                continue
+            records.append(
+                make_record(
+                    f"{label} {form}", r["gb_s"], "GB/s", hbm.figure, "GB/s", machine=machine, commit=commit,
+                    details={**details, "form": form, "median_s": r["s"], "weight_and_scale_bytes": weight_bytes,
+                             "max_rel_err_vs_reference": r["rel_err"], "weight_copies": copies,
+                             "jax": jax.__version__},
+                )
+            )
+        cells = "  ".join(
+            f"{f} {r['gb_s']:7.1f}" if "s" in r else f"{f}    err" for f, r in row.items()
+        )
+        print(f"{label:58s} {cells}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        write_records(records, out_path)
+
+    for fmt, (n, k), names, batch in dense_points(shapes, args.formats.split(","), batches):
+        if time.perf_counter() - t0 > args.budget_s:
+            print(f"budget spent: skipping {fmt} {n}x{k} batch{batch}")
+            continue
+        _, _, weight_bytes = _random_weight(fmt, n, k, jax.random.key(0))
+        copies = max(1, min(MAX_COPIES, math.ceil(L2_DEFEAT_BYTES / weight_bytes)))
+
+        def args_of_copy(c, fmt=fmt, n=n, k=k, batch=batch):
+            w, _, _ = _random_weight(fmt, n, k, jax.random.key(n * 7 + k + c))
+            x = jax.random.normal(jax.random.key(100 * batch + c), (batch, k), jnp.bfloat16)
+            return (x, *w)
+
+        label = f"decode matmul {names[0]} {n}x{k} {fmt} batch{batch}"
+        forms = {f: fn for f, fn in FORMS[fmt].items() if not args.forms or f in args.forms.split(",")}
+        time_forms(label, forms, args_of_copy, copies, REFERENCES[fmt], weight_bytes,
+                   {"n": n, "k": k, "batch": batch, "format": fmt, "layers": names})
+
+    if not args.no_experts and "nvfp4" in args.formats:
+        e, top_k, projections = QUICK_MOE if args.quick else MOE_80B
+        rng = np.random.default_rng(0)
+        for proj, (n, k) in projections.items():
+            stack = _random_experts(e, n, k, jax.random.key(n + k))
+            for batch in batches:
+                if time.perf_counter() - t0 > args.budget_s:
+                    print(f"budget spent: skipping experts {proj} batch{batch}")
+                    continue
+                per_routing = batch * top_k * (n * k // 2 + n * k // 16)  # upper bound: distinct experts
+                copies = max(1, min(32, math.ceil(L2_DEFEAT_BYTES / per_routing)))
+                routings = [
+                    np.stack([rng.choice(e, top_k, replace=False) for _ in range(batch)]) for _ in range(copies)
+                ]
+                distinct = sum(len(np.unique(r)) for r in routings) / copies
+                weight_bytes = int(distinct * (n * k // 2 + n * k // 16 + 4))
+
+                def args_of_copy(c, k=k, batch=batch, routings=routings, stack=stack):
+                    x = jax.random.normal(jax.random.key(c), (batch, k), jnp.bfloat16)
+                    return (x, jnp.asarray(routings[c], jnp.int32), *stack)
+
+                model = "tiny" if args.quick else "qwen3-next-80b"
+                label = f"moe experts {model} {proj} {n}x{k} nvfp4 batch{batch} top{top_k}"
+                time_forms(label, EXPERT_FORMS, args_of_copy, copies, expert_pairs_reference, weight_bytes,
+                           {"n": n, "k": k, "batch": batch, "experts": e, "top_k": top_k,
+                            "distinct_experts_per_step": distinct})
+    pool.shutdown()
+    if args.hlo_out:
+        with open(args.hlo_out, "w") as f:
+            f.write("\n\n".join(hlo))
+    path = write_records(records, out_path)
+    print(f"wrote {path} ({len(records)} records)")
+    if failures:
+        raise AssertionError("formulations differ from the reference:\n" + "\n".join(failures))
+    return records
+
+
+if __name__ == "__main__":
+    main()
