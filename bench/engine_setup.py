@@ -118,6 +118,25 @@ def weight_bytes_per_token(cfg: ModelConfig, params) -> int:
     return total
 
 
+def active_params_per_token(cfg: ModelConfig, params) -> int:
+    """Weights one token multiplies with (2 FLOPs each): every weight's elements, quantized ones
+    counted by their logical [.., N, K] shape, the routed experts top_k / E of them, one row of
+    the embedding table."""
+    from infernix_jax.weights.quant import QuantizedWeight
+
+    total = 0
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        size = math.prod(leaf.shape)
+        if name.startswith(".embed"):
+            size = size // leaf.shape[0]
+        elif cfg.num_experts and _EXPERT_LEAF.search(name) and tuple(leaf.shape[:1]) == (cfg.num_experts,):
+            size = size * cfg.num_experts_per_tok // cfg.num_experts
+        total += size
+    return total
+
+
 def decode_bytes_per_step(cfg: ModelConfig, params, batch: int, context: int, kv_dtype: str, dtype) -> int:
     """Bytes one decode step must read: weights + every row's KV up to `context` + the state slots."""
     kv = batch * math.ceil(context / BLOCK_SIZE) * kv_bytes_per_block(cfg, kv_dtype, dtype)

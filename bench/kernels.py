@@ -597,12 +597,15 @@ def _dequantize(fmt: str, weight: tuple, static: dict) -> jax.Array:
 
 
 def _xla_prefill_fn(fmt: str, static: dict):
-    """What weights.quant runs for M > 64 today: dequantize the whole weight, cast it to the
-    activation dtype, one XLA dot with float32 accumulation."""
+    """What weights.quant runs for M > 64: `matmul` in "auto" mode (on a GPU with bf16 rows the
+    format's XLA dot: NVFP4's exact block values in bf16, FP8's convert-fused dot; block-scaled
+    FP8 the float32 reference)."""
+    from infernix_jax.weights.quant import FP8Weight, NVFP4Weight, kernel_mode
 
     def one(x, *w):
-        wq = _dequantize(fmt, w, static).astype(x.dtype)
-        return jnp.einsum("mk,nk->mn", x, wq, preferred_element_type=jnp.float32).astype(x.dtype)
+        weight = NVFP4Weight(*w) if fmt == "nvfp4" else FP8Weight(*w, block_size=static.get("block_size"))
+        with kernel_mode("auto"):
+            return weight.matmul(x)
 
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 

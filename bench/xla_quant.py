@@ -44,10 +44,13 @@ from bench.record import git_commit, machine_name, machine_slug, make_record, wr
 from infernix_jax.weights.quant import (
     FP8Weight,
     NVFP4Weight,
+    e2m1_codes,
     fp8_decode_mode,
     fp8_xla_matmul,
     grouped_expert_matmul,
     kernel_mode,
+    nvfp4_block_values,
+    nvfp4_xla_matmul,
 )
 from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.nvfp4_matmul import reference_nvfp4_matmul
@@ -59,31 +62,18 @@ CONTRACT_K = (((1,), (1,)), ((), ()))
 WARM_S = 0.3  # seconds of back-to-back calls before a point's timings (the GPU leaves its idle clocks)
 
 
-def e2m1_codes(packed: jax.Array) -> jax.Array:
-    """uint8 [.., N, K/2] -> float4_e2m1fn [.., N, K]; element 2j is byte j's low nibble."""
-    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
-    return f4.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
 def nvfp4_weight_bf16(packed, block_scale) -> jax.Array:
     """[.., N, K] bf16 = e2m1 * block scale (exact in bf16: at most 6 significant bits)."""
-    codes = e2m1_codes(packed)
-    blocks = codes.astype(jnp.bfloat16).reshape(*block_scale.shape, 16)
-    return (blocks * block_scale.astype(jnp.bfloat16)[..., None]).reshape(codes.shape)
+    return nvfp4_block_values(packed, block_scale, jnp.bfloat16)
 
 
-def nvfp4_xla_dot(x, packed, block_scale, tensor_scale):
-    y = jax.lax.dot_general(
-        x.astype(jnp.bfloat16), nvfp4_weight_bf16(packed, block_scale), CONTRACT_K,
-        preferred_element_type=jnp.float32,
-    )
-    return (y * tensor_scale).astype(x.dtype)
+nvfp4_xla_dot = nvfp4_xla_matmul  # what weights.quant runs for NVFP4 prefill rows on a GPU
 
 
 def nvfp4_xla_dot_blocks(x, packed, block_scale, tensor_scale):
     """The dot with K kept as (K/16 blocks, 16) on both sides: the block scale is then a plain
     broadcast along the last axis of the weight operand, with no reshape between it and the dot."""
-    codes = e2m1_codes(packed).reshape(*block_scale.shape, 16).astype(jnp.bfloat16)
+    codes = e2m1_codes(packed).reshape(*block_scale.shape, 16).astype(jnp.bfloat16)  # [N, K/16, 16]
     w = codes * block_scale.astype(jnp.bfloat16)[..., None]  # [N, K/16, 16]
     xb = x.astype(jnp.bfloat16).reshape(x.shape[0], *block_scale.shape[1:], 16)  # [M, K/16, 16]
     y = jax.lax.dot_general(xb, w, (((1, 2), (1, 2)), ((), ())), preferred_element_type=jnp.float32)

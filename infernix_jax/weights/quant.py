@@ -19,8 +19,11 @@ Leading dimensions (`..`) stack experts: [E, N, K] weights carry per-expert scal
 and the quantization formulas (ModelOpt's, reproduced bit for bit).
 
 Kernel dispatch: `matmul` uses a Pallas kernel when the default backend is a GPU, the weight is
-2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode);
-otherwise it dequantizes and lets XLA do the dot. MoE expert stacks [E, N, K] in NVFP4 or FP8
+2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode). Past
+that (prefill) a GPU runs the format's `_xla_matmul` for bf16 / f16 activations (NVFP4 and
+per-tensor FP8: one XLA dot in the activation dtype with float32 accumulation, the kernels'
+numerics); otherwise it dequantizes to float32 and lets XLA do a full-precision dot (the
+reference: the CPU path, and the GPU path of the other formats). MoE expert stacks [E, N, K] in NVFP4 or FP8
 (and plain bf16 stacks, whose `ragged_dot` XLA would expand densely) go through the grouped
 kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count:
 `grouped_kernel_ready` says whether it runs, `grouped_expert_matmul` runs it on rows sorted by
@@ -91,6 +94,16 @@ def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
     return use and (_mode != "auto" or rows <= SMALL_M_MAX), interpret
 
 
+def _xla_choice(dtype, ndim: int) -> bool:
+    """Whether a 2-D weight's matmul past the kernels' rows takes the format's `_xla_matmul`
+    ("auto" on a GPU, bf16 / f16 activations) instead of the float32 reference, whose full
+    precision float32 dot runs on CUDA cores at a fraction of the tensor-core rate on a GPU."""
+    return (
+        _mode == "auto" and ndim == 2 and compat.on_gpu()
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    )  # fmt: skip
+
+
 def _expert_kernel_choice() -> tuple[bool, bool]:
     """(use the grouped expert kernel, in interpret mode). "auto": on a GPU, for any token count:
     XLA's GPU lowering of `jax.lax.ragged_dot` expands the groups into a dense [M, E*K] operand
@@ -147,6 +160,12 @@ class QuantizedWeight:
         [E, N, K] stack; None when the kernel cannot read this format."""
         return None
 
+    def _xla_matmul(self, x2d: Array) -> Array | None:
+        """x [M, K] (bf16 / f16) @ W.T as one XLA dot in x's dtype with float32 accumulation, with
+        the kernels' numerics (no value rounded beyond what they round); None when this format
+        has no such form (then the float32 reference runs)."""
+        return None
+
     def matmul(self, x: Array) -> Array:
         """x [..., K] @ W.T -> [..., N] in x's dtype (W is this weight, [N, K])."""
         if x.shape[-1] != self.shape[-1]:
@@ -155,6 +174,10 @@ class QuantizedWeight:
         use_kernel, interpret = _kernel_choice(rows, self.ndim)
         if use_kernel:
             y = self._kernel_matmul(x.reshape(rows, x.shape[-1]), interpret)
+            if y is not None:
+                return y.reshape(*x.shape[:-1], self.shape[-2])
+        if _xla_choice(x.dtype, self.ndim):  # prefill on a GPU: no float32 matmul at full precision
+            y = self._xla_matmul(x.reshape(rows, x.shape[-1]))
             if y is not None:
                 return y.reshape(*x.shape[:-1], self.shape[-2])
         return _reference_matmul(x, self.dequantize(jnp.float32))
@@ -235,8 +258,36 @@ class NVFP4Weight(QuantizedWeight):
             return None
         return "nvfp4", (self.packed, self.block_scale, self.tensor_scale), None
 
+    def _xla_matmul(self, x2d: Array) -> Array:
+        return nvfp4_xla_matmul(x2d, self.packed, self.block_scale, self.tensor_scale)
+
 
 _register(NVFP4Weight, ("packed", "block_scale", "tensor_scale", "input_scale"))
+
+
+def e2m1_codes(packed: Array) -> Array:
+    """uint8 [.., N, K/2] -> float4_e2m1fn [.., N, K], a reinterpretation XLA does not copy:
+    element 2j is byte j's low nibble, ModelOpt's order."""
+    f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)
+    return f4.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def nvfp4_block_values(packed: Array, block_scale: Array, dtype=jnp.bfloat16) -> Array:
+    """[.., N, K] e2m1 * block scale in `dtype`, without the tensor scale: exact in bf16, float16
+    and float32 (at most 6 significant bits, magnitudes 2**-10 .. 2688)."""
+    codes = e2m1_codes(packed).astype(dtype).reshape(*block_scale.shape, NVFP4_BLOCK)
+    return (codes * block_scale.astype(dtype)[..., None]).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def nvfp4_xla_matmul(x: Array, packed: Array, block_scale: Array, tensor_scale: Array) -> Array:
+    """x [M, K] (bf16 / f16) @ NVFP4 W [N, K].T through XLA: the block values in x's dtype (exact),
+    one dot with float32 accumulation, the tensor scale on the float32 result: the kernels'
+    numerics. XLA writes the block values out before its GEMM (it does not fuse the block-scale
+    multiply), so this is the prefill form, where the GEMM's arithmetic dwarfs that pass; decode
+    rows take the kernels (docs/pallas.md, "XLA's own fusions")."""
+    w = nvfp4_block_values(packed, block_scale, x.dtype)
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * jnp.asarray(tensor_scale, jnp.float32).reshape(())).astype(x.dtype)
 
 
 def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
@@ -356,6 +407,11 @@ class FP8Weight(QuantizedWeight):
         return fp8_matmul(
             x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
         )
+
+    def _xla_matmul(self, x2d: Array) -> Array | None:
+        if self.block_size is not None:  # block scales vary along K: the float32 reference keeps them exact
+            return None
+        return fp8_xla_matmul(x2d, self.data, self.scale)
 
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
         b = self.block_size

@@ -64,3 +64,12 @@ def test_decode_bench_measures_an_nvfp4_model(tiny_nvfp4):
 def test_quick_decode_rejects_an_unknown_weight_format():
     with pytest.raises(SystemExit):
         main(["--quick", "--weights", "int3"])
+
+
+def test_prefill_flops_count_quantized_weights_by_their_logical_shape(tiny_nvfp4):
+    from bench.engine_setup import active_params_per_token
+
+    cfg, params = tiny_nvfp4
+    _, plain = build_model("tiny", jnp.float32)
+    assert active_params_per_token(cfg, params) == active_params_per_token(cfg, plain)
+    assert active_params_per_token(cfg, plain) * 4 == weight_bytes_per_token(cfg, plain)  # float32: 4 bytes each
