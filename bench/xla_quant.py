@@ -18,10 +18,14 @@ Each point times, over the same random weights and several weight copies (> L2):
   scale is a plain broadcast (no reshape) inside the weight operand XLA may fuse;
 - `xla_reduce`: the same product as float32 multiplies and a sum over K (a reduction fusion:
   the row-reduction emitter reads the packed weight once per output row);
+- `reference`: the float32 weight and a full-precision float32 dot (kernel_mode "reference"; the
+  GPU prefill path of NVFP4 / FP8 before `weights.quant` took the XLA dot for it);
 - expert stacks: `xla_pairs`, the per-(token, expert) gather of packed bytes with the native
   convert, fused into the reduction (what model/mlp.py's gather path could become).
 
-Figures are weight + scale bytes read per second against `measure_hbm_read` of the same run.
+Figures are weight + scale bytes read per second against `measure_hbm_read` of the same run;
+batches of more than 64 rows (`--batches 4096`: prefill, where `kernel` is what `weights.quant`
+runs there) are TFLOP/s against the bf16 matmul rate of the same run.
 Every formulation is checked against the float32 reference (2% of max |y|) before its time
 counts. The optimized HLO of the gate_up points is written beside the records (`--hlo-out`),
 so the fusion XLA chose can be read. Records: bench/results/xla-quant-<machine>.json.
@@ -38,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.ceilings import QUICK, Sizes, measure_hbm_read, relative_error
+from bench.ceilings import QUICK, Sizes, measure_hbm_read, measure_matmul, relative_error
 from bench.kernels import L2_DEFEAT_BYTES, MAX_COPIES, SHAPES, _random_weight, _time_compiled
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.weights.quant import (
@@ -59,6 +63,7 @@ QUICK_SHAPES = {"tiny": {"wide": (256, 512)}}
 MOE_80B = (512, 10, {"gate_up": (1024, 2048), "down": (2048, 512)})  # experts, top-k, [N, K] each
 QUICK_MOE = (16, 4, {"gate_up": (64, 128)})
 CONTRACT_K = (((1,), (1,)), ((), ()))
+PREFILL_ROWS = 64  # more rows than this (weights.quant.SMALL_M_MAX) are timed as prefill, in TFLOP/s
 WARM_S = 0.3  # seconds of back-to-back calls before a point's timings (the GPU leaves its idle clocks)
 
 
@@ -108,11 +113,23 @@ def _dispatched(fmt, fp8_mode="auto"):
     return nvfp4 if fmt == "nvfp4" else fp8
 
 
+def _reference_path(fmt):
+    """What `weights.quant` runs with kernel_mode("reference"): the float32 weight, a full-precision
+    float32 dot (the CPU path; the GPU prefill path of NVFP4 / FP8 before 2026-12-03)."""
+
+    def one(x, *w):
+        weight = NVFP4Weight(*w) if fmt == "nvfp4" else FP8Weight(*w)
+        with kernel_mode("reference"):
+            return weight.matmul(x)
+
+    return one
+
+
 FORMS = {
     "nvfp4": {"kernel": _dispatched("nvfp4"), "xla_dot": nvfp4_xla_dot, "xla_dot_blocks": nvfp4_xla_dot_blocks,
-              "xla_reduce": nvfp4_xla_reduce},
+              "xla_reduce": nvfp4_xla_reduce, "reference": _reference_path("nvfp4")},
     "fp8": {"kernel": _dispatched("fp8", "kernel"), "xla_dot": fp8_xla_dot, "xla_reduce": fp8_xla_reduce,
-            "auto": _dispatched("fp8")},
+            "auto": _dispatched("fp8"), "reference": _reference_path("fp8")},
 }
 REFERENCES = {"nvfp4": reference_nvfp4_matmul, "fp8": reference_fp8_matmul}
 
@@ -197,6 +214,10 @@ def main(argv: list[str] | None = None):
     out_path = args.out or f"xla-quant-{machine_slug(machine)}{'-quick' if args.quick else ''}.json"
     hbm = measure_hbm_read(sizes)
     print(f"{hbm.name}: {hbm.figure:.1f} GB/s", flush=True)
+    prefill = any(b > PREFILL_ROWS for b in batches)
+    bf16_rate = measure_matmul(jnp.bfloat16, sizes) if prefill else None
+    if bf16_rate:
+        print(f"{bf16_rate.name}: {bf16_rate.figure:.1f} TFLOP/s", flush=True)
     pool = concurrent.futures.ThreadPoolExecutor(args.compile_threads)
     records, failures, hlo = [], [], []
 
@@ -245,20 +266,24 @@ def main(argv: list[str] | None = None):
                 if "error" not in row[form]:
                     row[form]["s"] = min(seconds, row[form].get("s", seconds))
                     row[form]["gb_s"] = weight_bytes / row[form]["s"] / 1e9
+                    if details.get("flops"):
+                        row[form]["tflop_s"] = details["flops"] / row[form]["s"] / 1e12
         for form, r in row.items():
             if "s" not in r:
                 print(f"  {label} {form}: {r['error'][:200]}", flush=True)
                 continue
+            figure, unit, ceiling = (r["tflop_s"], "TFLOP/s", bf16_rate.figure) if "tflop_s" in r else (
+                r["gb_s"], "GB/s", hbm.figure)
             records.append(
                 make_record(
-                    f"{label} {form}", r["gb_s"], "GB/s", hbm.figure, "GB/s", machine=machine, commit=commit,
+                    f"{label} {form}", figure, unit, ceiling, unit, machine=machine, commit=commit,
                     details={**details, "form": form, "median_s": r["s"], "weight_and_scale_bytes": weight_bytes,
                              "max_rel_err_vs_reference": r["rel_err"], "weight_copies": copies,
                              "jax": jax.__version__},
                 )
             )
         cells = "  ".join(
-            f"{f} {r['gb_s']:7.1f}" if "s" in r else f"{f}    err" for f, r in row.items()
+            f"{f} {r.get('tflop_s', r.get('gb_s')):7.1f}" if "s" in r else f"{f}    err" for f, r in row.items()
         )
         print(f"{label:58s} {cells}  [{time.perf_counter() - t0:.0f} s]", flush=True)
         write_records(records, out_path)
@@ -275,10 +300,15 @@ def main(argv: list[str] | None = None):
             x = jax.random.normal(jax.random.key(100 * batch + c), (batch, k), jnp.bfloat16)
             return (x, *w)
 
-        label = f"decode matmul {names[0]} {n}x{k} {fmt} batch{batch}"
+        if batch > PREFILL_ROWS:  # prefill rows: TFLOP/s against the bf16 matmul rate
+            label = f"prefill matmul {names[0]} {n}x{k} {fmt} m{batch}"
+            extra = {"flops": 2 * batch * n * k}
+        else:
+            label = f"decode matmul {names[0]} {n}x{k} {fmt} batch{batch}"
+            extra = {}
         forms = {f: fn for f, fn in FORMS[fmt].items() if not args.forms or f in args.forms.split(",")}
         time_forms(label, forms, args_of_copy, copies, REFERENCES[fmt], weight_bytes,
-                   {"n": n, "k": k, "batch": batch, "format": fmt, "layers": names})
+                   {"n": n, "k": k, "batch": batch, "format": fmt, "layers": names, **extra})
 
     if not args.no_experts and "nvfp4" in args.formats:
         e, top_k, projections = QUICK_MOE if args.quick else MOE_80B
