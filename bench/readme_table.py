@@ -36,7 +36,7 @@ def table(results_dir: Path = RESULTS_DIR, kernel_rows: int = 4) -> str:
             records = [r for r in records if "gate_up" in r["name"] and " m4096" in r["name"]]
         elif path.name.startswith("xla-quant"):  # the largest matrices, kernel against XLA's dot
             records = [r for r in records if ("34816x5120" in r["name"] or r["name"].startswith("moe experts"))
-                       and r["name"].rsplit(" ", 1)[-1] in ("kernel", "xla_dot", "xla_pairs")]  # fmt: skip
+                       and r["name"].rsplit(" ", 1)[-1] in ("kernel", "xla_dot", "xla_pairs", "weights.quant", "reference")]  # fmt: skip
         elif path.name.startswith("kernels"):  # the largest matrices only; the file has every shape
             records = [r for r in records if "gate_up" in r["name"]][:kernel_rows]
         elif path.name.startswith("kernel-bounds"):  # the 27B gate_up probes (the file has down too)

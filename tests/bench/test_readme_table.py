@@ -37,6 +37,7 @@ def test_xla_quant_files_show_the_largest_matrix_and_the_expert_stacks_by_kernel
     names = [f"decode matmul 27b {shape} fp8 batch1 {form}" for shape in ("gate_up 34816x5120", "down 5120x17408")
              for form in ("kernel", "xla_dot", "xla_reduce")]  # fmt: skip
     names += [f"moe experts 80b gate_up 1024x2048 nvfp4 batch1 top10 {form}" for form in ("kernel", "xla_pairs")]
+    names += [f"prefill matmul 27b gate_up 34816x5120 nvfp4 m4096 {form}" for form in ("weights.quant", "reference")]
     write_records([record(n) for n in names], tmp_path / "xla-quant-nvidia-h200.json")
     shown = [row.split(" | ")[0].lstrip("| ") for row in table(tmp_path).splitlines()[2:]]
-    assert shown == [names[0], names[1], names[6], names[7]]
+    assert shown == [names[0], names[1], *names[6:]]
