@@ -19,17 +19,17 @@ Leading dimensions (`..`) stack experts: [E, N, K] weights carry per-expert scal
 and the quantization formulas (ModelOpt's, reproduced bit for bit).
 
 Kernel dispatch: `matmul` uses a Pallas kernel when the default backend is a GPU, the weight is
-2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode). Past
-that (prefill) a GPU runs the format's `_xla_matmul` for bf16 / f16 activations (NVFP4 and
-per-tensor FP8: one XLA dot in the activation dtype with float32 accumulation, the kernels'
-numerics); otherwise it dequantizes to float32 and lets XLA do a full-precision dot (the
-reference: the CPU path, and the GPU path of the other formats). MoE expert stacks [E, N, K] in NVFP4 or FP8
-(and plain bf16 stacks, whose `ragged_dot` XLA would expand densely) go through the grouped
-kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count:
-`grouped_kernel_ready` says whether it runs, `grouped_expert_matmul` runs it on rows sorted by
-expert. Per-tensor FP8 decode rows take XLA's own convert-fused dot instead of the kernel where the
-H200 measured it faster (`fp8_decode_way`; `fp8_decode_mode` / INFERNIX_FP8_DECODE override it).
-`kernel_mode(...)` overrides both. The mode is read when a function is traced, so a
+2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode);
+per-tensor FP8 decode rows take XLA's own convert-fused dot instead where the H200 measured it
+faster (`fp8_decode_way`; `fp8_decode_mode` / INFERNIX_FP8_DECODE override it). Past those rows
+(prefill) a GPU runs the format's `_xla_matmul` for bf16 / f16 activations (NVFP4 and per-tensor
+FP8: one XLA dot in the activation dtype with float32 accumulation, the kernels' numerics);
+otherwise `matmul` dequantizes to float32 and lets XLA do a full-precision dot (the reference:
+the CPU path, and the GPU path of the other formats). MoE expert stacks [E, N, K] in NVFP4 or
+FP8 (and plain bf16 stacks, whose `ragged_dot` XLA would expand densely) go through the grouped
+kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count: `grouped_kernel_ready`
+says whether it runs, `grouped_expert_matmul` runs it on rows sorted by expert.
+`kernel_mode(...)` overrides all of these. The mode is read when a function is traced, so a
 jitted function keeps the choice it was traced with.
 """
 
