@@ -341,6 +341,19 @@ def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bo
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 
 
+WARM_S = 0.3  # seconds of back-to-back calls before a point's timings (the GPU leaves its idle clocks)
+
+
+def warm_gpu(calls, seconds: float = WARM_S) -> None:
+    """Run the zero-argument callables in turn, each waited for, for about `seconds`: the GPU
+    clocks down while a point's kernels compile (the H200 idles at 345 MHz), and the first form
+    timed right after the compiles measured up to 5x slow (docs/pallas.md)."""
+    until = time.perf_counter() + seconds
+    while calls and time.perf_counter() < until:
+        for call in calls:
+            jax.block_until_ready(call())
+
+
 def _time_compiled(compiled, xs, ws, copies: int, target_s: float = TARGET_TRIAL_S) -> float:
     """Seconds per matmul: calls queued back to back (dispatch overlaps the GPU), one sync per
     trial, median of 5 trials of about `target_s` each (at least 3 calls a trial). The call count
@@ -405,11 +418,15 @@ def sweep_point(
             if time.perf_counter() > until:
                 return
             batch_cfgs = configs[start : start + chunk]
+            warmed = interpret  # the GPU idled through the compiles: warm it before the first timing
             for cfg, comp in _compile_all(fmt, batch_cfgs, static, xs, weights, pool, interpret).items():
                 if isinstance(comp, Exception):
                     results[cfg] = f"{type(comp).__name__}: {str(comp)[:160]}"
                     continue
                 try:
+                    if not warmed:
+                        warm_gpu([lambda comp=comp: comp(xs, weights)])
+                        warmed = True
                     results[cfg] = _time_compiled(comp, xs, weights, copies)
                     compiled_ok[cfg] = comp
                 except Exception as e:  # noqa: BLE001

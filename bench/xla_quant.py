@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_hbm_read, measure_matmul, relative_error
-from bench.kernels import L2_DEFEAT_BYTES, MAX_COPIES, SHAPES, _random_weight, _time_compiled
+from bench.kernels import L2_DEFEAT_BYTES, MAX_COPIES, SHAPES, _random_weight, _time_compiled, warm_gpu
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.weights.quant import (
     FP8Weight,
@@ -64,7 +64,6 @@ MOE_80B = (512, 10, {"gate_up": (1024, 2048), "down": (2048, 512)})  # experts, 
 QUICK_MOE = (16, 4, {"gate_up": (64, 128)})
 CONTRACT_K = (((1,), (1,)), ((), ()))
 PREFILL_ROWS = 64  # more rows than this (weights.quant.SMALL_M_MAX) are timed as prefill, in TFLOP/s
-WARM_S = 0.3  # seconds of back-to-back calls before a point's timings (the GPU leaves its idle clocks)
 
 
 def nvfp4_weight_bf16(packed, block_scale) -> jax.Array:
@@ -256,10 +255,7 @@ def main(argv: list[str] | None = None):
                 row[form] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         # The GPU clocks down while the compiles run: busy it first, then time the forms in two
         # rounds in opposite orders and keep each form's faster round, so no form is timed cold.
-        warm_until = time.perf_counter() + WARM_S
-        while compiled and time.perf_counter() < warm_until:
-            for comp in compiled.values():
-                jax.block_until_ready(comp(xs, ws))
+        warm_gpu([lambda comp=comp: comp(xs, ws) for comp in compiled.values()])
         order = list(compiled)
         for round_order in (order, order[::-1]):
             for form in round_order:
