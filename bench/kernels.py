@@ -613,17 +613,24 @@ def _dequantize(fmt: str, weight: tuple, static: dict) -> jax.Array:
     return data.astype(jnp.float32) * full
 
 
+def quant_matmul_fn(fmt: str, static: dict, mode: str = "auto", fp8_mode: str = "auto"):
+    """x, *weight leaves -> what `weights.quant.matmul` runs for them in kernel_mode `mode` (and
+    FP8 decode way `fp8_mode`), traced with those modes."""
+    from infernix_jax.weights.quant import FP8Weight, NVFP4Weight, fp8_decode_mode, kernel_mode
+
+    def one(x, *w):
+        weight = NVFP4Weight(*w) if fmt == "nvfp4" else FP8Weight(*w, block_size=static.get("block_size"))
+        with kernel_mode(mode), fp8_decode_mode(fp8_mode):
+            return weight.matmul(x)
+
+    return one
+
+
 def _xla_prefill_fn(fmt: str, static: dict):
     """What weights.quant runs for M > 64: `matmul` in "auto" mode (on a GPU with bf16 rows the
     format's XLA dot: NVFP4's exact block values in bf16, FP8's convert-fused dot; block-scaled
     FP8 the float32 reference)."""
-    from infernix_jax.weights.quant import FP8Weight, NVFP4Weight, kernel_mode
-
-    def one(x, *w):
-        weight = NVFP4Weight(*w) if fmt == "nvfp4" else FP8Weight(*w, block_size=static.get("block_size"))
-        with kernel_mode("auto"):
-            return weight.matmul(x)
-
+    one = quant_matmul_fn(fmt, static)
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 
 

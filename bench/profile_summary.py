@@ -25,17 +25,10 @@ import jax
 
 def _union_ns(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
-    total, end_max = 0.0, None
-    start_max = None
+    total, covered_to = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if end_max is None or start > end_max:
-            if end_max is not None:
-                total += end_max - start_max
-            start_max, end_max = start, end
-        else:
-            end_max = max(end_max, end)
-    if end_max is not None:
-        total += end_max - start_max
+        total += max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
     return total
 
 

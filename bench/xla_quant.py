@@ -43,13 +43,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_hbm_read, measure_matmul, relative_error
-from bench.kernels import L2_DEFEAT_BYTES, MAX_COPIES, SHAPES, _random_weight, _time_compiled, warm_gpu
+from bench.kernels import (
+    L2_DEFEAT_BYTES,
+    MAX_COPIES,
+    SHAPES,
+    _random_weight,
+    _time_compiled,
+    quant_matmul_fn,
+    warm_gpu,
+)
+from bench.moe_kernels import QUICK_SHAPE, QWEN3_NEXT_80B, random_stack, routing, routings_per_call
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
+from infernix_jax.model.mlp import _sort_pairs, _unsort_pairs
 from infernix_jax.weights.quant import (
-    FP8Weight,
     NVFP4Weight,
     e2m1_codes,
-    fp8_decode_mode,
     fp8_xla_matmul,
     grouped_expert_matmul,
     kernel_mode,
@@ -60,15 +68,8 @@ from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.nvfp4_matmul import reference_nvfp4_matmul
 
 QUICK_SHAPES = {"tiny": {"wide": (256, 512)}}
-MOE_80B = (512, 10, {"gate_up": (1024, 2048), "down": (2048, 512)})  # experts, top-k, [N, K] each
-QUICK_MOE = (16, 4, {"gate_up": (64, 128)})
 CONTRACT_K = (((1,), (1,)), ((), ()))
 PREFILL_ROWS = 64  # more rows than this (weights.quant.SMALL_M_MAX) are timed as prefill, in TFLOP/s
-
-
-def nvfp4_weight_bf16(packed, block_scale) -> jax.Array:
-    """[.., N, K] bf16 = e2m1 * block scale (exact in bf16: at most 6 significant bits)."""
-    return nvfp4_block_values(packed, block_scale, jnp.bfloat16)
 
 
 nvfp4_xla_dot = nvfp4_xla_matmul  # what weights.quant runs for NVFP4 prefill rows on a GPU
@@ -85,7 +86,7 @@ def nvfp4_xla_dot_blocks(x, packed, block_scale, tensor_scale):
 
 
 def nvfp4_xla_reduce(x, packed, block_scale, tensor_scale):
-    w = nvfp4_weight_bf16(packed, block_scale).astype(jnp.float32)
+    w = nvfp4_block_values(packed, block_scale, jnp.float32)
     y = jnp.sum(x.astype(jnp.float32)[:, None, :] * w[None], axis=-1)
     return (y * tensor_scale).astype(x.dtype)
 
@@ -98,37 +99,13 @@ def fp8_xla_reduce(x, data, scale):
     return (y * scale).astype(x.dtype)
 
 
-def _dispatched(fmt, fp8_mode="auto"):
-    """What `weights.quant` runs for this weight (FP8: with INFERNIX_FP8_DECODE's choice `fp8_mode`)."""
-
-    def nvfp4(x, packed, block_scale, tensor_scale):
-        with kernel_mode("auto"):
-            return NVFP4Weight(packed, block_scale, tensor_scale).matmul(x)
-
-    def fp8(x, data, scale):
-        with kernel_mode("auto"), fp8_decode_mode(fp8_mode):
-            return FP8Weight(data, scale).matmul(x)
-
-    return nvfp4 if fmt == "nvfp4" else fp8
-
-
-def _reference_path(fmt):
-    """What `weights.quant` runs with kernel_mode("reference"): the float32 weight, a full-precision
-    float32 dot (the CPU path; the GPU prefill path of NVFP4 / FP8 before 2026-12-03)."""
-
-    def one(x, *w):
-        weight = NVFP4Weight(*w) if fmt == "nvfp4" else FP8Weight(*w)
-        with kernel_mode("reference"):
-            return weight.matmul(x)
-
-    return one
-
-
 FORMS = {
-    "nvfp4": {"kernel": _dispatched("nvfp4"), "xla_dot": nvfp4_xla_dot, "xla_dot_blocks": nvfp4_xla_dot_blocks,
-              "xla_reduce": nvfp4_xla_reduce, "reference": _reference_path("nvfp4")},
-    "fp8": {"kernel": _dispatched("fp8", "kernel"), "xla_dot": fp8_xla_dot, "xla_reduce": fp8_xla_reduce,
-            "auto": _dispatched("fp8"), "reference": _reference_path("fp8")},
+    "nvfp4": {"kernel": quant_matmul_fn("nvfp4", {}), "xla_dot": nvfp4_xla_dot,
+              "xla_dot_blocks": nvfp4_xla_dot_blocks, "xla_reduce": nvfp4_xla_reduce,
+              "reference": quant_matmul_fn("nvfp4", {}, mode="reference")},
+    "fp8": {"kernel": quant_matmul_fn("fp8", {}, fp8_mode="kernel"), "xla_dot": fp8_xla_dot,
+            "xla_reduce": fp8_xla_reduce, "auto": quant_matmul_fn("fp8", {}),
+            "reference": quant_matmul_fn("fp8", {}, mode="reference")},
 }
 REFERENCES = {"nvfp4": reference_nvfp4_matmul, "fp8": reference_fp8_matmul}
 
@@ -156,7 +133,7 @@ def dense_points(shapes, formats, batches):
 def expert_pairs_f4(x, ids, packed, block_scale, tensor_scale):
     """x [T, K], ids [T, k] -> [T, k, N]: each pair's expert gathered as packed bytes, unpacked by
     the native convert inside the fused reduction."""
-    w = nvfp4_weight_bf16(packed[ids], block_scale[ids]).astype(jnp.float32)  # [T, k, N, K]
+    w = nvfp4_block_values(packed[ids], block_scale[ids], jnp.float32)  # [T, k, N, K]
     y = jnp.sum(x.astype(jnp.float32)[:, None, None, :] * w, axis=-1)
     return (y * tensor_scale[ids][..., None]).astype(x.dtype)
 
@@ -164,13 +141,11 @@ def expert_pairs_f4(x, ids, packed, block_scale, tensor_scale):
 def expert_pairs_kernel(x, ids, packed, block_scale, tensor_scale):
     """The production grouped path: pairs sorted by expert, the grouped kernel, un-sorted."""
     t, k = ids.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=packed.shape[0]).astype(jnp.int32)
+    order, sizes = _sort_pairs(ids, packed.shape[0])
     rows = jnp.take(x, order // k, axis=0)
     with kernel_mode("auto"):
         ys = grouped_expert_matmul(rows, NVFP4Weight(packed, block_scale, tensor_scale), sizes, tokens=t)
-    return jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
+    return _unsort_pairs(ys, order, ids)
 
 
 def expert_pairs_reference(x, ids, packed, block_scale, tensor_scale):
@@ -184,14 +159,6 @@ def expert_pairs_reference(x, ids, packed, block_scale, tensor_scale):
 
 
 EXPERT_FORMS = {"kernel": expert_pairs_kernel, "xla_pairs": expert_pairs_f4}
-
-
-def _random_experts(e, n, k, key):
-    k1, k2, k3 = jax.random.split(key, 3)
-    packed = jax.random.randint(k1, (e, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    scale = jax.random.uniform(k2, (e, n, k // 16), jnp.float32, 0.01, 4.0).astype(jnp.float8_e4m3fn)
-    ts = jax.random.uniform(k3, (e,), jnp.float32, 0.005, 0.02)
-    return packed, scale, ts
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -313,21 +280,19 @@ def main(argv: list[str] | None = None):
                    {"n": n, "k": k, "batch": batch, "format": fmt, "layers": names, **extra})
 
     if not args.no_experts and "nvfp4" in args.formats:
-        e, top_k, projections = QUICK_MOE if args.quick else MOE_80B
+        shape = QUICK_SHAPE if args.quick else QWEN3_NEXT_80B
+        e, top_k = shape.num_experts, shape.top_k
         rng = np.random.default_rng(0)
-        for proj, (n, k) in projections.items():
-            stack = _random_experts(e, n, k, jax.random.key(n + k))
+        for proj, (n, k) in shape.projections.items():
+            stack, _, per_expert = random_stack("nvfp4", e, n, k, jax.random.key(n + k))
             for batch in batches:
                 if time.perf_counter() - t0 > args.budget_s:
                     print(f"budget spent: skipping experts {proj} batch{batch}")
                     continue
-                per_routing = batch * top_k * (n * k // 2 + n * k // 16)  # upper bound: distinct experts
-                copies = max(1, min(32, math.ceil(L2_DEFEAT_BYTES / per_routing)))
-                routings = [
-                    np.stack([rng.choice(e, top_k, replace=False) for _ in range(batch)]) for _ in range(copies)
-                ]
+                copies = routings_per_call(batch, shape, per_expert)
+                routings = [routing(rng, batch, shape, "uniform") for _ in range(copies)]
                 distinct = sum(len(np.unique(r)) for r in routings) / copies
-                weight_bytes = int(distinct * (n * k // 2 + n * k // 16 + 4))
+                weight_bytes = int(distinct * per_expert)
 
                 def args_of_copy(c, k=k, batch=batch, routings=routings, stack=stack):
                     x = jax.random.normal(jax.random.key(c), (batch, k), jnp.bfloat16)

@@ -394,9 +394,9 @@ class FP8Weight(QuantizedWeight):
         return (self.data.astype(jnp.float32) * self._scale_full()).astype(dtype)
 
     def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
-        way = fp8_decode_way(x2d.shape[0], *self.shape[::-1])
-        if self.block_size is None and _mode == "auto" and way == "xla":  # "kernel" mode: always the kernel
-            return fp8_xla_matmul(x2d, self.data, self.scale)
+        per_tensor = self.block_size is None
+        if per_tensor and _mode == "auto" and fp8_decode_way(x2d.shape[0], *self.shape[::-1]) == "xla":
+            return fp8_xla_matmul(x2d, self.data, self.scale)  # ("kernel" mode: always the kernel)
         tiles = fp8_tiles(x2d.shape[0], *self.shape[::-1]) if self.ndim == 2 else {}
         if self.block_size is not None:  # tiles must divide the scale block; "dot" won at 128 blocks
             tiles = {

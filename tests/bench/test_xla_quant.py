@@ -9,6 +9,7 @@ import pytest
 
 from bench import xla_quant
 from bench.profile_summary import _union_ns, format_summary, profile_device
+from infernix_jax.weights.quant import e2m1_codes
 from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.nvfp4_matmul import reference_nvfp4_matmul
 
@@ -20,7 +21,7 @@ def _nvfp4(rng, n, k):
 
 
 def test_native_e2m1_codes_follow_modelopts_nibble_order():
-    codes = xla_quant.e2m1_codes(jnp.asarray([[0x21, 0xF4]], jnp.uint8)).astype(jnp.float32)
+    codes = e2m1_codes(jnp.asarray([[0x21, 0xF4]], jnp.uint8)).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(codes), [[0.5, 1.0, 2.0, -6.0]])  # low nibble first
 
 
@@ -69,3 +70,7 @@ def test_profile_summary_of_a_cpu_run_says_there_is_no_device_plane(tmp_path):
     summary = profile_device(lambda: f(a), repeats=2, log_dir=str(tmp_path))
     assert summary["repeats"] == 2 and summary["devices"] == []  # the CPU backend has no device plane
     assert summary["host_top"] and "no device plane" in format_summary(summary)
+
+
+def test_union_of_nested_intervals_counts_the_outer_one():
+    assert _union_ns([(0, 100), (10, 20), (30, 40), (90, 120)]) == 120
