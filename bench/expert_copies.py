@@ -19,6 +19,9 @@ at random), in one jitted program. Methods:
   size (0, 1, 2, 3, 4, 6, 8, 12, ...); its branch makes that many row copies, unrolled.
 - `dma-bytes` (`mlp.copy_missed_rows` "dma"): one buffer callback per layer reads the ids back
   once and enqueues one host-to-device copy per run of consecutive ids on XLA's stream.
+- `mapped-bytes` (`mlp.copy_missed_rows` "mapped"): one buffer callback per layer launches a
+  gather kernel that reads the ids on the device and the rows from mapped pinned host memory;
+  nothing is read back or waited for.
 - `streams-bytes`: the unrolled row copies, each in its own `compute_on("gpu_stream:i")`, so that
   the runtime may run them side by side (the CPU ignores the streams).
 - `host-gather-buckets`: per bucket (as `bucket-bytes`), the rows gathered on the host inside
@@ -48,7 +51,7 @@ from bench.ceilings import QUICK, Sizes, measure_host_to_device
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.prefix_host import PINNED_HOST, memory_kinds
 from infernix_jax.experts.offload import expert_rows
-from infernix_jax.model.host_copy import register_host_rows
+from infernix_jax.model.host_copy import host_rows_address, register_host_rows
 from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_rows_to_leaves, fetch_buckets
 
 METHODS = (
@@ -59,6 +62,7 @@ METHODS = (
     "contiguous",
     "bucket-bytes",
     "dma-bytes",
+    "mapped-bytes",
     "streams-bytes",
     "host-gather-buckets",
     "host-gather-bytes",
@@ -163,10 +167,10 @@ def _host_gather_in_buckets(host_rows: jax.Array, missed: jax.Array, num_missed:
 
 
 def copy_fn(method: str, shapes):
-    """A jitted function (host stacks per layer, missed [L, M], num_missed [L], host rows' ids [L])
-    -> fetched leaves per layer."""
+    """A jitted function (host stacks per layer, missed [L, M], num_missed [L], host rows' refs [L,
+    ...]: ids for dma-bytes, device addresses for mapped-bytes) -> fetched leaves per layer."""
 
-    def one_layer(host, missed, num_missed, rows_id):
+    def one_layer(host, missed, num_missed, rows_ref):
         if method == "loop-leaves":
             return _loop(host, missed, num_missed)
         if method == "unrolled-leaves":
@@ -181,7 +185,9 @@ def copy_fn(method: str, shapes):
         if method == "bucket-bytes":
             return split_bytes(copy_missed_rows("buckets", host, missed, num_missed), shapes)
         if method == "dma-bytes":
-            return split_bytes(copy_missed_rows("dma", host, missed, num_missed, rows_id), shapes)
+            return split_bytes(copy_missed_rows("dma", host, missed, num_missed, rows_ref), shapes)
+        if method == "mapped-bytes":
+            return split_bytes(copy_missed_rows("mapped", host, missed, num_missed, rows_ref), shapes)
         if method == "streams-bytes":
             return split_bytes(_unrolled_on_streams(host, missed), shapes)
         if method == "host-gather-buckets":
@@ -190,8 +196,8 @@ def copy_fn(method: str, shapes):
             return split_bytes(_gathered_on_host(host, missed), shapes)
         raise ValueError(method)
 
-    def run(hosts, missed, num_missed, rows_ids):
-        return [one_layer(h, missed[i], num_missed[i], rows_ids[i]) for i, h in enumerate(hosts)]
+    def run(hosts, missed, num_missed, rows_refs):
+        return [one_layer(h, missed[i], num_missed[i], rows_refs[i]) for i, h in enumerate(hosts)]
 
     return jax.jit(run)
 
@@ -227,7 +233,10 @@ def main(argv: list[str] | None = None) -> list:
     for i in range(layers):  # ascending, as the model lists a layer's missed experts
         missed[i, : args.missed] = np.sort(rng.choice(experts, args.missed, replace=False))
     num_missed = np.full(layers, args.missed, np.int32)
-    rows_ids = np.asarray([register_host_rows(h) for h in byte_hosts], np.int32)  # for dma-bytes
+    rows_refs = {
+        "dma-bytes": np.asarray([register_host_rows(h) for h in byte_hosts], np.int32),
+        "mapped-bytes": np.stack([host_rows_address(h) for h in byte_hosts]),
+    }
     bandwidth = measure_host_to_device(QUICK if args.quick else Sizes()).rate
     machine, commit = machine_name(), git_commit()
     moved = layers * args.missed * expert_bytes
@@ -238,7 +247,8 @@ def main(argv: list[str] | None = None) -> list:
         ids = (
             np.tile(np.arange(args.slots, dtype=np.int32), (layers, 1)) if method == "contiguous" else missed
         )
-        inputs = (hosts, jnp.asarray(ids), jnp.asarray(num_missed), jnp.asarray(rows_ids))
+        refs = rows_refs.get(method, np.zeros(layers, np.int32))
+        inputs = (hosts, jnp.asarray(ids), jnp.asarray(num_missed), jnp.asarray(refs))
         try:
             seconds, compile_s = time_method(
                 copy_fn(method, shapes), inputs, per_layer, args.missed, args.repeats

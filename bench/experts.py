@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--host-copy",
         default="loop",
-        choices=("loop", "buckets", "dma"),
+        choices=("loop", "buckets", "dma", "mapped"),
         help="with --host-reads program: how the program copies them (EngineConfig.expert_host_copy); "
         "records of other than 'loop' say so in their names",
     )

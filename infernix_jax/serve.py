@@ -179,10 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     experts.add_argument(
         "--expert-host-copy",
         default=None,
-        choices=("loop", "buckets", "dma"),
+        choices=("loop", "buckets", "dma", "mapped"),
         help="with program host reads, how a layer's missed experts are copied from pinned host memory: "
-        "one copy per expert in a loop, unrolled copies in static-size branches, or one callback per "
-        "layer enqueueing the copies (default: dma, the fastest on the H200; docs/experts.md)",
+        "one copy per expert in a loop, unrolled copies in static-size branches, one callback per "
+        "layer enqueueing the copies (dma), or a gather kernel reading mapped host memory without "
+        "waiting (mapped) (default: dma; docs/experts.md)",
     )
 
     server = parser.add_argument_group("server")

@@ -76,8 +76,10 @@ class EngineConfig:
     expert_host_reads: str = "auto"
     # with expert_host_reads "program": how the program copies a layer's missed experts out of
     # pinned host memory: "loop" (one copy per expert in a loop), "buckets" (unrolled copies in
-    # static-size branches) or "dma" (one callback per layer enqueueing the copies; model/host_copy.py:
-    # 73.5 against 67.2 tok/s at batch 1, 144 against 106 at batch 4 on the H200, docs/experts.md)
+    # static-size branches), "dma" (one callback per layer that reads the ids back and enqueues the
+    # copies; 73.5 against 67.2 tok/s at batch 1, 144 against 106 at batch 4 on the H200,
+    # docs/experts.md) or "mapped" (one callback per layer launching a gather that reads the rows
+    # from mapped host memory, no read-back; model/host_copy.py)
     expert_host_copy: str = "dma"
 
     def __post_init__(self) -> None:
@@ -136,8 +138,10 @@ class EngineConfig:
             errors.append(
                 f"expert_host_reads must be auto, callback or program, got {self.expert_host_reads!r}"
             )
-        if self.expert_host_copy not in ("loop", "buckets", "dma"):
-            errors.append(f"expert_host_copy must be loop, buckets or dma, got {self.expert_host_copy!r}")
+        if self.expert_host_copy not in ("loop", "buckets", "dma", "mapped"):
+            errors.append(
+                f"expert_host_copy must be loop, buckets, dma or mapped, got {self.expert_host_copy!r}"
+            )
         if errors:
             raise ValueError("; ".join(errors))
 

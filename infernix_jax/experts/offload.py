@@ -36,7 +36,7 @@ from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget,
 from infernix_jax.experts.profile import RoutingProfile
 from infernix_jax.experts.store import ExpertReadError, ExpertStore
 from infernix_jax.jit import jit
-from infernix_jax.model.host_copy import HOST_COPIES, register_host_rows
+from infernix_jax.model.host_copy import HOST_COPIES, host_rows_address, register_host_rows
 from infernix_jax.model.mlp import (
     SlottedExperts,
     copy_host_rows,
@@ -290,13 +290,15 @@ class ExpertOffload:
             slot_leaves = _stack([experts[e] for e in resident], layout, slots)
             for slot, e in enumerate(resident):
                 cache.assign(rank, slot, e)
-            host_stacks = rows_id = None
+            host_stacks = rows_ref = None
             if host_memory is not None:  # every expert, the slotted ones too: slots are a cache
                 rows = expert_rows([experts[e] for e in range(num_experts)])
                 (host_stacks,) = host_memory.adopt((rows,))
                 del rows
                 if host_copy == "dma":
-                    rows_id = _committed(np.int32(register_host_rows(host_stacks)))
+                    rows_ref = _committed(np.int32(register_host_rows(host_stacks)))
+                elif host_copy == "mapped":
+                    rows_ref = _committed(host_rows_address(host_stacks))
             slotted = SlottedExperts(
                 *jax.tree.unflatten(layout.treedef, [_committed(a) for a in slot_leaves]),
                 slot_map=_committed(cache.slot_map[rank]),
@@ -304,7 +306,7 @@ class ExpertOffload:
                 layer=rank,
                 host_stacks=host_stacks,
                 host_copy=host_copy,
-                host_rows_id=rows_id,
+                host_rows_ref=rows_ref,
             )
             new_moe = dataclasses.replace(
                 params.layers[layer].moe, gate_proj=slotted, up_proj=None, down_proj=None

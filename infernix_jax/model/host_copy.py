@@ -17,6 +17,14 @@ on the device) from a u8 [E, expert_bytes] array in pinned host memory (`Slotted
   `cuMemcpyHtoDAsync` per run of consecutive ids on XLA's stream, back to back, so the copies
   run at the DMA engine's rate. On the CPU it copies with `memmove`. The rows are found through
   `register_host_rows` (an id carried as data), not passed to the program.
+- "mapped": one `buffer_callback` per layer (`copy_rows_mapped`) that reads nothing back. On the
+  GPU it launches a small gather kernel (PTX below, loaded through the CUDA driver) on XLA's
+  stream; the kernel reads the count and the ids from device memory and the rows themselves
+  straight from the pinned host memory, which the device can address (CUDA maps pinned
+  allocations into its unified address space). No synchronisation at all: the host keeps
+  launching the rest of the program while the rows cross PCIe. The rows' device address is
+  carried as data (`host_rows_address`), so engines of one shape share programs. On the CPU it
+  copies with `memmove` from the same address.
 
 Every way leaves the rows past the count zero, so all give the same bytes.
 """
@@ -36,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-HOST_COPIES = ("loop", "buckets", "dma")
+HOST_COPIES = ("loop", "buckets", "dma", "mapped")
 
 # id -> a u8 [E, row_bytes] array in pinned host memory, for "dma" (`register_host_rows`)
 HOST_ROWS: weakref.WeakValueDictionary[int, jax.Array] = weakref.WeakValueDictionary()
@@ -174,8 +182,181 @@ def _device_pointer(buffer) -> int:
     return int(buffer.__cuda_array_interface__["data"][0])
 
 
+# "mapped": bytes a gather kernel moves per load (the largest that divides the row width), threads
+# per block, and blocks per launch spread over the rows (enough loads in flight to fill PCIe).
+GATHER_WIDTHS = (16, 8, 4, 2, 1)
+GATHER_THREADS = 256
+GATHER_BLOCKS = 1024
+CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+
+
+def host_rows_address(rows: jax.Array) -> np.ndarray:
+    """i32 [2] (low word, high word): the address at which the device reads `rows` (u8 [E,
+    row_bytes] in pinned host memory), for "mapped". On a GPU, the CUDA device pointer of the
+    pinned allocation (in CUDA's unified address space, the host address itself); on the CPU, the
+    buffer's address. The caller keeps `rows` alive while programs use the address (SlottedExperts
+    holds them as `host_stacks`). Raises RuntimeError when the device cannot address the memory."""
+    if rows.ndim != 2 or rows.dtype != jnp.uint8:
+        raise ValueError(f"host rows must be u8 [E, row_bytes], got {rows.dtype} {rows.shape}")
+    address = rows.unsafe_buffer_pointer()
+    device = next(iter(rows.devices()))
+    if device.platform == "gpu":
+        cuda, value = _cuda(), ctypes.c_uint64()
+        with cuda.some_context(getattr(device, "local_hardware_id", None) or 0):
+            try:
+                cuda.check(
+                    "cuPointerGetAttribute", ctypes.byref(value), CU_POINTER_ATTRIBUTE_DEVICE_POINTER, address
+                )
+            except RuntimeError as e:
+                raise RuntimeError(
+                    'the GPU cannot address these pinned host rows, so host copy "mapped" cannot read '
+                    "them; use --expert-host-copy dma"
+                ) from e
+        address = value.value
+    return np.asarray([address & 0xFFFFFFFF, address >> 32], np.uint32).view(np.int32)
+
+
+def copy_rows_mapped(
+    address: jax.Array, experts: jax.Array, count: jax.Array, row_bytes: int, num_rows: int
+) -> jax.Array:
+    """Rows [M, row_bytes] on the device: the first `count` of `experts` (i32 [M], each below
+    `num_rows`) read from the host rows at `address` (i32 [2], `host_rows_address`), zeros after,
+    by one buffer callback that launches the gather and waits for nothing (the module docstring)."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    header = jnp.concatenate(
+        [jnp.reshape(address, (2,)).astype(jnp.int32), jnp.reshape(count, (1,)).astype(jnp.int32),
+         experts.astype(jnp.int32)]
+    )  # fmt: skip
+    out = jax.ShapeDtypeStruct((experts.shape[0], row_bytes), jnp.uint8)
+    return buffer_callback(functools.partial(_mapped_rows, num_rows), out)(header)
+
+
+def _mapped_rows(num_rows: int, ctx, out, header) -> None:
+    """buffer_callback body of `copy_rows_mapped`: the gather launched on the device's stream, or
+    the copies in memory."""
+    from jax.experimental.buffer_callback import ExecutionStage
+
+    if ctx.stage != ExecutionStage.EXECUTE:
+        return
+    if out.__dlpack_device__()[0] != 1:  # not kDLCPU
+        _cuda_mapped_rows(ctx.stream, out, header)
+        return
+    head = np.asarray(header)
+    low, high = (int(w) for w in head[:2].view(np.uint32))
+    count, (rows_out, row_bytes) = int(head[2]), out.shape
+    experts = head[3 : 3 + count]
+    if not 0 <= count <= rows_out:
+        raise ValueError(f"{count} rows asked for an output of {rows_out}")
+    if count and (experts.min() < 0 or experts.max() >= num_rows):
+        raise ValueError(f"expert ids {experts.tolist()} out of range for {num_rows} host rows")
+    base, dst = low | high << 32, np.asarray(out)
+    for at, first, n in _runs(experts):
+        ctypes.memmove(dst.ctypes.data + at * row_bytes, base + first * row_bytes, n * row_bytes)
+    dst[count:] = 0
+
+
+def gather_launch(rows_out: int, row_bytes: int) -> tuple[str, int, int]:
+    """(kernel name, words a row, blocks per row) of the gather for an output [rows_out, row_bytes]."""
+    width = next(w for w in GATHER_WIDTHS if row_bytes % w == 0)
+    words = row_bytes // width
+    blocks = max(1, min(-(-words // GATHER_THREADS), GATHER_BLOCKS // max(rows_out, 1)))
+    return f"gather_rows_w{width}", words, blocks
+
+
+def _cuda_mapped_rows(stream: int, out, header) -> None:
+    """GPU side of "mapped": launch the gather on `stream`; nothing is read back or waited for."""
+    rows_out, row_bytes = out.shape
+    if rows_out == 0 or row_bytes == 0:
+        return
+    name, words, blocks = gather_launch(rows_out, row_bytes)
+    cuda = _cuda()
+    with cuda.context_of(stream):
+        fn = cuda.function(stream, name)
+        args = [
+            ctypes.c_uint64(_device_pointer(header)),
+            ctypes.c_uint64(_device_pointer(out)),
+            ctypes.c_uint64(words),
+        ]
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        cuda.check("cuLaunchKernel", fn, blocks, rows_out, 1, GATHER_THREADS, 1, 1, 0, stream, params, None)
+
+
+def _gather_entry(width: int) -> str:
+    """PTX of `gather_rows_w<width>(header, dst, words)`: block (x, y) copies a stripe of output row
+    y. header is i32 [2 + 1 + M] in device memory: the source rows' address (two words), the count,
+    the ids. Output row y < count gets source row ids[y] (`words` loads of `width` bytes, read
+    through the generic address space, so from mapped host memory); the other rows get zeros."""
+    kind = {
+        16: (".v4.u32", 4, "r"),
+        8: (".v2.u32", 2, "r"),
+        4: (".u32", 1, "r"),
+        2: (".u16", 1, "h"),
+        1: (".u8", 1, "h"),
+    }
+    suffix, lanes, reg = kind[width]
+    vals = [f"%{reg}v{i}" for i in range(lanes)]
+    group = "{" + ", ".join(vals) + "}" if lanes > 1 else vals[0]
+    decl = f".reg .b{32 if reg == 'r' else 16} %{reg}v<{lanes}>;"
+    zero = "\n    ".join(f"mov.b{32 if reg == 'r' else 16} {v}, 0;" for v in vals)
+    return f"""
+.visible .entry gather_rows_w{width}(.param .u64 p_header, .param .u64 p_dst, .param .u64 p_words)
+{{
+    .reg .pred %p<3>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<17>;
+    {decl}
+    ld.param.u64 %rd1, [p_header];
+    ld.param.u64 %rd2, [p_dst];
+    ld.param.u64 %rd3, [p_words];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    ld.global.u64 %rd4, [%rd1];
+    ld.global.u32 %r1, [%rd1+8];
+    mov.u32 %r2, %ctaid.y;
+    setp.lt.s32 %p1, %r2, %r1;
+    mul.wide.u32 %rd5, %r2, 4;
+    add.u64 %rd6, %rd1, %rd5;
+    mov.u32 %r3, 0;
+    @%p1 ld.global.u32 %r3, [%rd6+12];
+    mul.lo.u64 %rd7, %rd3, {width};
+    cvt.u64.u32 %rd8, %r3;
+    mad.lo.u64 %rd9, %rd8, %rd7, %rd4;
+    cvt.u64.u32 %rd10, %r2;
+    mad.lo.u64 %rd11, %rd10, %rd7, %rd2;
+    mov.u32 %r4, %ctaid.x;
+    mov.u32 %r5, %ntid.x;
+    mov.u32 %r6, %tid.x;
+    mov.u32 %r7, %nctaid.x;
+    mad.lo.u32 %r8, %r4, %r5, %r6;
+    mul.lo.u32 %r9, %r7, %r5;
+    cvt.u64.u32 %rd12, %r8;
+    cvt.u64.u32 %rd13, %r9;
+LOOP:
+    setp.ge.u64 %p2, %rd12, %rd3;
+    @%p2 bra DONE;
+    mul.lo.u64 %rd14, %rd12, {width};
+    {zero}
+    add.u64 %rd15, %rd9, %rd14;
+    @%p1 ld{suffix} {group}, [%rd15];
+    add.u64 %rd16, %rd11, %rd14;
+    st.global{suffix} [%rd16], {group};
+    add.u64 %rd12, %rd12, %rd13;
+    bra LOOP;
+DONE:
+    ret;
+}}
+"""
+
+
+GATHER_PTX = ".version 7.0\n.target sm_80\n.address_size 64\n" + "".join(
+    _gather_entry(w) for w in GATHER_WIDTHS
+)
+
+
 class _CudaDriver:
-    """The few CUDA driver calls "dma" makes (libcuda, always beside a GPU driver; no extra package)."""
+    """The few CUDA driver calls "dma" and "mapped" make (libcuda, always beside a GPU driver; no
+    extra package)."""
 
     _ARGS: ClassVar[dict[str, tuple]] = {
         "cuMemcpyDtoHAsync_v2": (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p),
@@ -186,11 +367,25 @@ class _CudaDriver:
         "cuCtxPushCurrent_v2": (ctypes.c_void_p,),
         "cuCtxPopCurrent_v2": (ctypes.POINTER(ctypes.c_void_p),),
         "cuGetErrorName": (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)),
+        "cuPointerGetAttribute": (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64),
+        "cuCtxGetCurrent": (ctypes.POINTER(ctypes.c_void_p),),
+        "cuDeviceGet": (ctypes.POINTER(ctypes.c_int), ctypes.c_int),
+        "cuDevicePrimaryCtxRetain": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_int),
+        "cuModuleLoadData": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p),
+        "cuModuleGetFunction": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p),
+        "cuLaunchKernel": (
+            ctypes.c_void_p,
+            *[ctypes.c_uint] * 7,
+            ctypes.c_void_p,
+            *[ctypes.POINTER(ctypes.c_void_p)] * 2,
+        ),
     }
 
     def __init__(self) -> None:
         path = ctypes.util.find_library("cuda") or "libcuda.so.1"
         self.lib = ctypes.CDLL(path)
+        self._modules: dict[int, ctypes.c_void_p] = {}
+        self._functions: dict[tuple[int, str], ctypes.c_void_p] = {}
         for name, args in self._ARGS.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -214,6 +409,40 @@ class _CudaDriver:
             yield
         finally:
             self.check("cuCtxPopCurrent_v2", ctypes.byref(ctx))
+
+    @contextlib.contextmanager
+    def some_context(self, device: int):
+        """A current context for calls outside XLA's callbacks: the thread's own, else `device`'s
+        primary context (the one XLA runs in)."""
+        ctx = ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", ctypes.byref(ctx))
+        if ctx.value:
+            yield
+            return
+        dev = ctypes.c_int()
+        self.check("cuDeviceGet", ctypes.byref(dev), device)
+        self.check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        self.check("cuCtxPushCurrent_v2", ctx)
+        try:
+            yield
+        finally:
+            self.check("cuCtxPopCurrent_v2", ctypes.byref(ctx))
+
+    def function(self, stream: int, name: str) -> ctypes.c_void_p:
+        """Kernel `name` of `GATHER_PTX`, loaded once per context (call with the context current)."""
+        ctx = ctypes.c_void_p()
+        self.check("cuStreamGetCtx", stream, ctypes.byref(ctx))
+        key = (ctx.value, name)
+        if key not in self._functions:
+            module = self._modules.get(ctx.value)
+            if module is None:
+                module = ctypes.c_void_p()
+                self.check("cuModuleLoadData", ctypes.byref(module), GATHER_PTX.encode() + b"\0")
+                self._modules[ctx.value] = module
+            fn = ctypes.c_void_p()
+            self.check("cuModuleGetFunction", ctypes.byref(fn), module, name.encode())
+            self._functions[key] = fn
+        return self._functions[key]
 
 
 @functools.cache

@@ -161,13 +161,22 @@ class SlottedExperts:
     host_stacks: Any = None
     # static: how the program copies the missed rows out of host_stacks (`host_copy.HOST_COPIES`)
     host_copy: str = "loop"
-    # i32 []: host_stacks' key in `host_copy.HOST_ROWS` (host_copy "dma" only; else None)
-    host_rows_id: Any = None
+    # how the host-side of the copy finds host_stacks (else None): host_copy "dma": i32 [], their key
+    # in `host_copy.HOST_ROWS`; "mapped": i32 [2], their device address (`host_copy.host_rows_address`)
+    host_rows_ref: Any = None
 
 
 jax.tree_util.register_dataclass(
     SlottedExperts,
-    data_fields=["gate_proj", "up_proj", "down_proj", "slot_map", "source_id", "host_stacks", "host_rows_id"],
+    data_fields=[
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "slot_map",
+        "source_id",
+        "host_stacks",
+        "host_rows_ref",
+    ],
     meta_fields=["layer", "host_copy"],
 )
 
@@ -303,19 +312,26 @@ def copy_missed_rows(
     host_rows: jax.Array,
     missed: jax.Array,
     num_missed: jax.Array,
-    rows_id: jax.Array | None = None,
+    rows_ref: jax.Array | None = None,
 ) -> jax.Array:
     """Rows [len(missed), expert_bytes] on the device: the first `num_missed` of `missed` copied
     from the `pinned_host` rows `host_rows` the way `method` names (`host_copy.HOST_COPIES`), zeros
-    after. "dma" finds the rows by `rows_id` (`host_copy.register_host_rows`) instead."""
+    after. "dma" finds the rows by `rows_ref`, their id (`host_copy.register_host_rows`), and
+    "mapped" reads them at `rows_ref`, their device address (`host_copy.host_rows_address`)."""
     if method == "loop":
         return copy_host_rows(host_rows, missed, num_missed)
     if method == "buckets":
         return host_copy.copy_rows_in_buckets(host_rows, missed, num_missed, fetch_buckets(missed.shape[0]))
     if method == "dma":
-        if rows_id is None:
+        if rows_ref is None:
             raise ValueError('host copy "dma" needs the host rows\' id (host_copy.register_host_rows)')
-        return host_copy.copy_rows_by_dma(rows_id, missed, num_missed, host_rows.shape[1])
+        return host_copy.copy_rows_by_dma(rows_ref, missed, num_missed, host_rows.shape[1])
+    if method == "mapped":
+        if rows_ref is None:
+            raise ValueError('host copy "mapped" needs the host rows\' address (host_copy.host_rows_address)')
+        return host_copy.copy_rows_mapped(
+            rows_ref, missed, num_missed, host_rows.shape[1], host_rows.shape[0]
+        )
     raise ValueError(f"host copy must be one of {host_copy.HOST_COPIES}, got {method!r}")
 
 
@@ -328,7 +344,7 @@ def _read_missed_in_program(se: SlottedExperts, missed: jax.Array, num_missed: j
     large step copies nothing."""
     slots = (se.gate_proj, se.up_proj, se.down_proj)
     like, treedef = jax.tree.flatten(slots)
-    rows = copy_missed_rows(se.host_copy, se.host_stacks, missed, num_missed, se.host_rows_id)
+    rows = copy_missed_rows(se.host_copy, se.host_stacks, missed, num_missed, se.host_rows_ref)
     return jax.tree.unflatten(treedef, expert_rows_to_leaves(rows, like))
 
 

@@ -69,7 +69,11 @@ def test_every_host_copy_brings_the_asked_rows_and_zeros_after(method):
     experts, row_bytes, m = 23, 72, 9
     rows = rng.integers(0, 256, (experts, row_bytes), dtype=np.uint8)
     host = jax.device_put(rows, PINNED)
-    rows_id = jnp.int32(host_copy.register_host_rows(host))
+    refs = {
+        "dma": lambda: jnp.int32(host_copy.register_host_rows(host)),
+        "mapped": lambda: host_copy.host_rows_address(host),
+    }
+    rows_ref = refs.get(method, lambda: None)()
     copy = jax.jit(lambda h, e, c, i: copy_missed_rows(method, h, e, c, i))
     for count in range(m + 1):
         for ordered in (True, False):
@@ -77,7 +81,7 @@ def test_every_host_copy_brings_the_asked_rows_and_zeros_after(method):
             chosen = np.sort(chosen) if ordered else chosen
             ids = np.full(m, -1, np.int32)
             ids[:count] = chosen
-            got = copy(host, jnp.asarray(ids), jnp.int32(count), rows_id)
+            got = copy(host, jnp.asarray(ids), jnp.int32(count), rows_ref)
             assert got.sharding.memory_kind == "device" and got.shape == (m, row_bytes)
             want = np.zeros((m, row_bytes), np.uint8)
             want[:count] = rows[chosen]
@@ -145,3 +149,50 @@ def test_the_gpu_dma_path_reads_the_ids_once_and_copies_each_run_of_ids(monkeypa
         *["cuMemcpyHtoDAsync_v2"] * 3,
         "cuMemsetD8Async",
     ]
+
+
+def test_mapped_copies_refuse_ids_out_of_range_and_rows_that_are_not_bytes():
+    rows = jax.device_put(np.zeros((4, 8), np.uint8), PINNED)
+    address = host_copy.host_rows_address(rows)
+    assert address.dtype == np.int32 and address.shape == (2,)
+    copy = jax.jit(lambda a, e, c: host_copy.copy_rows_mapped(a, e, c, 8, 4))
+    with pytest.raises(Exception, match="out of range"):
+        jax.block_until_ready(copy(address, jnp.asarray([1, 4], jnp.int32), jnp.int32(2)))
+    with pytest.raises(ValueError, match="u8"):
+        host_copy.host_rows_address(jnp.zeros((4, 2), jnp.float32))
+
+
+class _LaunchLog:
+    """Records what `host_copy._cuda_mapped_rows` asks of the CUDA driver."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def check(self, name: str, *args) -> None:
+        self.calls.append((name, *args))
+
+    def function(self, stream: int, name: str) -> str:
+        return name
+
+    @contextlib.contextmanager
+    def context_of(self, stream: int):
+        yield
+
+
+@pytest.mark.parametrize(
+    ("rows", "row_bytes", "width"), [(8, 1_769_472, 16), (3, 72, 8), (10, 1_769_476, 4), (2, 9, 1)]
+)
+def test_the_gpu_mapped_path_launches_one_gather_and_waits_for_nothing(monkeypatch, rows, row_bytes, width):
+    """The CUDA side of "mapped": one kernel launch on XLA's stream, one block row per output row,
+    loads as wide as the row width allows; no read-back and no synchronisation (the point of the
+    way: the host keeps launching the program while the rows cross PCIe)."""
+    log = _LaunchLog()
+    monkeypatch.setattr(host_copy, "_cuda", lambda: log)
+    out = _HostBuffer(np.zeros((rows, row_bytes), np.uint8))
+    header = _HostBuffer(np.zeros(3 + rows, np.int32))
+    host_copy._cuda_mapped_rows(7, out, header)
+    assert [c[0] for c in log.calls] == ["cuLaunchKernel"]
+    _, fn, blocks_x, blocks_y, _, threads, _, _, _, stream, _, _ = log.calls[0]
+    assert fn == f"gather_rows_w{width}" and blocks_y == rows and stream == 7
+    assert threads == host_copy.GATHER_THREADS and 1 <= blocks_x * rows <= max(host_copy.GATHER_BLOCKS, rows)
+    assert f".entry gather_rows_w{width}(" in host_copy.GATHER_PTX

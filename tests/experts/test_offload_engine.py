@@ -306,7 +306,7 @@ def test_layers_whose_experts_all_sit_in_slots_make_no_host_round_trip(model, re
     assert stats.layer_steps > 0 and cache.routing_counts.sum() > 0
 
 
-@pytest.mark.parametrize("host_copy", ["loop", "dma"])  # "buckets": its rows in test_host_rows.py
+@pytest.mark.parametrize("host_copy", ["dma", "mapped"])  # "loop", "buckets": their rows in test_host_rows.py
 def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callbacks(
     model, resident, host_copy
 ):
@@ -320,7 +320,9 @@ def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callba
     )
     core = EngineCore(cfg, params, config)
     slotted = core.experts.params.layers[core.experts.layout.moe_layers[0]].moe.gate_proj
-    assert slotted.host_copy == host_copy and (slotted.host_rows_id is not None) == (host_copy == "dma")
+    assert slotted.host_copy == host_copy and (slotted.host_rows_ref is not None) == (
+        host_copy in ("dma", "mapped")
+    )
     rows = slotted.host_stacks  # one byte row per expert, all of them
     assert rows.sharding.memory_kind == "pinned_host"
     assert rows.shape == (NUM_EXPERTS, core.experts.layout.expert_bytes) and rows.dtype == jnp.uint8
