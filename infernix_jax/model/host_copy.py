@@ -261,7 +261,7 @@ def gather_launch(rows_out: int, row_bytes: int) -> tuple[str, int, int]:
     width = next(w for w in GATHER_WIDTHS if row_bytes % w == 0)
     words = row_bytes // width
     blocks = max(1, min(-(-words // GATHER_THREADS), GATHER_BLOCKS // max(rows_out, 1)))
-    return f"gather_rows_w{width}", words, blocks
+    return gather_kernel_name(width), words, blocks
 
 
 def _cuda_mapped_rows(stream: int, out, header) -> None:
@@ -282,11 +282,20 @@ def _cuda_mapped_rows(stream: int, out, header) -> None:
         cuda.check("cuLaunchKernel", fn, blocks, rows_out, 1, GATHER_THREADS, 1, 1, 0, stream, params, None)
 
 
-def _gather_entry(width: int) -> str:
-    """PTX of `gather_rows_w<width>(header, dst, words)`: block (x, y) copies a stripe of output row
-    y. header is i32 [2 + 1 + M] in device memory: the source rows' address (two words), the count,
-    the ids. Output row y < count gets source row ids[y] (`words` loads of `width` bytes, read
-    through the generic address space, so from mapped host memory); the other rows get zeros."""
+def gather_kernel_name(width: int, unroll: int = 1, load: str = "ld") -> str:
+    """Entry name of the gather with loads of `width` bytes, `unroll` loads in flight per thread
+    and the PTX load instruction `load` (the defaults are the kernels `copy_rows_mapped` runs)."""
+    tag = "" if (unroll, load) == (1, "ld") else f"_u{unroll}_{load.replace('.', '_')}"
+    return f"gather_rows_w{width}{tag}"
+
+
+def gather_entry(width: int, unroll: int = 1, load: str = "ld") -> str:
+    """PTX of the gather kernel `gather_kernel_name(...)(header, dst, words)`: block (x, y) copies a
+    stripe of output row y. header is i32 [2 + 1 + M] in device memory: the source rows' address
+    (two words), the count, the ids. Output row y < count gets source row ids[y] (`words` loads of
+    `width` bytes; the default `ld` reads through the generic address space, so from mapped host
+    memory); the other rows get zeros. Each thread keeps `unroll` loads in flight, one grid stride
+    apart (every load instruction of a warp stays coalesced)."""
     kind = {
         16: (".v4.u32", 4, "r"),
         8: (".v2.u32", 2, "r"),
@@ -295,17 +304,36 @@ def _gather_entry(width: int) -> str:
         1: (".u8", 1, "h"),
     }
     suffix, lanes, reg = kind[width]
-    vals = [f"%{reg}v{i}" for i in range(lanes)]
-    group = "{" + ", ".join(vals) + "}" if lanes > 1 else vals[0]
-    decl = f".reg .b{32 if reg == 'r' else 16} %{reg}v<{lanes}>;"
-    zero = "\n    ".join(f"mov.b{32 if reg == 'r' else 16} {v}, 0;" for v in vals)
+    bits = 32 if reg == "r" else 16
+    vals = [[f"%{reg}v{j * lanes + i}" for i in range(lanes)] for j in range(unroll)]
+    group = ["{" + ", ".join(v) + "}" if lanes > 1 else v[0] for v in vals]
+    body = []
+    for j in range(unroll):  # the loads: index rd12 + j * stride
+        body += [
+            f"mad.lo.u64 %ri{j}, %rd13, {j}, %rd12;",
+            f"setp.lt.u64 %pw{j}, %ri{j}, %rd3;",
+            f"and.pred %pl{j}, %pw{j}, %p1;",
+            *[f"mov.b{bits} {v}, 0;" for v in vals[j]],
+            f"mad.lo.u64 %ra{j}, %ri{j}, {width}, %rd9;",
+            f"@%pl{j} {load}{suffix} {group[j]}, [%ra{j}];",
+        ]
+    for j in range(unroll):  # then the stores
+        body += [
+            f"mad.lo.u64 %ra{j}, %ri{j}, {width}, %rd11;",
+            f"@%pw{j} st.global{suffix} [%ra{j}], {group[j]};",
+        ]
+    body = "\n    ".join(body)
     return f"""
-.visible .entry gather_rows_w{width}(.param .u64 p_header, .param .u64 p_dst, .param .u64 p_words)
+.visible .entry {gather_kernel_name(width, unroll, load)}(.param .u64 p_header, .param .u64 p_dst, .param .u64 p_words)
 {{
     .reg .pred %p<3>;
+    .reg .pred %pw<{unroll}>;
+    .reg .pred %pl<{unroll}>;
     .reg .b32 %r<10>;
     .reg .b64 %rd<17>;
-    {decl}
+    .reg .b64 %ri<{unroll}>;
+    .reg .b64 %ra<{unroll}>;
+    .reg .b{bits} %{reg}v<{lanes * unroll}>;
     ld.param.u64 %rd1, [p_header];
     ld.param.u64 %rd2, [p_dst];
     ld.param.u64 %rd3, [p_words];
@@ -332,16 +360,12 @@ def _gather_entry(width: int) -> str:
     mul.lo.u32 %r9, %r7, %r5;
     cvt.u64.u32 %rd12, %r8;
     cvt.u64.u32 %rd13, %r9;
+    mul.lo.u64 %rd14, %rd13, {unroll};
 LOOP:
     setp.ge.u64 %p2, %rd12, %rd3;
     @%p2 bra DONE;
-    mul.lo.u64 %rd14, %rd12, {width};
-    {zero}
-    add.u64 %rd15, %rd9, %rd14;
-    @%p1 ld{suffix} {group}, [%rd15];
-    add.u64 %rd16, %rd11, %rd14;
-    st.global{suffix} [%rd16], {group};
-    add.u64 %rd12, %rd12, %rd13;
+    {body}
+    add.u64 %rd12, %rd12, %rd14;
     bra LOOP;
 DONE:
     ret;
@@ -349,9 +373,12 @@ DONE:
 """
 
 
-GATHER_PTX = ".version 7.0\n.target sm_80\n.address_size 64\n" + "".join(
-    _gather_entry(w) for w in GATHER_WIDTHS
-)
+def gather_ptx(entries) -> str:
+    """One PTX module of gather kernels, one per (width, unroll, load) of `entries`."""
+    return ".version 7.0\n.target sm_80\n.address_size 64\n" + "".join(gather_entry(*e) for e in entries)
+
+
+GATHER_PTX = gather_ptx([(w,) for w in GATHER_WIDTHS])
 
 
 class _CudaDriver:
@@ -384,7 +411,7 @@ class _CudaDriver:
     def __init__(self) -> None:
         path = ctypes.util.find_library("cuda") or "libcuda.so.1"
         self.lib = ctypes.CDLL(path)
-        self._modules: dict[int, ctypes.c_void_p] = {}
+        self._modules: dict[tuple[int, str], ctypes.c_void_p] = {}
         self._functions: dict[tuple[int, str], ctypes.c_void_p] = {}
         for name, args in self._ARGS.items():
             fn = getattr(self.lib, name)
@@ -428,17 +455,18 @@ class _CudaDriver:
         finally:
             self.check("cuCtxPopCurrent_v2", ctypes.byref(ctx))
 
-    def function(self, stream: int, name: str) -> ctypes.c_void_p:
-        """Kernel `name` of `GATHER_PTX`, loaded once per context (call with the context current)."""
+    def function(self, stream: int, name: str, ptx: str = GATHER_PTX) -> ctypes.c_void_p:
+        """Kernel `name` of the PTX module `ptx`, loaded once per context (call with the context
+        current)."""
         ctx = ctypes.c_void_p()
         self.check("cuStreamGetCtx", stream, ctypes.byref(ctx))
         key = (ctx.value, name)
         if key not in self._functions:
-            module = self._modules.get(ctx.value)
+            module = self._modules.get((ctx.value, ptx))
             if module is None:
                 module = ctypes.c_void_p()
-                self.check("cuModuleLoadData", ctypes.byref(module), GATHER_PTX.encode() + b"\0")
-                self._modules[ctx.value] = module
+                self.check("cuModuleLoadData", ctypes.byref(module), ptx.encode() + b"\0")
+                self._modules[(ctx.value, ptx)] = module
             fn = ctypes.c_void_p()
             self.check("cuModuleGetFunction", ctypes.byref(fn), module, name.encode())
             self._functions[key] = fn
