@@ -40,6 +40,7 @@ from infernix_jax.model.host_copy import HOST_COPIES, host_rows_address, registe
 from infernix_jax.model.mlp import (
     SlottedExperts,
     copy_host_rows,
+    expert_row_bytes,
     expert_rows_to_leaves,
     register_expert_source,
 )
@@ -107,11 +108,12 @@ def _committed(a: np.ndarray) -> jax.Array:
 
 
 def expert_rows(experts: list[Leaves]) -> np.ndarray:
-    """u8 [len(experts), expert_bytes]: each expert's leaves' bytes end to end, in leaf order (the
-    layout `model.mlp.expert_rows_to_leaves` cuts them back out of)."""
-    return np.stack(
-        [np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in e]) for e in experts]
-    )
+    """u8 [len(experts), expert_row_bytes]: each expert's leaves' bytes end to end, in leaf order,
+    then zeros to `mlp.EXPERT_ROW_ALIGN` (the layout `model.mlp.expert_rows_to_leaves` cuts them
+    back out of)."""
+    rows = [np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in e]) for e in experts]
+    width = expert_row_bytes(max((r.size for r in rows), default=0))
+    return np.stack([np.pad(r, (0, width - r.size)) for r in rows])
 
 
 def _not_loaded(moe) -> bool:

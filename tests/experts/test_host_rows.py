@@ -13,7 +13,7 @@ import pytest
 
 from infernix_jax.experts.offload import expert_rows, promote_from_host_program
 from infernix_jax.model import host_copy
-from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_rows_to_leaves
+from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_row_bytes, expert_rows_to_leaves
 
 PINNED = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 
@@ -28,7 +28,9 @@ def nvfp4_like_stacks(experts: int, rng) -> list[np.ndarray]:
 def test_rows_cut_back_into_the_same_leaves_bit_for_bit():
     stacks = nvfp4_like_stacks(5, np.random.default_rng(0))
     rows = expert_rows([[s[e] for s in stacks] for e in range(5)])
-    assert rows.dtype == np.uint8 and rows.shape == (5, sum(s[0].nbytes for s in stacks))
+    expert_bytes = sum(s[0].nbytes for s in stacks)
+    assert rows.dtype == np.uint8 and rows.shape == (5, expert_row_bytes(expert_bytes))
+    assert rows.shape[1] % 16 == 0 and not rows[:, expert_bytes:].any()  # 16-byte rows, zero padding
     back = expert_rows_to_leaves(jnp.asarray(rows), [jnp.asarray(s) for s in stacks])
     for got, want in zip(back, stacks):
         assert got.dtype == want.dtype and got.shape == want.shape

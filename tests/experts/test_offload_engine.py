@@ -14,6 +14,7 @@ from infernix_jax.engine import memory_plan
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_ERROR, GenerationRequest, SamplingParams
+from infernix_jax.model.mlp import expert_row_bytes
 from infernix_jax.weights.artifact import ArtifactWriter
 from tests.experts.tiny_moe import NUM_EXPERTS, expert_bytes, tiny_config, tiny_params
 
@@ -325,7 +326,10 @@ def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callba
     )
     rows = slotted.host_stacks  # one byte row per expert, all of them
     assert rows.sharding.memory_kind == "pinned_host"
-    assert rows.shape == (NUM_EXPERTS, core.experts.layout.expert_bytes) and rows.dtype == jnp.uint8
+    assert (
+        rows.shape == (NUM_EXPERTS, expert_row_bytes(core.experts.layout.expert_bytes))
+        and rows.dtype == jnp.uint8
+    )
     cache = core.experts.cache
     fetches = []
     fetch = cache.fetch
