@@ -34,6 +34,7 @@ import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_host_to_device
 from bench.engine_setup import QWEN3_NEXT_24_LAYERS, TINY, place_prompts_without_compute
+from bench.profile_summary import format_summary, profile_device
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.config import ModelConfig
@@ -162,6 +163,12 @@ def main(argv: list[str] | None = None):
         help="with --host-reads program: how the program copies them (EngineConfig.expert_host_copy); "
         "records of other than 'loop' say so in their names",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each budget's first point, one more engine step under the profiler: kernels and "
+        "idle gaps of the device (bench/profile_summary.py), printed and kept in the record",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     machine, commit = machine_name(), git_commit()
@@ -194,6 +201,9 @@ def main(argv: list[str] | None = None):
             if policy == "static":
                 core.experts.cache.swaps_per_layer = 0
             r = run_decode(core, batch, args.context, args.dispatches, seed=batch)
+            if args.profile and (batch, policy) == runs[0]:
+                r["profile"] = profile_device(core.step)
+                print(format_summary(r["profile"]), flush=True)
             details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
                        "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
                        "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
