@@ -68,7 +68,8 @@ def test_reference_equals_a_dense_per_expert_loop_nvfp4():
     want = _dense_loop(
         x, sizes, lambda e, xs: reference_nvfp4_matmul(xs, packed[e], block_scale[e], tensor_scale[e])
     )
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    # float32 sums of 64 products in another order (XLA's optimisation level changes it): ~1e-5
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
     assert not np.asarray(got[10:]).any()
 
 
@@ -81,7 +82,7 @@ def test_reference_equals_a_dense_per_expert_loop_fp8(block_size):
     want = _dense_loop(
         x, sizes, lambda e, xs: reference_fp8_matmul(xs, data[e], scale[e], block_size=block_size)
     )
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)  # as above
 
 
 @pytest.mark.parametrize("block_m", [1, 3, 16])
