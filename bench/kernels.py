@@ -88,6 +88,10 @@ def _random_weight(fmt: str, n: int, k: int, key: jax.Array):
         packed = jax.random.randint(k1, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
         scale = jax.random.uniform(k2, (n, k // 16), jnp.float32, 0.01, 4.0).astype(jnp.float8_e4m3fn)
         return (packed, scale, jnp.float32(0.01)), {}, packed.nbytes + scale.nbytes + 4
+    if fmt == "int8":
+        data = jax.random.randint(k1, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+        scale = jax.random.uniform(k2, (n,), jnp.float32, 0.001, 0.01)
+        return (data, scale), {}, data.nbytes + scale.nbytes
     data = (jax.random.normal(k1, (n, k), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
     if fmt == "fp8":
         return (data, jnp.float32(0.01)), {"block_size": None}, data.nbytes + 4
@@ -616,10 +620,13 @@ def _dequantize(fmt: str, weight: tuple, static: dict) -> jax.Array:
 def quant_matmul_fn(fmt: str, static: dict, mode: str = "auto", fp8_mode: str = "auto"):
     """x, *weight leaves -> what `weights.quant.matmul` runs for them in kernel_mode `mode` (and
     FP8 decode way `fp8_mode`), traced with those modes."""
-    from infernix_jax.weights.quant import FP8Weight, NVFP4Weight, fp8_decode_mode, kernel_mode
+    from infernix_jax.weights.quant import FP8Weight, Int8Weight, NVFP4Weight, fp8_decode_mode, kernel_mode
 
     def one(x, *w):
-        weight = NVFP4Weight(*w) if fmt == "nvfp4" else FP8Weight(*w, block_size=static.get("block_size"))
+        if fmt in ("nvfp4", "int8"):
+            weight = NVFP4Weight(*w) if fmt == "nvfp4" else Int8Weight(*w)
+        else:
+            weight = FP8Weight(*w, block_size=static.get("block_size"))
         with kernel_mode(mode), fp8_decode_mode(fp8_mode):
             return weight.matmul(x)
 

@@ -11,7 +11,8 @@ Each point times, over the same random weights and several weight copies (> L2):
 
 - `kernel`: the Pallas kernel with the tiles `weights.quant` picks (`nvfp4_tiles` /
   `fp8_tiles`; the grouped kernel for expert stacks);
-- `auto` (FP8): what `weights.quant` dispatches (`fp8_decode_way`: the kernel or XLA's dot);
+- `auto` (FP8, INT8): what `weights.quant` dispatches (FP8: `fp8_decode_way`, the kernel or
+  XLA's dot; INT8, which has no kernel: `int8_xla_matmul`, `--formats int8`);
 - `xla_dot`: codes converted to bf16, times the block scale, one `dot_general` (float32
   accumulation) — XLA's GEMM fusion may take the converts in;
 - `xla_dot_blocks` (NVFP4): the dot contracting K as (K/16, 16) on both operands, so the block
@@ -106,8 +107,16 @@ FORMS = {
     "fp8": {"kernel": quant_matmul_fn("fp8", {}, fp8_mode="kernel"), "xla_dot": fp8_xla_dot,
             "xla_reduce": fp8_xla_reduce, "auto": quant_matmul_fn("fp8", {}),
             "reference": quant_matmul_fn("fp8", {}, mode="reference")},
+    # INT8 has no kernel: "auto" is its dot (int8_xla_matmul), "reference" the float32 path it replaced
+    "int8": {"auto": quant_matmul_fn("int8", {}), "reference": quant_matmul_fn("int8", {}, mode="reference")},
 }
-REFERENCES = {"nvfp4": reference_nvfp4_matmul, "fp8": reference_fp8_matmul}
+def reference_int8_matmul(x, data, scale):
+    """float32 x @ (int8 W * per-row scale).T at full precision."""
+    w = data.astype(jnp.float32) * scale[:, None]
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+REFERENCES = {"nvfp4": reference_nvfp4_matmul, "fp8": reference_fp8_matmul, "int8": reference_int8_matmul}
 
 
 def _record_form(form: str, details: dict) -> str:

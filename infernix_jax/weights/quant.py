@@ -541,8 +541,26 @@ class Int8Weight(QuantizedWeight):
     def dequantize(self, dtype=jnp.bfloat16) -> Array:
         return (self.data.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None]).astype(dtype)
 
+    def _xla_matmul(self, x2d: Array) -> Array:
+        return int8_xla_matmul(x2d, self.data, self.scale)
+
 
 _register(Int8Weight, ("data", "scale"))
+
+
+def int8_xla_matmul(x: Array, data: Array, scale: Array) -> Array:
+    """x [M, K] @ (int8 W [N, K] * scale[N, None]).T as one XLA dot whose operand convert XLA can
+    fuse into its GEMM (as it does FP8's), the per-row scale on the float32 result: int8 values
+    are exact in bf16 and float16, so bf16 / float16 activations meet them in their own dtype with
+    float32 accumulation; other activations go in as float32 (full precision). On a GPU INT8 has
+    no Pallas kernel: this serves its decode rows too."""
+    dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    y = jax.lax.dot_general(
+        x.astype(dtype), data.astype(dtype), (((1,), (1,)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    return (y * jnp.asarray(scale, jnp.float32)).astype(x.dtype)
 
 
 @jax.jit

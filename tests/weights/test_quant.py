@@ -263,6 +263,20 @@ def test_fp8_xla_matmul_equals_the_reference(dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_int8_xla_matmul_equals_the_reference(dtype):
+    from infernix_jax.weights.quant import int8_xla_matmul, quantize_int8
+
+    rng = np.random.default_rng(14)
+    q = quantize_int8(_weight(rng, 40, 96))
+    x = jnp.asarray(rng.standard_normal((5, 96)), dtype)
+    got = jax.jit(int8_xla_matmul)(x, q.data, q.scale)
+    assert got.dtype == dtype
+    want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32)).T
+    tol = {jnp.float32: 1e-5, jnp.float16: 2e-3}.get(dtype, 2e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_nvfp4_xla_matmul_equals_the_reference(dtype):
     """The prefill form: exact block values in the activation dtype, float32 accumulation."""
@@ -280,17 +294,17 @@ def test_nvfp4_xla_matmul_equals_the_reference(dtype):
 
 
 def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monkeypatch):
-    """Past the kernels' rows a GPU runs NVFP4 and per-tensor FP8 as one dot in the activation
-    dtype (a full-precision float32 dot would run on CUDA cores); float32 activations and
-    block-scaled FP8 keep the float32 reference. Traced only: the CPU cannot run the GPU path."""
+    """Past the kernels' rows a GPU runs NVFP4, per-tensor FP8 and INT8 as one dot in the
+    activation dtype (a full-precision float32 dot would run on CUDA cores); float32 activations
+    and block-scaled FP8 keep the float32 reference. INT8, which has no kernel, takes its dot at
+    decode rows too. Traced only: the CPU cannot run the GPU path."""
     from pallas_kernels import compat
 
     monkeypatch.setattr(compat, "on_gpu", lambda: True)
     rng = np.random.default_rng(13)
     w = _weight(rng, 32, 128)
-    rows = quant.SMALL_M_MAX + 16
 
-    def lowered(q, dtype):
+    def lowered(q, dtype, rows=quant.SMALL_M_MAX + 16):
         x = jax.ShapeDtypeStruct((rows, 128), dtype)
         with kernel_mode("auto"):
             return jax.jit(lambda x, q: matmul(x, q)).lower(x, q).as_text()
@@ -301,3 +315,7 @@ def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monk
     assert "(tensor<32x128xf8E4M3FN>) -> tensor<32x128xbf16>" in fp8 and "HIGHEST" not in fp8
     assert "HIGHEST" in lowered(quantize_fp8(w, block_size=32), jnp.bfloat16)
     assert "HIGHEST" in lowered(quantize_nvfp4(w), jnp.float32)
+    int8 = lowered(quant.quantize_int8(w), jnp.bfloat16)
+    assert "(tensor<32x128xi8>) -> tensor<32x128xbf16>" in int8 and "HIGHEST" not in int8
+    # INT8 decode rows: no kernel, the same dot
+    assert "HIGHEST" not in lowered(quant.quantize_int8(w), jnp.bfloat16, rows=1)
