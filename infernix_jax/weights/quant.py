@@ -468,13 +468,19 @@ def fp8_xla_matmul(x: Array, data: Array, scale: Array) -> Array:
     GEMM (on the H200 a Triton GEMM fusion reading the e4m3 bytes directly): e4m3 values are exact
     in bf16 and float16, so bf16 / float16 activations meet them in their own dtype with float32
     accumulation, the kernel's numerics; other activations go in as float32 (full precision)."""
+    return (_stored_values_dot(x, data) * jnp.asarray(scale, jnp.float32).reshape(())).astype(x.dtype)
+
+
+def _stored_values_dot(x: Array, data: Array) -> Array:
+    """float32 x [M, K] @ data [N, K].T for stored values exact in bf16 and float16 (e4m3, int8):
+    converted to bf16 / float16 activations' own dtype (a convert XLA can fuse into its GEMM) with
+    float32 accumulation; other activations at full float32 precision."""
     dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    y = jax.lax.dot_general(
+    return jax.lax.dot_general(
         x.astype(dtype), data.astype(dtype), (((1,), (1,)), ((), ())),
         precision=precision, preferred_element_type=jnp.float32,
     )  # fmt: skip
-    return (y * jnp.asarray(scale, jnp.float32).reshape(())).astype(x.dtype)
 
 
 def fp8_tiles(m: int, k: int, n: int) -> dict:
@@ -554,13 +560,7 @@ def int8_xla_matmul(x: Array, data: Array, scale: Array) -> Array:
     are exact in bf16 and float16, so bf16 / float16 activations meet them in their own dtype with
     float32 accumulation; other activations go in as float32 (full precision). On a GPU INT8 has
     no Pallas kernel: this serves its decode rows too."""
-    dtype = x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    y = jax.lax.dot_general(
-        x.astype(dtype), data.astype(dtype), (((1,), (1,)), ((), ())),
-        precision=precision, preferred_element_type=jnp.float32,
-    )  # fmt: skip
-    return (y * jnp.asarray(scale, jnp.float32)).astype(x.dtype)
+    return (_stored_values_dot(x, data) * jnp.asarray(scale, jnp.float32)).astype(x.dtype)
 
 
 @jax.jit

@@ -250,27 +250,15 @@ def test_fp8_decode_takes_xlas_dot_where_the_h200_measured_it_faster():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_fp8_xla_matmul_equals_the_reference(dtype):
-    from infernix_jax.weights.quant import fp8_xla_matmul
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_fp8_and_int8_xla_matmuls_equal_the_reference(fmt, dtype):
+    from infernix_jax.weights.quant import fp8_xla_matmul, int8_xla_matmul, quantize_int8
 
     rng = np.random.default_rng(11)
-    q = quantize_fp8(_weight(rng, 40, 96))
+    w = _weight(rng, 40, 96)
+    q, fn = (quantize_fp8(w), fp8_xla_matmul) if fmt == "fp8" else (quantize_int8(w), int8_xla_matmul)
     x = jnp.asarray(rng.standard_normal((3, 96)), dtype)
-    got = jax.jit(fp8_xla_matmul)(x, q.data, q.scale)
-    assert got.dtype == dtype
-    want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32)).T
-    tol = {jnp.float32: 1e-5, jnp.float16: 2e-3}.get(dtype, 2e-2)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_int8_xla_matmul_equals_the_reference(dtype):
-    from infernix_jax.weights.quant import int8_xla_matmul, quantize_int8
-
-    rng = np.random.default_rng(14)
-    q = quantize_int8(_weight(rng, 40, 96))
-    x = jnp.asarray(rng.standard_normal((5, 96)), dtype)
-    got = jax.jit(int8_xla_matmul)(x, q.data, q.scale)
+    got = jax.jit(fn)(x, q.data, q.scale)
     assert got.dtype == dtype
     want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32)).T
     tol = {jnp.float32: 1e-5, jnp.float16: 2e-3}.get(dtype, 2e-2)
