@@ -22,10 +22,11 @@ Kernel dispatch: `matmul` uses a Pallas kernel when the default backend is a GPU
 2-D, the format has a kernel, and the activation has at most `SMALL_M_MAX` rows (decode);
 per-tensor FP8 decode rows take XLA's own convert-fused dot instead where the H200 measured it
 faster (`fp8_decode_way`; `fp8_decode_mode` / INFERNIX_FP8_DECODE override it). Past those rows
-(prefill) a GPU runs the format's `_xla_matmul` for bf16 / f16 activations (NVFP4 and per-tensor
-FP8: one XLA dot in the activation dtype with float32 accumulation, the kernels' numerics);
-otherwise `matmul` dequantizes to float32 and lets XLA do a full-precision dot (the reference:
-the CPU path, and the GPU path of the other formats). MoE expert stacks [E, N, K] in NVFP4 or
+(prefill), and for formats without a kernel (INT8), a GPU runs the format's `_gpu_matmul` for
+bf16 / f16 activations (NVFP4, per-tensor FP8 and INT8: one XLA dot in the activation dtype with
+float32 accumulation, the kernels' numerics; block-scaled FP8: the tiled Pallas kernel, which
+applies each block's scale exactly); otherwise `matmul` dequantizes to float32 and lets XLA do a
+full-precision dot (the reference: the CPU path, and the GPU path of Q8 and Q4). MoE expert stacks [E, N, K] in NVFP4 or
 FP8 (and plain bf16 stacks, whose `ragged_dot` XLA would expand densely) go through the grouped
 kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count: `grouped_kernel_ready`
 says whether it runs, `grouped_expert_matmul` runs it on rows sorted by expert.
@@ -94,8 +95,8 @@ def _kernel_choice(rows: int, ndim: int) -> tuple[bool, bool]:
     return use and (_mode != "auto" or rows <= SMALL_M_MAX), interpret
 
 
-def _xla_choice(dtype, ndim: int) -> bool:
-    """Whether a 2-D weight's matmul past the kernels' rows takes the format's `_xla_matmul`
+def _gpu_choice(dtype, ndim: int) -> bool:
+    """Whether a 2-D weight's matmul past the kernels' rows takes the format's `_gpu_matmul`
     ("auto" on a GPU, bf16 / f16 activations) instead of the float32 reference, whose full
     precision float32 dot runs on CUDA cores at a fraction of the tensor-core rate on a GPU."""
     return (
@@ -160,10 +161,12 @@ class QuantizedWeight:
         [E, N, K] stack; None when the kernel cannot read this format."""
         return None
 
-    def _xla_matmul(self, x2d: Array) -> Array | None:
-        """x [M, K] (bf16 / f16) @ W.T as one XLA dot in x's dtype with float32 accumulation, with
-        the kernels' numerics (no value rounded beyond what they round); None when this format
-        has no such form (then the float32 reference runs)."""
+    def _gpu_matmul(self, x2d: Array) -> Array | None:
+        """x [M, K] (bf16 / f16) @ W.T on a GPU where no decode kernel serves it (past its rows,
+        or a format without one), at the tensor cores' rate and with the kernels' numerics (no
+        value rounded beyond what they round): one XLA dot in x's dtype with float32
+        accumulation, or a tiled kernel; None when this format has no such form (then the
+        float32 reference runs)."""
         return None
 
     def matmul(self, x: Array) -> Array:
@@ -176,8 +179,8 @@ class QuantizedWeight:
             y = self._kernel_matmul(x.reshape(rows, x.shape[-1]), interpret)
             if y is not None:
                 return y.reshape(*x.shape[:-1], self.shape[-2])
-        if _xla_choice(x.dtype, self.ndim):  # prefill on a GPU: no float32 matmul at full precision
-            y = self._xla_matmul(x.reshape(rows, x.shape[-1]))
+        if _gpu_choice(x.dtype, self.ndim):  # prefill on a GPU: no float32 matmul at full precision
+            y = self._gpu_matmul(x.reshape(rows, x.shape[-1]))
             if y is not None:
                 return y.reshape(*x.shape[:-1], self.shape[-2])
         return _reference_matmul(x, self.dequantize(jnp.float32))
@@ -258,7 +261,7 @@ class NVFP4Weight(QuantizedWeight):
             return None
         return "nvfp4", (self.packed, self.block_scale, self.tensor_scale), None
 
-    def _xla_matmul(self, x2d: Array) -> Array:
+    def _gpu_matmul(self, x2d: Array) -> Array:
         return nvfp4_xla_matmul(x2d, self.packed, self.block_scale, self.tensor_scale)
 
 
@@ -408,10 +411,13 @@ class FP8Weight(QuantizedWeight):
             x2d, self.data, self.scale, block_size=self.block_size, interpret=interpret, **tiles
         )
 
-    def _xla_matmul(self, x2d: Array) -> Array | None:
-        if self.block_size is not None:  # block scales vary along K: the float32 reference keeps them exact
-            return None
-        return fp8_xla_matmul(x2d, self.data, self.scale)
+    def _gpu_matmul(self, x2d: Array) -> Array:
+        if self.block_size is None:
+            return fp8_xla_matmul(x2d, self.data, self.scale)
+        # Block scales vary along K, so no single dot can take them out: the tiled kernel scales
+        # each block's float32 partial sum (`FP8_BLOCK_PREFILL_TILES`).
+        tiles = {**FP8_BLOCK_PREFILL_TILES, "block_k": min(64, self.block_size)}  # within a scale block
+        return fp8_matmul(x2d, self.data, self.scale, block_size=self.block_size, **tiles)
 
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
         b = self.block_size
@@ -483,6 +489,14 @@ def _stored_values_dot(x: Array, data: Array) -> Array:
     )  # fmt: skip
 
 
+# Block-scaled FP8 prefill rows on a GPU: the tiled kernel with the tiles that won the H200 sweep
+# at M = 4096 on the 27B gate_up with 128 x 128 scale blocks (bench/results/kernels-prefill-
+# nvidia-h200.json: 303.8 TFLOP/s, 45.7% of the bf16 rate; the kernel's defaults took 5.6 against
+# 4.8 ms), where the float32 reference they replace runs on CUDA cores (~50 TFLOP/s on that layer).
+FP8_BLOCK_PREFILL_TILES = {"variant": "tiled", "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4,
+                           "block_m": 128, "group_m": 8}  # fmt: skip
+
+
 def fp8_tiles(m: int, k: int, n: int) -> dict:
     """Formulation and tiles for the per-tensor FP8 decode kernel where the H200 sweep at efc37c1
     (bench/results/kernels-nvidia-h200.json) beat the kernel's own table; {} (the table: "gemv"
@@ -547,7 +561,7 @@ class Int8Weight(QuantizedWeight):
     def dequantize(self, dtype=jnp.bfloat16) -> Array:
         return (self.data.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None]).astype(dtype)
 
-    def _xla_matmul(self, x2d: Array) -> Array:
+    def _gpu_matmul(self, x2d: Array) -> Array:
         return int8_xla_matmul(x2d, self.data, self.scale)
 
 

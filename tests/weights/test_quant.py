@@ -265,6 +265,32 @@ def test_fp8_and_int8_xla_matmuls_equal_the_reference(fmt, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+def test_block_scaled_fp8_prefill_rows_on_a_gpu_take_the_tiled_kernel(monkeypatch):
+    """Block scales vary along K, so no single dot can take them out: past the decode rows a GPU
+    runs the tiled kernel with the tiles the H200 sweep picked (FP8_BLOCK_PREFILL_TILES), not a
+    float32 dot on CUDA cores; and those tiles give the reference's result (interpret mode)."""
+    from pallas_kernels import compat
+    from pallas_kernels.fp8_matmul import fp8_matmul, reference_fp8_matmul
+
+    rng = np.random.default_rng(15)
+    q = quantize_fp8(_weight(rng, 200, 256), block_size=128)
+    x = jnp.asarray(rng.standard_normal((quant.SMALL_M_MAX + 66, 256)), jnp.bfloat16)
+    calls = []
+    monkeypatch.setattr(compat, "on_gpu", lambda: True)
+    monkeypatch.setattr(
+        quant, "fp8_matmul", lambda *a, **kw: calls.append(kw) or jnp.zeros((x.shape[0], 200), x.dtype)
+    )
+    with kernel_mode("auto"):
+        matmul(x, q)
+    assert calls == [{"block_size": 128, **quant.FP8_BLOCK_PREFILL_TILES}]
+    monkeypatch.undo()
+    got = fp8_matmul(x, q.data, q.scale, block_size=128, interpret=True, **quant.FP8_BLOCK_PREFILL_TILES)
+    want = reference_fp8_matmul(x, q.data, q.scale, block_size=128)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2 * np.abs(want).max()
+    )
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_nvfp4_xla_matmul_equals_the_reference(dtype):
     """The prefill form: exact block values in the activation dtype, float32 accumulation."""
@@ -284,8 +310,8 @@ def test_nvfp4_xla_matmul_equals_the_reference(dtype):
 def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monkeypatch):
     """Past the kernels' rows a GPU runs NVFP4, per-tensor FP8 and INT8 as one dot in the
     activation dtype (a full-precision float32 dot would run on CUDA cores); float32 activations
-    and block-scaled FP8 keep the float32 reference. INT8, which has no kernel, takes its dot at
-    decode rows too. Traced only: the CPU cannot run the GPU path."""
+    keep the float32 reference. INT8, which has no kernel, takes its dot at decode rows too.
+    Traced only: the CPU cannot run the GPU path."""
     from pallas_kernels import compat
 
     monkeypatch.setattr(compat, "on_gpu", lambda: True)
@@ -301,7 +327,6 @@ def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monk
     assert "f4E2M1FN" in nvfp4 and "HIGHEST" not in nvfp4
     fp8 = lowered(quantize_fp8(w), jnp.bfloat16)
     assert "(tensor<32x128xf8E4M3FN>) -> tensor<32x128xbf16>" in fp8 and "HIGHEST" not in fp8
-    assert "HIGHEST" in lowered(quantize_fp8(w, block_size=32), jnp.bfloat16)
     assert "HIGHEST" in lowered(quantize_nvfp4(w), jnp.float32)
     int8 = lowered(quant.quantize_int8(w), jnp.bfloat16)
     assert "(tensor<32x128xi8>) -> tensor<32x128xbf16>" in int8 and "HIGHEST" not in int8
