@@ -398,6 +398,7 @@ class _CudaDriver:
         "cuCtxGetCurrent": (ctypes.POINTER(ctypes.c_void_p),),
         "cuDeviceGet": (ctypes.POINTER(ctypes.c_int), ctypes.c_int),
         "cuDevicePrimaryCtxRetain": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_int),
+        "cuDevicePrimaryCtxRelease_v2": (ctypes.c_int,),
         "cuModuleLoadData": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p),
         "cuModuleGetFunction": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p),
         "cuLaunchKernel": (
@@ -411,8 +412,8 @@ class _CudaDriver:
     def __init__(self) -> None:
         path = ctypes.util.find_library("cuda") or "libcuda.so.1"
         self.lib = ctypes.CDLL(path)
-        self._modules: dict[tuple[int, str], ctypes.c_void_p] = {}
-        self._functions: dict[tuple[int, str], ctypes.c_void_p] = {}
+        self._modules: dict[tuple[int, str], ctypes.c_void_p] = {}  # (context, PTX) -> module
+        self._functions: dict[tuple[int, str, str], ctypes.c_void_p] = {}  # (context, PTX, name)
         for name, args in self._ARGS.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -449,18 +450,21 @@ class _CudaDriver:
         dev = ctypes.c_int()
         self.check("cuDeviceGet", ctypes.byref(dev), device)
         self.check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-        self.check("cuCtxPushCurrent_v2", ctx)
         try:
-            yield
+            self.check("cuCtxPushCurrent_v2", ctx)
+            try:
+                yield
+            finally:
+                self.check("cuCtxPopCurrent_v2", ctypes.byref(ctx))
         finally:
-            self.check("cuCtxPopCurrent_v2", ctypes.byref(ctx))
+            self.check("cuDevicePrimaryCtxRelease_v2", dev)
 
     def function(self, stream: int, name: str, ptx: str = GATHER_PTX) -> ctypes.c_void_p:
         """Kernel `name` of the PTX module `ptx`, loaded once per context (call with the context
         current)."""
         ctx = ctypes.c_void_p()
         self.check("cuStreamGetCtx", stream, ctypes.byref(ctx))
-        key = (ctx.value, name)
+        key = (ctx.value, ptx, name)
         if key not in self._functions:
             module = self._modules.get((ctx.value, ptx))
             if module is None:

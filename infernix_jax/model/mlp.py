@@ -328,7 +328,7 @@ def copy_missed_rows(
     num_missed: jax.Array,
     rows_ref: jax.Array | None = None,
 ) -> jax.Array:
-    """Rows [len(missed), expert_bytes] on the device: the first `num_missed` of `missed` copied
+    """Rows [len(missed), row bytes] on the device: the first `num_missed` of `missed` copied
     from the `pinned_host` rows `host_rows` the way `method` names (`host_copy.HOST_COPIES`), zeros
     after. "dma" finds the rows by `rows_ref`, their id (`host_copy.register_host_rows`), and
     "mapped" reads them at `rows_ref`, their device address (`host_copy.host_rows_address`)."""
