@@ -15,6 +15,7 @@ routed expert stack, quantized on the device with the conversion recipes of the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -31,7 +32,7 @@ from infernix_jax.engine.protocol import GenerationRequest, SamplingParams
 from infernix_jax.engine.request_state import Status
 from infernix_jax.model.params import Decl, declare_params, init_params, param_dtype
 from infernix_jax.weights.hf import path_str
-from infernix_jax.weights.quant import quantize_fp8, quantize_nvfp4
+from infernix_jax.weights.quant import quantize_fp8, quantize_int8, quantize_nvfp4
 
 QWEN3_5_27B = dict(  # noqa: C408 - the shape of a config.json
     architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120,
@@ -57,13 +58,20 @@ TINY = dict(QWEN3_NEXT_24_LAYERS,
 SHAPES = {"27b": QWEN3_5_27B, "moe": QWEN3_NEXT_24_LAYERS, "tiny": TINY}
 
 
-WEIGHT_FORMATS = ("bf16", "nvfp4", "fp8")
-_QUANTIZERS = {"nvfp4": quantize_nvfp4, "fp8": quantize_fp8}
+WEIGHT_FORMATS = ("bf16", "nvfp4", "fp8", "fp8_block", "int8")
+_QUANTIZERS = {
+    "nvfp4": quantize_nvfp4,
+    "fp8": quantize_fp8,
+    "fp8_block": functools.partial(quantize_fp8, block_size=128),  # Qwen's FP8 checkpoints' 128 x 128
+    "int8": quantize_int8,
+}
+_RECIPE_OF = {"fp8_block": "fp8"}  # the conversion recipe whose module classes a format quantizes
 
 
 def build_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, weights: str = "bf16"):
-    """(cfg, params) with random weights created on the default device; `weights` "nvfp4" or
-    "fp8" quantizes the projections and experts leaf by leaf (`quantized_params`)."""
+    """(cfg, params) with random weights created on the default device; `weights` "nvfp4", "fp8",
+    "fp8_block" (128 x 128 scale blocks) or "int8" quantizes the projections and experts leaf by
+    leaf (`quantized_params`)."""
     cfg = ModelConfig.from_hf_config(SHAPES[shape])
     if weights == "bf16":
         return cfg, init_params(cfg, jax.random.key(seed), dtype, with_mtp=False)
@@ -79,7 +87,8 @@ def quantized_params(cfg: ModelConfig, key: jax.Array, dtype, fmt: str):
     is 54 GB). Leaves the format cannot hold (NVFP4 needs K % 16 == 0) stay in `dtype`."""
     if fmt not in _QUANTIZERS:
         raise ValueError(f"weights={fmt!r} must be one of {WEIGHT_FORMATS}")
-    recipe, quantize = RECIPES[fmt], _QUANTIZERS[fmt]
+    recipe_name = _RECIPE_OF.get(fmt, fmt)
+    recipe, quantize = RECIPES[recipe_name], _QUANTIZERS[fmt]
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         declare_params(cfg, with_mtp=False), is_leaf=lambda x: isinstance(x, Decl)
     )
@@ -87,7 +96,7 @@ def quantized_params(cfg: ModelConfig, key: jax.Array, dtype, fmt: str):
     leaves = []
     for (path, decl), k in zip(flat, keys):
         leaf = decl.make(k, param_dtype(decl, dtype), cfg.zero_centered_norm)
-        quantizable = recipe.format_for(module_class(path_str(path))) == fmt and leaf.ndim >= 2
+        quantizable = recipe.format_for(module_class(path_str(path))) == recipe_name and leaf.ndim >= 2
         if quantizable and not (fmt == "nvfp4" and leaf.shape[-1] % 16):
             quantized = jax.block_until_ready(quantize(leaf))
             del leaf  # the last reference: its device buffer is freed here

@@ -10,7 +10,7 @@ with max_tokens=1 (chunked prefill, `--chunk` tokens per step); the figure is pr
 second from submission to the last first token, and the time to first token of the first request
 is in the details. Ceiling: the bf16 matmul rate measured in the same run divided by the FLOPs
 the prompts need (2 x active parameters per token + causal attention 4 x n^2/2 x heads x head_dim
-per attention layer). `--weights nvfp4|fp8` quantizes the projections and experts as bench.decode
+per attention layer). `--weights nvfp4|fp8|fp8_block|int8` quantizes the projections and experts as bench.decode
 does (on a GPU their prefill rows go through `weights.quant`'s XLA dot in bf16). Records go to
 bench/results/prefill-<machine>.json (`-<weights>` added for quantized weights).
 """

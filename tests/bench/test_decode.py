@@ -33,6 +33,23 @@ def test_nvfp4_bench_model_quantizes_projections_and_experts_only(tiny_nvfp4):
     np.testing.assert_array_equal(np.asarray(params.embed), np.asarray(plain.embed))
 
 
+@pytest.mark.parametrize(("weights", "block_size"), [("fp8_block", 128), ("int8", None)])
+def test_the_bench_model_takes_block_scaled_fp8_and_int8_weights(weights, block_size):
+    """The formats whose GPU paths changed (block-scaled FP8 prefill through the tiled kernel, INT8
+    through its XLA dot) can be benchmarked end to end: the projections and experts come quantized."""
+    from infernix_jax.weights.quant import FP8Weight, Int8Weight
+
+    cfg, params = build_model("tiny", jnp.float32, weights=weights)
+    layer = next(i for i, t in enumerate(cfg.layer_types) if t != "full_attention")
+    moe = params.layers[layer].moe
+    for w in (moe.gate_proj, moe.down_proj, params.layers[layer].gdn.in_proj_qkv):
+        if weights == "int8":
+            assert isinstance(w, Int8Weight)
+        else:
+            assert isinstance(w, FP8Weight) and w.block_size == block_size
+    assert not isinstance(params.lm_head, QuantizedWeight)
+
+
 def test_weight_bytes_count_packed_bytes_and_only_routed_experts(tiny_nvfp4):
     cfg, params = tiny_nvfp4
 
