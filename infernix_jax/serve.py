@@ -179,11 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     experts.add_argument(
         "--expert-host-copy",
         default=None,
-        choices=("loop", "buckets", "dma", "mapped"),
+        choices=("auto", "loop", "buckets", "dma", "mapped"),
         help="with program host reads, how a layer's missed experts are copied from pinned host memory: "
         "one copy per expert in a loop, unrolled copies in static-size branches, one callback per "
         "layer enqueueing the copies (dma), or a gather kernel reading mapped host memory without "
-        "waiting (mapped) (default: dma; docs/experts.md)",
+        "waiting (mapped) (default: auto, mapped when the GPU can address pinned host memory, else dma; "
+        "docs/experts.md)",
     )
 
     server = parser.add_argument_group("server")

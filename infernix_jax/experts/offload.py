@@ -100,6 +100,20 @@ def resolve_host_reads(host_reads: str, disk_experts: int) -> str:
     return "program" if on_gpu and not disk_experts and PINNED_HOST in memory_kinds(device) else "callback"
 
 
+def resolve_host_copy(host_copy: str, rows: jax.Array) -> str:
+    """`"auto"` -> "mapped" when the device can address the pinned host rows (`host_rows_address`:
+    on the H200 its gather beat "dma" at batch 1 and tied it at batch 4, docs/experts.md), else
+    "dma" (said in the log)."""
+    if host_copy != "auto":
+        return host_copy
+    try:
+        host_rows_address(rows)
+    except RuntimeError as e:
+        log.warning("expert host copy: %s; copying with dma instead", e)
+        return "dma"
+    return "mapped"
+
+
 def _committed(a: np.ndarray) -> jax.Array:
     """`a` on the default device, committed to it. The slot programs return committed arrays and
     jit keys its compiled programs on whether an argument is committed, so slots built any other
@@ -224,7 +238,7 @@ class ExpertOffload:
         artifact: str | Artifact | None = None,
         profile: RoutingProfile | str | None = None,
         host_reads: str = "auto",
-        host_copy: str = "loop",
+        host_copy: str = "auto",
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
@@ -232,12 +246,13 @@ class ExpertOffload:
         gpu_budget / host_budget: bytes ("16GiB"), "all", or 0. Experts beyond both budgets need
         `artifact` (a converted artifact holding these weights). host_reads: "callback",
         "program" (the module docstring) or "auto" (`resolve_host_reads`); host_copy: how
-        "program" copies the missed experts (`model.host_copy.HOST_COPIES`). Raises ValueError
+        "program" copies the missed experts (`model.host_copy.HOST_COPIES`, or "auto":
+        `resolve_host_copy`). Raises ValueError
         when they do not fit anywhere, or when "program" is asked for with experts on disk."""
         if host_reads not in HOST_READS:
             raise ValueError(f"host_reads must be one of {HOST_READS}, got {host_reads!r}")
-        if host_copy not in HOST_COPIES:
-            raise ValueError(f"host_copy must be one of {HOST_COPIES}, got {host_copy!r}")
+        if host_copy not in (*HOST_COPIES, "auto"):
+            raise ValueError(f"host_copy must be auto or one of {HOST_COPIES}, got {host_copy!r}")
         layout = layout_of(cfg, params)
         if isinstance(profile, str):
             profile = RoutingProfile.load(profile)
@@ -297,6 +312,7 @@ class ExpertOffload:
                 rows = expert_rows([experts[e] for e in range(num_experts)])
                 (host_stacks,) = host_memory.adopt((rows,))
                 del rows
+                host_copy = resolve_host_copy(host_copy, host_stacks)  # the first layer decides for all
                 if host_copy == "dma":
                     rows_ref = _committed(np.int32(register_host_rows(host_stacks)))
                 elif host_copy == "mapped":

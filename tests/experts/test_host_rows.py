@@ -198,3 +198,18 @@ def test_the_gpu_mapped_path_launches_one_gather_and_waits_for_nothing(monkeypat
     assert fn == f"gather_rows_w{width}" and blocks_y == rows and stream == 7
     assert threads == host_copy.GATHER_THREADS and 1 <= blocks_x * rows <= max(host_copy.GATHER_BLOCKS, rows)
     assert f".entry gather_rows_w{width}(" in host_copy.GATHER_PTX
+
+
+def test_auto_host_copy_is_mapped_where_the_device_addresses_the_rows_else_dma(monkeypatch, caplog):
+    from infernix_jax.experts import offload
+
+    rows = jax.device_put(np.zeros((4, 16), np.uint8), PINNED)
+    assert offload.resolve_host_copy("auto", rows) == "mapped"
+    assert offload.resolve_host_copy("dma", rows) == "dma"
+
+    def refuse(rows):
+        raise RuntimeError("the GPU cannot address these pinned host rows")
+
+    monkeypatch.setattr(offload, "host_rows_address", refuse)
+    assert offload.resolve_host_copy("auto", rows) == "dma"
+    assert "copying with dma instead" in caplog.text

@@ -360,7 +360,7 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
         EngineCore(cfg, params, config.replace(expert_host_reads="program"))
     with pytest.raises(ValueError, match="expert_host_reads must be auto, callback or program"):
         CONFIG.replace(expert_host_reads="dma")
-    with pytest.raises(ValueError, match="expert_host_copy must be loop, buckets, dma or mapped"):
+    with pytest.raises(ValueError, match="expert_host_copy must be auto, loop, buckets, dma or mapped"):
         CONFIG.replace(expert_host_copy="gather")
 
 
