@@ -623,8 +623,10 @@ def quant_matmul_fn(fmt: str, static: dict, mode: str = "auto", fp8_mode: str = 
     from infernix_jax.weights.quant import FP8Weight, Int8Weight, NVFP4Weight, fp8_decode_mode, kernel_mode
 
     def one(x, *w):
-        if fmt in ("nvfp4", "int8"):
-            weight = NVFP4Weight(*w) if fmt == "nvfp4" else Int8Weight(*w)
+        if fmt == "nvfp4":
+            weight = NVFP4Weight(*w)
+        elif fmt == "int8":
+            weight = Int8Weight(*w)
         else:
             weight = FP8Weight(*w, block_size=static.get("block_size"))
         with kernel_mode(mode), fp8_decode_mode(fp8_mode):
