@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> list:
     jax.block_until_ready((host, header, out))
     want = rows[chosen]
     bandwidth = measure_host_to_device(Sizes()).rate
-    width = next(w for w in host_copy.GATHER_WIDTHS if row_bytes % w == 0)
+    width = host_copy.gather_width(row_bytes)
     words = row_bytes // width
     variants = [(u, ld) for u in map(int, args.unrolls.split(",")) for ld in args.loads.split(",")]
     ptx = host_copy.gather_ptx([(width, u, ld) for u, ld in variants])

@@ -256,9 +256,15 @@ def _mapped_rows(num_rows: int, ctx, out, header) -> None:
     dst[count:] = 0
 
 
+def gather_width(row_bytes: int) -> int:
+    """Bytes the gather moves per load for rows of `row_bytes`: the largest of `GATHER_WIDTHS`
+    that divides it (padded expert rows take 16)."""
+    return next(w for w in GATHER_WIDTHS if row_bytes % w == 0)
+
+
 def gather_launch(rows_out: int, row_bytes: int) -> tuple[str, int, int]:
     """(kernel name, words a row, blocks per row) of the gather for an output [rows_out, row_bytes]."""
-    width = next(w for w in GATHER_WIDTHS if row_bytes % w == 0)
+    width = gather_width(row_bytes)
     words = row_bytes // width
     blocks = max(1, min(-(-words // GATHER_THREADS), GATHER_BLOCKS // max(rows_out, 1)))
     return gather_kernel_name(width), words, blocks

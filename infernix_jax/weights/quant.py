@@ -416,7 +416,8 @@ class FP8Weight(QuantizedWeight):
             return fp8_xla_matmul(x2d, self.data, self.scale)
         # Block scales vary along K, so no single dot can take them out: the tiled kernel scales
         # each block's float32 partial sum (`FP8_BLOCK_PREFILL_TILES`).
-        tiles = {**FP8_BLOCK_PREFILL_TILES, "block_k": min(64, self.block_size)}  # within a scale block
+        block_k = min(FP8_BLOCK_PREFILL_TILES["block_k"], self.block_size)  # within a scale block
+        tiles = {**FP8_BLOCK_PREFILL_TILES, "block_k": block_k}
         return fp8_matmul(x2d, self.data, self.scale, block_size=self.block_size, **tiles)
 
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
