@@ -104,6 +104,12 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
     return _unsort_pairs(project(h, p.down_proj), order, ids)
 
 
+def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
+    """Whether quantized expert stacks (gate, up, down) go through the grouped kernel at every token
+    count (the slotted and all-resident paths decide alike, so they give the same output)."""
+    return any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks)
+
+
 def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> [..., D]: sum_k w_k E_k(x) + sigmoid(shared_gate(x)) * shared(x).
 
@@ -119,7 +125,7 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     stacks = (p.gate_proj, p.up_proj, p.down_proj)
     if isinstance(p.gate_proj, SlottedExperts):
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid)
-    elif any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks):
+    elif _takes_grouped_kernel(stacks):
         per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
         per_pair = _experts_gathered(p, xf, ids)
@@ -376,14 +382,21 @@ def _call_fetch(layer: int, shapes, record: bool, source_id, counts, missed):
     return out
 
 
+def _first_ids(flags: jax.Array, size: int, fill: int) -> jax.Array:
+    """i32 [size]: the indices where `flags` [E] is True, ascending, then `fill` (a cumulative
+    count, not a sort: one fewer sort launch per layer on a GPU)."""
+    return jnp.nonzero(flags, size=size, fill_value=fill)[0].astype(jnp.int32)
+
+
 def _experts_slotted(
     se: SlottedExperts, x: jax.Array, ids: jax.Array, num_experts: int, valid: jax.Array | None = None
 ) -> jax.Array:
     """Per-pair outputs [N, k, D] with experts read from slots, the missing ones fetched for this step.
 
     The weights each pair uses are the same packed bytes as in the full stacks and go through the
-    same functions (`_pair_outputs` or `_experts_grouped`) as the all-resident path, so the result
-    is bit for bit the same. The routing counts the host records leave out padding (`valid`)."""
+    same functions (`_experts_grouped` where the grouped kernel runs, else `_pair_outputs` or
+    `_experts_grouped`) as the all-resident path, so the result is bit for bit the same. The routing
+    counts the host records leave out padding (`valid`)."""
     n, k = ids.shape
     counted = jnp.repeat(jnp.ones(n, jnp.int32) if valid is None else valid.astype(jnp.int32), k)
     counts = jnp.bincount(ids.reshape(-1), weights=counted, length=num_experts).astype(jnp.int32)  # [E]
@@ -393,8 +406,7 @@ def _experts_slotted(
     missing = (counts > 0) & ~resident  # [E]
     num_missed = jnp.sum(missing.astype(jnp.int32))
     max_missed = min(n * k, num_experts)
-    order = jnp.argsort(~missing, stable=True)[:max_missed].astype(jnp.int32)  # missed ids first, ascending
-    missed = jnp.where(jnp.arange(max_missed) < num_missed, order, -1)
+    missed = _first_ids(missing, max_missed, fill=-1)  # missed ids first, ascending, then -1
     collected = getattr(_routing, "counts", None)  # inside forward: its one routing callback records
     if collected is not None:
         collected.append((se.source_id, se.layer, counts))
@@ -417,6 +429,18 @@ def _experts_slotted(
 
         return tuple(jax.tree.map(leaf, s, f) for s, f in zip(slots, fetched))
 
+    if _takes_grouped_kernel(slots):
+        # The grouped kernel over a stack of only the step's routed experts, each from its slot or
+        # the fetched set: the kernel sees the all-resident model's rows and tiles (so its output
+        # bit for bit), and nothing is dequantized outside it. The stack's tail past the routed
+        # experts repeats expert 0 and gets no rows.
+        routed = jnp.bincount(ids.reshape(-1), length=num_experts) > 0  # padding's pairs included
+        used = min(n * k, num_experts)
+        used_ids = _first_ids(routed, used, fill=0)
+        rank = jnp.cumsum(routed.astype(jnp.int32)) - 1  # [E]: each routed expert's place in the stack
+        gate, up, down = pick(used_ids, resident[used_ids])
+        stacks = MoEParams(router=None, gate_proj=gate, up_proj=up, down_proj=down)
+        return _experts_grouped(stacks, x, rank[ids], used)
     if ids.size <= max(GATHER_MIN_PAIRS, num_experts // 2):
         gate, up, down = pick(ids, resident[ids])
         return _pair_outputs(x, gate, up, down)

@@ -1,0 +1,71 @@
+"""Experts in device slots where the grouped kernel runs: a layer with some experts in slots and the
+rest copied from pinned host memory gives the all-resident layer's output bit for bit, and the
+kernel reads a stack of only the step's routed experts (never the whole layer's, never dequantized
+outside the kernel)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.experts.offload import expert_rows
+from infernix_jax.model import mlp
+from infernix_jax.model.mlp import SlottedExperts, collect_expert_routing, moe
+from infernix_jax.model.params import MoEParams
+from infernix_jax.weights.quant import kernel_mode
+from tests.experts.tiny_moe import NUM_EXPERTS, TOP_K, tiny_config, tiny_params
+
+PINNED = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+RESIDENT = (1, 4, 5, 9, 17, 30)  # the experts with a slot; every other one is copied when routed
+
+
+@pytest.fixture(scope="module")
+def layer():
+    cfg = tiny_config()
+    return cfg, tiny_params(cfg).layers[0].moe
+
+
+def slotted(p: MoEParams, resident: tuple[int, ...]) -> MoEParams:
+    """p with its routed experts in len(resident) slots and every expert as a pinned host row."""
+    stacks = (p.gate_proj, p.up_proj, p.down_proj)
+    index = np.asarray(resident)
+    slots = jax.tree.map(lambda a: a[index], stacks)
+    slot_map = np.full(NUM_EXPERTS, -1, np.int32)
+    slot_map[index] = np.arange(len(index))
+    leaves = [np.asarray(a) for a in jax.tree.leaves(stacks)]
+    rows = jax.device_put(expert_rows([[a[e] for a in leaves] for e in range(NUM_EXPERTS)]), PINNED)
+    se = SlottedExperts(*slots, slot_map=jnp.asarray(slot_map), source_id=jnp.int32(0), host_stacks=rows)
+    return dataclasses.replace(p, gate_proj=se, up_proj=None, down_proj=None)
+
+
+def run(p: MoEParams, x: jax.Array, cfg) -> np.ndarray:
+    with collect_expert_routing():  # the routing counts stay in the trace: no report callback
+        return np.asarray(jax.jit(lambda p, x: moe(p, x, cfg))(p, x))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 12])
+def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer, monkeypatch, tokens):
+    cfg, p = layer
+    x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, cfg.hidden_size)), jnp.float32)
+    stacks_read = []
+    grouped = mlp.grouped_expert_matmul
+
+    def spy(xs, w, group_sizes, *, tokens):
+        stacks_read.append(w.shape[0])
+        return grouped(xs, w, group_sizes, tokens=tokens)
+
+    monkeypatch.setattr(mlp, "grouped_expert_matmul", spy)
+    with kernel_mode("interpret"):
+        want = run(p, x, cfg)
+        resident_stacks = list(stacks_read)
+        stacks_read.clear()
+        got = run(slotted(p, RESIDENT), x, cfg)
+    np.testing.assert_array_equal(got, want)
+    assert resident_stacks == [NUM_EXPERTS] * 3
+    assert stacks_read == [min(tokens * TOP_K, NUM_EXPERTS)] * 3, "a stack of the routed experts only"
+    with kernel_mode("reference"):  # the CPU's path: per-pair gathers, the same output to rounding
+        np.testing.assert_allclose(run(slotted(p, RESIDENT), x, cfg), want, rtol=2e-5, atol=2e-5)
