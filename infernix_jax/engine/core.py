@@ -204,7 +204,7 @@ class EngineCore:
             if self.experts is not None:  # warm-up's padding rows routed arbitrary experts
                 self.experts.warmup()
                 self.runner.params = self.experts.params
-                self.experts.cache.reset_stats()
+                self.experts.reset_stats()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> list[TokenEvent]:
@@ -288,7 +288,7 @@ class EngineCore:
             structured_forced_tokens=self.metrics.forced_tokens,
             experts=None
             if self.experts is None
-            else self.experts.cache.report(self.metrics.prefill_tokens + self.metrics.generated_tokens),
+            else self.experts.report(self.metrics.prefill_tokens + self.metrics.generated_tokens),
         )
 
     # ---- one step ------------------------------------------------------------------------------

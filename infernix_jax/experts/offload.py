@@ -36,10 +36,11 @@ from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget,
 from infernix_jax.experts.profile import RoutingProfile
 from infernix_jax.experts.store import ExpertReadError, ExpertStore
 from infernix_jax.jit import jit
+from infernix_jax.model import host_report
 from infernix_jax.model.host_copy import HOST_COPIES, host_rows_address, register_host_rows
 from infernix_jax.model.mlp import (
     SlottedExperts,
-    copy_host_rows,
+    copy_missed_rows,
     expert_row_bytes,
     expert_rows_to_leaves,
     register_expert_source,
@@ -61,15 +62,27 @@ def write_slots_program(slots, slot_ids: jax.Array, data):
     return jax.tree.map(lambda x, d: x.at[target].set(d.astype(x.dtype), mode="drop"), slots, data)
 
 
-@partial(jit, donate_argnums=(0,))
-def promote_from_host_program(slots, slot_ids: jax.Array, host_rows: jax.Array, expert_ids: jax.Array):
+@partial(jit, donate_argnums=(0,), static_argnames=("method",))
+def promote_from_host_program(
+    slots,
+    slot_ids: jax.Array,
+    host_rows: jax.Array,
+    expert_ids: jax.Array,
+    rows_ref: jax.Array | None = None,
+    method: str = "loop",
+):
     """slots leaves [S, ...]; slot_ids i32 [W] (-1: skip); host_rows u8 [E, expert_bytes] in
-    `pinned_host` memory; expert_ids i32 [W] -> slots with each listed expert copied into its slot
-    by the program itself (host-to-device copies, no host round trip and no numpy staging)."""
+    `pinned_host` memory; expert_ids i32 [W], the listed experts first, then -1 -> slots with each
+    listed expert copied into its slot by the program itself, the way the layer's forward copies
+    its misses (`method`, `rows_ref`: `SlottedExperts.host_copy`, `.host_rows_ref`): no host
+    round trip and no numpy staging. ("loop" waits for the stream at every row on a GPU, so a
+    rebalance of many layers cost ~30 ms of host time a step on the H200.)"""
     leaves, treedef = jax.tree.flatten(slots)
     n = leaves[0].shape[0]
     target = jnp.where(slot_ids < 0, n, slot_ids)
-    incoming = expert_rows_to_leaves(copy_host_rows(host_rows, expert_ids), leaves)
+    count = jnp.sum((expert_ids >= 0).astype(jnp.int32))
+    rows = copy_missed_rows(method, host_rows, expert_ids, count, rows_ref)
+    incoming = expert_rows_to_leaves(rows, leaves)
     return jax.tree.unflatten(treedef, [x.at[target].set(d, mode="drop") for x, d in zip(leaves, incoming)])
 
 
@@ -225,7 +238,25 @@ class ExpertOffload:
 
     @property
     def stats(self):
+        """The cache's counters, once every routing report sent so far has been recorded."""
+        host_report.deliver(wait=True)
         return self.cache.stats
+
+    def report(self, tokens: int):
+        """`ExpertCache.report` with the routing reports that have arrived recorded (waits for none)."""
+        host_report.deliver()
+        return self.cache.report(tokens)
+
+    def routing_counts(self) -> np.ndarray:
+        """A copy of the routing counts [MoE layers, E] recorded since the last reset, every report
+        sent so far included."""
+        host_report.deliver(wait=True)
+        return self.cache.routing_counts.copy()
+
+    def reset_stats(self) -> None:
+        """Zero the counters, once the routing reports already sent are in (so none lands after)."""
+        host_report.deliver(wait=True)
+        self.cache.reset_stats()
 
     # ---- build ---------------------------------------------------------------------------------
     @classmethod
@@ -350,7 +381,9 @@ class ExpertOffload:
         """Apply the cache's planned swaps (no program may be running). Returns the new params.
 
         An expert whose read fails is not promoted (the failure is counted and logged); the slots
-        and the output stay consistent."""
+        and the output stay consistent. The plan uses the routing reports that have arrived
+        (`host_report.deliver`): those of a step still running count at the next call."""
+        host_report.deliver()
         by_layer: dict[int, list] = {}
         for swap in self.cache.plan_swaps():
             by_layer.setdefault(swap.layer, []).append(swap)
@@ -425,7 +458,12 @@ class ExpertOffload:
             ids[: len(part)] = [s.slot for s in part]
             experts[: len(part)] = [s.expert for s in part]
             slots = promote_from_host_program(
-                slots, jnp.asarray(ids), slotted.host_stacks, jnp.asarray(experts)
+                slots,
+                jnp.asarray(ids),
+                slotted.host_stacks,
+                jnp.asarray(experts),
+                slotted.host_rows_ref,
+                method=slotted.host_copy,
             )
         for swap in swaps:
             cache.assign(rank, swap.slot, swap.expert)
@@ -449,7 +487,14 @@ class ExpertOffload:
         ids = np.full(WRITE_WIDTH, -1, np.int32)
         jax.block_until_ready(read_slots_program(slots, ids))
         if slotted.host_stacks is not None:
-            slots = promote_from_host_program(slots, jnp.asarray(ids), slotted.host_stacks, jnp.asarray(ids))
+            slots = promote_from_host_program(
+                slots,
+                jnp.asarray(ids),
+                slotted.host_stacks,
+                jnp.asarray(ids),
+                slotted.host_rows_ref,
+                method=slotted.host_copy,
+            )
             self._set_slotted(
                 0, dataclasses.replace(slotted, gate_proj=slots[0], up_proj=slots[1], down_proj=slots[2])
             )

@@ -61,9 +61,9 @@ def record_profile(llm, prompts: list, max_tokens: int = 32) -> RoutingProfile:
     experts = llm.core.experts
     if experts is None:
         raise ValueError("record_profile needs an engine with expert offload on (a gpu_expert_budget)")
-    experts.cache.reset_stats()
+    experts.reset_stats()
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return RoutingProfile(experts.cache.routing_counts.copy())
+    return RoutingProfile(experts.routing_counts())
 
 
 def main(argv: list[str] | None = None) -> None:

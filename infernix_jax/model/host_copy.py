@@ -188,6 +188,8 @@ GATHER_WIDTHS = (16, 8, 4, 2, 1)
 GATHER_THREADS = 256
 GATHER_BLOCKS = 1024
 CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+CU_EVENT_DISABLE_TIMING = 2
+CUDA_ERROR_NOT_READY = 600
 
 
 def host_rows_address(rows: jax.Array) -> np.ndarray:
@@ -413,6 +415,11 @@ class _CudaDriver:
             ctypes.c_void_p,
             *[ctypes.POINTER(ctypes.c_void_p)] * 2,
         ),
+        "cuMemAllocHost_v2": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t),
+        "cuEventCreate": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint),
+        "cuEventRecord": (ctypes.c_void_p, ctypes.c_void_p),
+        "cuEventQuery": (ctypes.c_void_p,),
+        "cuEventSynchronize": (ctypes.c_void_p,),
     }
 
     def __init__(self) -> None:
@@ -434,15 +441,47 @@ class _CudaDriver:
 
     @contextlib.contextmanager
     def context_of(self, stream: int):
-        """Make `stream`'s context current on this thread for the block (XLA's thread need not
-        keep one current between its own calls, nor the one of this stream)."""
+        """Make `stream`'s context current on this thread for the block, and yield it (XLA's thread
+        need not keep one current between its own calls, nor the one of this stream)."""
         ctx = ctypes.c_void_p()
         self.check("cuStreamGetCtx", stream, ctypes.byref(ctx))
-        self.check("cuCtxPushCurrent_v2", ctx)
+        with self.pushed(ctx.value):
+            yield ctx.value
+
+    @contextlib.contextmanager
+    def pushed(self, context: int):
+        """Make `context` current on this thread for the block."""
+        self.check("cuCtxPushCurrent_v2", ctypes.c_void_p(context))
         try:
             yield
         finally:
-            self.check("cuCtxPopCurrent_v2", ctypes.byref(ctx))
+            popped = ctypes.c_void_p()
+            self.check("cuCtxPopCurrent_v2", ctypes.byref(popped))
+
+    def alloc_host(self, nbytes: int) -> int:
+        """Address of `nbytes` of new pinned host memory (call with a context current)."""
+        address = ctypes.c_void_p()
+        self.check("cuMemAllocHost_v2", ctypes.byref(address), nbytes)
+        return address.value
+
+    def new_event(self) -> int:
+        """A new event without timing (call with a context current)."""
+        event = ctypes.c_void_p()
+        self.check("cuEventCreate", ctypes.byref(event), CU_EVENT_DISABLE_TIMING)
+        return event.value
+
+    def event_done(self, context: int, event: int, wait: bool) -> bool:
+        """Whether the work before `event` has finished; with `wait`, wait for it first."""
+        with self.pushed(context):
+            if wait:
+                self.check("cuEventSynchronize", ctypes.c_void_p(event))
+                return True
+            status = self.lib.cuEventQuery(ctypes.c_void_p(event))
+            if status == CUDA_ERROR_NOT_READY:
+                return False
+            if status:
+                self.check("cuEventQuery", ctypes.c_void_p(event))  # raises with the error's name
+            return True
 
     @contextlib.contextmanager
     def some_context(self, device: int):

@@ -4,8 +4,9 @@ Routed experts come either from full stacks in `MoEParams` ([E, ...] each) or, w
 fit in device memory, from a `SlottedExperts` held in `MoEParams.gate_proj`: a fixed number of
 device slots per layer, a slot map, and a host callback that supplies the experts a step needs
 but the slots lack (infernix_jax/experts/ builds and fills them; docs/experts.md). Inside
-`forward` the layers' routing counts reach the host in one callback per forward
-(`collect_expert_routing`), so a layer whose experts all sit in slots makes no host round trip.
+`forward` the layers' routing counts reach the host in one message per forward that the device
+does not wait for (`collect_expert_routing`, `model/host_report.py`), so a layer whose experts all
+sit in slots makes no host round trip.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from infernix_jax.config import ModelConfig
-from infernix_jax.model import host_copy
+from infernix_jax.model import host_copy, host_report
 from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.weights.quant import (
     QuantizedWeight,
@@ -215,19 +216,25 @@ def collect_expert_routing():
 
 
 def report_expert_routing(collected: list) -> None:
-    """One host callback with every collected layer's routing counts (nothing when none were)."""
+    """Send every collected layer's routing counts to their source in one message that the device
+    does not wait for (`host_report.send_to_host`: the source records them when the host next
+    calls `host_report.deliver`); nothing when none were collected."""
     if not collected:
         return
     layers = tuple(layer for _, layer, _ in collected)
-    counts = jnp.stack([c for _, _, c in collected])  # [L, E]
-    io_callback(functools.partial(_call_record, layers), None, collected[0][0], counts, ordered=False)
+    counts = jnp.stack([c for _, _, c in collected]).astype(jnp.int32)  # [L, E]
+    source_id = jnp.reshape(collected[0][0], (1,)).astype(jnp.int32)
+    host_report.send_to_host(
+        jnp.concatenate([source_id, counts.reshape(-1)]), functools.partial(_receive_routing, layers)
+    )
 
 
-def _call_record(layers: tuple[int, ...], source_id, counts) -> None:
-    source = EXPERT_SOURCES.get(int(source_id))
-    if source is None:
-        raise RuntimeError(f"no expert source {int(source_id)} (its engine was closed)")
-    source.record_routing(layers, np.asarray(counts))
+def _receive_routing(layers: tuple[int, ...], message: np.ndarray) -> None:
+    """Host side of the routing report: message is [source id, counts [L, E] flattened]."""
+    source = EXPERT_SOURCES.get(int(message[0]))
+    if source is None:  # its engine was closed while the message was on its way: nothing to record
+        return
+    source.record_routing(layers, message[1:].reshape(len(layers), -1))
 
 
 def fetch_buckets(max_missed: int) -> tuple[int, ...]:

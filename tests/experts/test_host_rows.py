@@ -50,13 +50,20 @@ def test_the_program_copies_the_counted_experts_from_pinned_host_memory():
     np.testing.assert_array_equal(np.asarray(every), rows[[7, 2, 5, 0]])
 
 
-def test_promotion_writes_host_experts_into_the_listed_slots_only():
+@pytest.mark.parametrize("method", ["loop", "dma", "mapped"])
+def test_promotion_writes_host_experts_into_the_listed_slots_only(method):
+    """Promotion copies the way the layer's forward does (`SlottedExperts.host_copy`)."""
     stacks = nvfp4_like_stacks(6, np.random.default_rng(2))
     host = jax.device_put(expert_rows([[s[e] for s in stacks] for e in range(6)]), PINNED)
+    rows_ref = {
+        "loop": None,
+        "dma": jnp.int32(host_copy.register_host_rows(host)),
+        "mapped": jnp.asarray(host_copy.host_rows_address(host)),
+    }[method]
     slots = tuple(jnp.asarray(s[:3]) for s in stacks)  # slots hold experts 0, 1, 2
     ids = jnp.asarray([2, -1, 0] + [-1] * 5, jnp.int32)
     experts = jnp.asarray([5, 3, 4] + [-1] * 5, jnp.int32)
-    new = promote_from_host_program(slots, ids, host, experts)
+    new = promote_from_host_program(slots, ids, host, experts, rows_ref, method=method)
     for got, want in zip(new, stacks):  # slot 0 <- expert 4, slot 1 kept, slot 2 <- expert 5
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want[[4, 1, 5]].view(np.uint8))
 
