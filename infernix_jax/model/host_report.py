@@ -124,4 +124,3 @@ def deliver(wait: bool = False) -> int:
                 _free_events[item.context].append(item.event)
             handed += 1
             item.receiver(value)
-
