@@ -61,10 +61,17 @@ class AsyncDecode:
     def __init__(self, core) -> None:
         self.core = core
         config = core.config
-        # speculation and n-gram memory rows need the host between dispatches; offloaded experts
-        # move between slots and tiers between steps, when no program runs
+        # speculation and n-gram memory rows need the host between dispatches. Offloaded experts
+        # whose misses the programs copy themselves need no host inside or between dispatches: the
+        # slot swaps planned between steps queue behind the dispatch in flight, which keeps the
+        # slots it was enqueued with. With fetch callbacks the host serves each dispatch, so the
+        # engine reads one back before it enqueues the next.
+        experts = core.experts
         self.enabled = (
-            config.async_decode and core.speculation is None and core.ngram is None and core.experts is None
+            config.async_decode
+            and core.speculation is None
+            and core.ngram is None
+            and (experts is None or experts.cache.reads_in_program)
         )
 
     def follow(self, flight: InFlight) -> InFlight | None:

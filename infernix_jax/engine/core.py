@@ -334,8 +334,7 @@ class EngineCore:
             self.metrics.decode_dispatches += 1
             self.metrics.decode_wall_s += time.perf_counter() - start
             self.metrics.decode_device_wait_s += wait
-        if self.experts is not None:  # no program runs now: move experts between slots and tiers
-            self.runner.params = self.experts.rebalance()
+        self._rebalance_experts()
         return events
 
     def _newly_scheduled(self, plan: SchedulerOutput) -> list[RequestState]:
@@ -428,7 +427,15 @@ class EngineCore:
         self.metrics.decode_dispatches += 1
         self.metrics.decode_wall_s += time.perf_counter() - start
         self.metrics.decode_device_wait_s += wait
+        self._rebalance_experts()
         return events
+
+    def _rebalance_experts(self) -> None:
+        """Move experts between slots and tiers after a step. A dispatch still in flight (async
+        decode) keeps the slots it was enqueued with: the swaps' programs run after it on the
+        device, and the next dispatch gets the new slots."""
+        if self.experts is not None:
+            self.runner.params = self.experts.rebalance()
 
     def _read_decode(self, flight: InFlight, events: list[TokenEvent]) -> float:
         """Enqueue the dispatch after `flight` when the batch is steady, then read `flight` back and

@@ -164,25 +164,28 @@ class ExpertCache:
 
     # ---- the step's callbacks ------------------------------------------------------------------
     def record_routing(self, layers: tuple[int, ...], counts: np.ndarray) -> None:
-        """Record one forward's routing: `counts` [len(layers), E] tokens per expert of each MoE layer
-        (the forward's one routing callback; see model.mlp.collect_expert_routing)."""
+        """Record one forward's routing: `counts` [len(layers), E] tokens per expert of each MoE layer,
+        negative for an expert the forward found in no slot (the forward's one routing report; see
+        model.mlp.collect_expert_routing). The sign, not the current slot map, says what was
+        missed: a report can arrive after the slots changed."""
         start = time.perf_counter()
         with self._lock:
             for layer, layer_counts in zip(layers, np.asarray(counts, np.int64)):
                 self._record(layer, layer_counts)
             self.stats.fetch_seconds += time.perf_counter() - start
 
-    def _record(self, layer: int, counts: np.ndarray) -> None:
+    def _record(self, layer: int, signed: np.ndarray) -> None:
         """One layer-step's lookups and slot hits, routing profile, scores, and what it missed
-        (read-ahead guesses the next step misses it again). Holds the lock."""
-        stats, resident = self.stats, self.slot_map[layer] >= 0
-        routed = counts > 0
+        (read-ahead guesses the next step misses it again); `signed` as in `record_routing`.
+        Holds the lock."""
+        stats, counts = self.stats, np.abs(signed)
+        routed, missed = counts > 0, signed < 0
         stats.layer_steps += 1
         stats.lookups += int(routed.sum())
-        stats.gpu_hits += int((routed & resident).sum())
+        stats.gpu_hits += int((routed & ~missed).sum())
         self.routing_counts[layer] += counts
         self.scores[layer] = self.scores[layer] * self.decay + counts
-        self.last_missed[layer] = [int(e) for e in np.flatnonzero(routed & ~resident)]
+        self.last_missed[layer] = [int(e) for e in np.flatnonzero(missed)]
         if self.reads_in_program:
             missed = len(self.last_missed[layer])
             stats.host_hits += missed
@@ -194,7 +197,8 @@ class ExpertCache:
     ) -> list[np.ndarray]:
         """Return one layer-step's missed experts' leaves stacked [len(missed), ...] (rows for -1
         entries are zeros), counting where they came from; with `record_routing` also record the
-        layer's routing (a forward that reports it in one callback passes False). Raises
+        layer's routing (`counts` signed as in `record_routing`; a forward that reports it in one
+        message passes False). Raises
         ExpertReadError when a read fails."""
         start = time.perf_counter()
         wanted = [int(e) for e in np.asarray(missed) if e >= 0]

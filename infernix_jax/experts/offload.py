@@ -378,7 +378,8 @@ class ExpertOffload:
         self.params = dataclasses.replace(self.params, layers=tuple(layers))
 
     def rebalance(self) -> Params:
-        """Apply the cache's planned swaps (no program may be running). Returns the new params.
+        """Apply the cache's planned swaps. Returns the new params. A program still running keeps
+        the slots it was given: the swaps' programs take the slot arrays over (donated) after it.
 
         An expert whose read fails is not promoted (the failure is counted and logged); the slots
         and the output stay consistent. The plan uses the routing reports that have arrived

@@ -414,14 +414,17 @@ def _experts_slotted(
     num_missed = jnp.sum(missing.astype(jnp.int32))
     max_missed = min(n * k, num_experts)
     missed = _first_ids(missing, max_missed, fill=-1)  # missed ids first, ascending, then -1
-    collected = getattr(_routing, "counts", None)  # inside forward: its one routing callback records
+    # what the host records: tokens per expert, negative for the experts this step found in no slot
+    # (the slot map the program ran with, which the host may have changed since it was enqueued)
+    routing = jnp.where(resident, counts, -counts)
+    collected = getattr(_routing, "counts", None)  # inside forward: its one routing report records
     if collected is not None:
-        collected.append((se.source_id, se.layer, counts))
+        collected.append((se.source_id, se.layer, routing))
     if se.host_stacks is None:
-        fetched = _fetch_missed(se, counts, missed, num_missed, record=collected is None)  # (gate, up, down)
+        fetched = _fetch_missed(se, routing, missed, num_missed, record=collected is None)  # (gate, up, down)
     else:
         if collected is None:  # outside forward: report this layer's routing on its own
-            report_expert_routing([(se.source_id, se.layer, counts)])
+            report_expert_routing([(se.source_id, se.layer, routing)])
         fetched = _read_missed_in_program(se, missed, num_missed)
     fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
     slot_of = jnp.maximum(se.slot_map, 0)

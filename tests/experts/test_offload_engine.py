@@ -317,7 +317,10 @@ def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callba
     hit with its bytes."""
     cfg, params = model
     config = CONFIG.replace(
-        gpu_expert_budget=budget(params, SLOTS), expert_host_reads="program", expert_host_copy=host_copy
+        gpu_expert_budget=budget(params, SLOTS),
+        expert_host_reads="program",
+        expert_host_copy=host_copy,
+        async_decode=False,  # one dispatch a step, so that each step's misses show in its stats
     )
     core = EngineCore(cfg, params, config)
     slotted = core.experts.params.layers[core.experts.layout.moe_layers[0]].moe.gate_proj
@@ -349,6 +352,33 @@ def test_host_reads_in_the_program_give_the_resident_output_without_fetch_callba
     assert stats.gpu_hits + stats.host_hits == stats.lookups
     assert stats.fetched_bytes == stats.misses * expert_bytes(params)
     assert stats.misses == sum(stats.per_layer_misses.values())
+
+
+def test_async_decode_runs_with_host_reads_in_the_program(model, resident):
+    """With misses copied inside the programs, the next decode dispatch is enqueued before the last
+    is read, and slot swaps queue behind it: the output is still the all-resident model's, and
+    every routing report is counted once, by what its own step missed."""
+    cfg, params = model
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS), expert_host_reads="program", expert_host_copy="mapped"
+    )
+    core = EngineCore(cfg, params, config)
+    assert core.async_decode.enabled
+    out = drive(core, requests())
+    assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
+    assert core.metrics.async_dispatches > 0
+    stats = core.experts.stats
+    assert stats.promotions > 0 and stats.host_hits > 0
+    assert stats.gpu_hits + stats.host_hits == stats.lookups
+    assert stats.fetched_bytes == stats.misses * expert_bytes(params)
+    assert stats.misses == sum(stats.per_layer_misses.values())
+
+
+def test_fetch_callbacks_keep_one_dispatch_at_a_time(model):
+    """The host serves a callback dispatch's misses, so nothing is enqueued ahead of one."""
+    cfg, params = model
+    core = EngineCore(cfg, params, CONFIG.replace(gpu_expert_budget=budget(params, SLOTS)))
+    assert not core.async_decode.enabled
 
 
 def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, artifact):

@@ -120,7 +120,7 @@ def test_fetch_returns_missed_experts_in_order_and_counts_them(model):
     cache = ExpertCache(layout, store, slots_per_layer=2)
     cache.assign(1, 0, 9)
     counts = np.zeros(NUM_EXPERTS, np.int32)
-    counts[[9, 3, 20]] = [2, 1, 1]
+    counts[[9, 3, 20]] = [2, -1, -1]  # negative: routed, found in no slot
     out = cache.fetch(1, counts, np.array([3, 20, -1, -1], np.int32))
     assert out[0].shape[0] == 4
     for row, e in ((0, 3), (1, 20)):
@@ -130,6 +130,24 @@ def test_fetch_returns_missed_experts_in_order_and_counts_them(model):
     s = cache.stats
     assert (s.lookups, s.gpu_hits, s.host_hits, s.disk_hits) == (3, 1, 2, 0)
     assert s.fetched_bytes == 2 * layout.expert_bytes and cache.routing_counts[1, 9] == 2
+    assert cache.routing_counts[1, 3] == 1 and cache.last_missed[1] == [3, 20]
+
+
+def test_a_report_counts_what_its_step_missed_even_after_the_slots_changed(model):
+    """A routing report arrives after the step that sent it (host_report): its signs, not the slot
+    map of the moment, say which experts that step found in slots."""
+    cfg, params = model
+    layout = layout_of(cfg, params)
+    cache = ExpertCache(layout, ExpertStore(layout), slots_per_layer=2, reads_in_program=True)
+    cache.assign(0, 0, 4)
+    signed = np.zeros((1, NUM_EXPERTS), np.int32)
+    signed[0, [4, 5]] = [3, -2]  # the step had 4 in a slot and missed 5
+    cache.assign(0, 0, 5)  # then, before the report arrived, 5 took 4's slot
+    cache.record_routing((0,), signed)
+    s = cache.stats
+    assert (s.lookups, s.gpu_hits, s.host_hits) == (2, 1, 1)
+    assert s.fetched_bytes == layout.expert_bytes and cache.last_missed[0] == [5]
+    assert cache.routing_counts[0, 4] == 3 and cache.routing_counts[0, 5] == 2
 
 
 def test_policy_promotes_hot_experts_with_hysteresis(model):
