@@ -41,3 +41,10 @@ def test_xla_quant_files_show_the_largest_matrix_and_the_expert_stacks_by_kernel
     write_records([record(n) for n in names], tmp_path / "xla-quant-nvidia-h200.json")
     shown = [row.split(" | ")[0].lstrip("| ") for row in table(tmp_path).splitlines()[2:]]
     assert shown == [names[0], names[1], *names[6:]]
+
+
+def test_experiment_files_stay_out_of_the_table(tmp_path):
+    write_records([record("experts decode 8GiB batch1")], tmp_path / "experts-nvidia-h200.json")
+    write_records([record("experts decode 8GiB batch1")], tmp_path / "experts-no-routing-report-nvidia-h200.json")
+    write_records([record("experts decode 8GiB batch1")], tmp_path / "experts-deferred-routing-nvidia-h200.json")
+    assert len(table(tmp_path).splitlines()[2:]) == 1
