@@ -3,8 +3,8 @@
     python -m bench.experts                      # GPU: Qwen3-Next-80B-A3B shape, 12 of 48 layers
     python -m bench.experts --layers 48          # the full depth (needs ~44 GB of host RAM for experts)
     python -m bench.experts --quick              # tiny model, any machine (the CPU in tests)
-    python -m bench.experts --host-reads program # missed experts copied from pinned host memory in the program
-    python -m bench.experts --host-reads program --host-copy dma   # ... by one callback per layer
+    python -m bench.experts --host-reads callback   # missed experts fetched by host callbacks
+    python -m bench.experts --host-copy dma         # copied in the program by one callback a layer
 
 The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
 NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
@@ -87,8 +87,8 @@ def make_core(
     steps: int,
     gpu_budget,
     prefill_chunk: int = 16,
-    host_reads: str = "callback",
-    host_copy: str = "loop",
+    host_reads: str = "auto",
+    host_copy: str = "auto",
 ) -> EngineCore:
     batch = 4
     config = EngineConfig(
@@ -102,9 +102,15 @@ def make_core(
 
 
 def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed: int) -> dict:
-    """Tokens per second and expert traffic of `dispatches` decode steps at `batch`."""
+    """Tokens per second and expert traffic of `dispatches` decode steps at `batch`.
+
+    With asynchronous decode each step reads one dispatch and leaves the next in flight, and the
+    statistics wait for every routing report sent: the traffic is that of the `dispatches`
+    dispatches after the ones whose tokens are counted (as many, at the same batch)."""
     for request_id in list(core.requests):
         core.abort(request_id)
+    while core.ahead is not None:  # a dispatch the last point left in flight: read it first
+        core.step()
     place_prompts_without_compute(core, batch, context, seed=seed)
     core.step()  # the first dispatch of this batch warms caches and slots
     experts = core.experts
@@ -129,6 +135,19 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
     return out
 
 
+def ways_used(core: EngineCore) -> tuple[str | None, str | None]:
+    """(host reads, host copy) the engine resolved its options to: ("program", way) when the
+    programs copy misses themselves, ("callback", None) with fetch callbacks, (None, None) when
+    nothing is offloaded."""
+    experts = core.experts
+    if experts is None:
+        return None, None
+    if not experts.cache.reads_in_program:
+        return "callback", None
+    slotted = experts.params.layers[experts.layout.moe_layers[0]].moe.gate_proj
+    return "program", slotted.host_copy
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -151,17 +170,17 @@ def main(argv: list[str] | None = None):
     )
     parser.add_argument(
         "--host-reads",
-        default="callback",
-        choices=("callback", "program"),
-        help="how missed experts reach the GPU (EngineConfig.expert_host_reads); records of 'program' "
-        "say so in their names",
+        default="auto",
+        choices=("auto", "callback", "program"),
+        help="how missed experts reach the GPU (EngineConfig.expert_host_reads; auto: the engine's "
+        "choice); records of 'program' say so in their names",
     )
     parser.add_argument(
         "--host-copy",
-        default="loop",
-        choices=("loop", "buckets", "dma", "mapped"),
-        help="with --host-reads program: how the program copies them (EngineConfig.expert_host_copy); "
-        "records of other than 'loop' say so in their names",
+        default="auto",
+        choices=("auto", "loop", "buckets", "dma", "mapped"),
+        help="with host reads in the program: how the program copies them (EngineConfig.expert_host_copy; "
+        "auto: the engine's choice); records of other than 'loop' name the way used",
     )
     parser.add_argument(
         "--profile",
@@ -204,13 +223,14 @@ def main(argv: list[str] | None = None):
             if args.profile and (batch, policy) == runs[0]:
                 r["profile"] = profile_device(core.step)
                 print(format_summary(r["profile"]), flush=True)
+            host_reads, host_copy = ways_used(core)
             details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
                        "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
                        "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
-                       "host_reads": args.host_reads, "host_copy": args.host_copy, **r}  # fmt: skip
-            reads = " host reads in program" if args.host_reads == "program" and budget else ""
-            if reads and args.host_copy != "loop":
-                reads += f" copy {args.host_copy}"
+                       "host_reads": host_reads, "host_copy": host_copy, **r}  # fmt: skip
+            reads = " host reads in program" if host_reads == "program" else ""
+            if reads and host_copy != "loop":
+                reads += f" copy {host_copy}"
             name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
                 record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,

@@ -4,7 +4,7 @@
 function runs: the thread that launches the program's kernels stops until the device has caught
 up, at every call. The forward's expert routing report (one a step, `mlp.report_expert_routing`)
 cost the offloaded Qwen3-Next-80B shape a third of its batch-1 decode rate on the H200 that way
-(docs/experts.md, "The routing report").
+(docs/experts.md, "The grouped kernel, the routing report and asynchronous decode").
 
 `send_to_host(value, receiver)` instead runs one `buffer_callback` that enqueues a copy of `value`
 into pinned host memory on XLA's stream and records an event behind it; nothing waits. The
@@ -33,7 +33,7 @@ from infernix_jax.model.host_copy import _cuda, _device_pointer
 
 Receiver = Callable[[np.ndarray], None]
 
-# Sends not yet delivered past this many make the sending callback wait for the oldest (nobody
+# Past this many sends not yet delivered, the sending callback waits and delivers them all (nobody
 # is calling deliver: a loop of programs without an engine step between them).
 MAX_PENDING = 1024
 
