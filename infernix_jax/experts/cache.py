@@ -198,8 +198,7 @@ class ExpertCache:
         """Return one layer-step's missed experts' leaves stacked [len(missed), ...] (rows for -1
         entries are zeros), counting where they came from; with `record_routing` also record the
         layer's routing (`counts` signed as in `record_routing`; a forward that reports it in one
-        message passes False). Raises
-        ExpertReadError when a read fails."""
+        message passes False). Raises ExpertReadError when a read fails."""
         start = time.perf_counter()
         wanted = [int(e) for e in np.asarray(missed) if e >= 0]
         layout = self.layout

@@ -14,6 +14,7 @@ import pytest
 from infernix_jax.experts.offload import expert_rows, promote_from_host_program
 from infernix_jax.model import host_copy
 from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_row_bytes, expert_rows_to_leaves
+from tests.cuda_fakes import HostBackedBuffer
 
 PINNED = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
 
@@ -109,14 +110,6 @@ def test_dma_copies_refuse_rows_that_are_gone_or_ids_out_of_range():
         host_copy.register_host_rows(jnp.zeros((4, 2), jnp.float32))
 
 
-class _HostBuffer:
-    """A numpy array posing as a device buffer (`__cuda_array_interface__`) for the GPU code path."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array, self.shape = array, array.shape
-        self.__cuda_array_interface__ = {"data": (array.ctypes.data, False)}
-
-
 class _FakeDriver:
     """Does what the CUDA driver calls of `host_copy._cuda_dma_rows` would, in host memory; logs them."""
 
@@ -148,7 +141,7 @@ def test_the_gpu_dma_path_reads_the_ids_once_and_copies_each_run_of_ids(monkeypa
     chosen = [2, 3, 4, 7, 9, 10]  # three runs
     header = np.asarray([rows_id, len(chosen), *chosen, -1, -1], np.int32)
     out = np.full((8, 16), 0xAB, np.uint8)
-    host_copy._cuda_dma_rows(0, _HostBuffer(out), _HostBuffer(header))
+    host_copy._cuda_dma_rows(0, HostBackedBuffer(out), HostBackedBuffer(header))
     want = np.zeros_like(out)
     want[: len(chosen)] = rows[chosen]
     np.testing.assert_array_equal(out, want)
@@ -197,8 +190,8 @@ def test_the_gpu_mapped_path_launches_one_gather_and_waits_for_nothing(monkeypat
     way: the host keeps launching the program while the rows cross PCIe)."""
     log = _LaunchLog()
     monkeypatch.setattr(host_copy, "_cuda", lambda: log)
-    out = _HostBuffer(np.zeros((rows, row_bytes), np.uint8))
-    header = _HostBuffer(np.zeros(3 + rows, np.int32))
+    out = HostBackedBuffer(np.zeros((rows, row_bytes), np.uint8))
+    header = HostBackedBuffer(np.zeros(3 + rows, np.int32))
     host_copy._cuda_mapped_rows(7, out, header)
     assert [c[0] for c in log.calls] == ["cuLaunchKernel"]
     _, fn, blocks_x, blocks_y, _, threads, _, _, _, stream, _, _ = log.calls[0]

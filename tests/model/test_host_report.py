@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from infernix_jax.model import host_report
+from tests.cuda_fakes import HostBackedBuffer
 
 
 @pytest.fixture(autouse=True)
@@ -40,14 +41,6 @@ def test_on_the_cpu_each_step_of_a_loop_reaches_its_receiver_in_order():
     np.testing.assert_array_equal(np.asarray(out), np.arange(4) + 3)
     assert [g.tolist() for g in got] == [[0, 0, 0, 0], [1, 2, 3, 4], [4, 6, 8, 10]]
     assert host_report.pending() == 0 and host_report.deliver(wait=True) == 0
-
-
-class _DeviceValue:
-    """A numpy array posing as a device buffer (`__cuda_array_interface__`)."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array, self.shape, self.dtype = array, array.shape, array.dtype
-        self.__cuda_array_interface__ = {"data": (array.ctypes.data, False)}
 
 
 class _FakeDriver:
@@ -92,8 +85,8 @@ def test_on_a_gpu_a_send_waits_for_nothing_and_values_arrive_in_order(monkeypatc
     monkeypatch.setattr(host_report, "_cuda", lambda: driver)
     got = []
     first, second = np.arange(6, dtype=np.int32).reshape(2, 3), np.full((2, 3), 9, np.int32)
-    host_report._send_from_gpu(3, _DeviceValue(first), lambda v: got.append(("a", v)))
-    host_report._send_from_gpu(3, _DeviceValue(second), lambda v: got.append(("b", v)))
+    host_report._send_from_gpu(3, HostBackedBuffer(first), lambda v: got.append(("a", v)))
+    host_report._send_from_gpu(3, HostBackedBuffer(second), lambda v: got.append(("b", v)))
     assert driver.calls == ["alloc_host", "new_event", "cuMemcpyDtoHAsync_v2", "cuEventRecord"] * 2
     assert host_report.pending() == 2 and host_report.deliver() == 0 and not got, "nothing has landed"
 
@@ -107,7 +100,7 @@ def test_on_a_gpu_a_send_waits_for_nothing_and_values_arrive_in_order(monkeypatc
     assert got[0][1].dtype == np.int32 and got[0][1].shape == (2, 3)
 
     driver.calls.clear()  # a third send of the same size reuses a buffer and an event
-    host_report._send_from_gpu(3, _DeviceValue(first + 1), lambda v: got.append(("c", v)))
+    host_report._send_from_gpu(3, HostBackedBuffer(first + 1), lambda v: got.append(("c", v)))
     assert driver.calls == ["cuMemcpyDtoHAsync_v2", "cuEventRecord"]
     assert host_report.deliver(wait=True) == 1 and driver.calls[-1] == "wait"
     np.testing.assert_array_equal(got[-1][1], first + 1)
@@ -121,8 +114,8 @@ def test_a_failing_receiver_drops_only_its_value(monkeypatch):
     def broken(value):
         raise RuntimeError("receiver broke")
 
-    host_report._send_from_gpu(0, _DeviceValue(np.zeros(2, np.float32)), broken)
-    host_report._send_from_gpu(0, _DeviceValue(np.ones(2, np.float32)), got.append)
+    host_report._send_from_gpu(0, HostBackedBuffer(np.zeros(2, np.float32)), broken)
+    host_report._send_from_gpu(0, HostBackedBuffer(np.ones(2, np.float32)), got.append)
     with pytest.raises(RuntimeError, match="receiver broke"):
         host_report.deliver(wait=True)
     assert host_report.pending() == 1 and not got
