@@ -164,7 +164,7 @@ def make_core(
         max_concurrency=batch, max_context=room, kv_dtype=kv_dtype,
         kv_capacity=batch * math.ceil(room / BLOCK_SIZE), prefill_chunk=prefill_chunk,
         prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(batch,),
-        decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False,
+        decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, scoring=False,
     )  # fmt: skip
     config = dataclasses.replace(config, **overrides)
     return EngineCore(cfg, params, config)

@@ -89,13 +89,15 @@ def make_core(
     prefill_chunk: int = 16,
     host_reads: str = "auto",
     host_copy: str = "auto",
+    batches: tuple[int, ...] = (1, 4),
 ) -> EngineCore:
-    batch = 4
+    """The engine of one budget; it compiles a decode program for each of `batches` only."""
+    batch = max(batches)
     config = EngineConfig(
         max_concurrency=batch, max_context=context + 64 * steps, kv_capacity=batch * -(-(context + 64 * steps) // BLOCK_SIZE),
-        prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(1, batch),
+        prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=tuple(sorted(set(batches))),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
-        structured_output=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
+        structured_output=False, scoring=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
         expert_host_copy=host_copy,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None):
     for label, budget in [*budgets.items(), ("all-resident", None)]:
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
-            host_reads=args.host_reads, host_copy=args.host_copy,
+            host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
         )  # fmt: skip
         runs = [(batch, "dynamic") for batch in batches] + ([(batches[0], "static")] if budget else [])
         for batch, policy in runs:

@@ -532,7 +532,8 @@ def engine_config(w: Workload, context: int, prefix_cache: bool, cpu: bool, **op
         "decode_batch_sizes": (w.max_in_flight,),
     }
     return EngineConfig(
-        max_concurrency=w.max_in_flight, max_context=context, structured_output=False, progress=False,
+        max_concurrency=w.max_in_flight, max_context=context, structured_output=False, scoring=False,
+        progress=False,
         prefix_cache=prefix_cache, **{**small, **options},
     )  # fmt: skip
 

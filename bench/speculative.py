@@ -109,7 +109,7 @@ def measure_acceptance(args, machine: str, commit: str) -> list:
     prompts = quoting_prompts(ids, args.prompts, args.passage, args.passage // 2, separator)
     base = EngineConfig(
         max_concurrency=len(prompts), max_context=model.max_context, compilation_cache_dir=None,
-        prefill_chunk=256, progress=False,
+        prefill_chunk=256, progress=False, scoring=False,
     )  # fmt: skip
     plain_rate, _ = run_engine(model, base, prompts, args.new_tokens)  # compiles, then measures
     plain_rate, _ = run_engine(model, base, prompts, args.new_tokens)
@@ -198,7 +198,8 @@ def shape_config(batch: int, context: int, steps: int, draft_tokens: int, **spec
     return EngineConfig(
         max_concurrency=batch, max_context=max_context, kv_capacity=batch * math.ceil(max_context / BLOCK_SIZE),
         prefill_chunk=256, prefill_shape_override=((1, 256),), decode_batch_sizes=(batch,),
-        decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, **spec,
+        decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, scoring=False,
+        **spec,
     )  # fmt: skip
 
 

@@ -38,6 +38,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/infernix_jax/xla"  # JAX persistent cache; None: off
     warmup: bool = True  # compile every bucket at start (with a progress bar)
     structured_output: bool = True  # warm-up also compiles the one-step masked decode programs
+    # warm-up also compiles the scoring programs (score requests: /v1/decide, option logprobs); with
+    # False an engine that only generates starts sooner and refuses score requests with a clear error
+    scoring: bool = True
     # how a batch with constrained rows decodes (docs/structured_output.md): "callback", the
     # multi-step decode program with masks, each step's from a host callback after the sample
     # before (engine/mask_feed.py); "fused", one masked forward+sample program per sampled token,

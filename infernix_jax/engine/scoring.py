@@ -175,10 +175,11 @@ class Scorer:
         self.length = self.shapes[0][1]
         self.jobs: dict[str, ScoreJob] = {}
         self.dispatches = 0  # score_program dispatches since start
-        # the scoring rows would need n-gram memory rows for their paths too: not built yet
-        self.unsupported = (
-            "scoring is not supported for a model with an n-gram memory" if core.cfg.ngram_memory else None
-        )
+        self.unsupported = None
+        if not core.config.scoring:
+            self.unsupported = "scoring is off in this engine (EngineConfig.scoring=False)"
+        elif core.cfg.ngram_memory:  # the scoring rows would need n-gram memory rows for their paths too
+            self.unsupported = "scoring is not supported for a model with an n-gram memory"
 
     def owns(self, request_id: str) -> bool:
         return request_id in self.jobs

@@ -42,6 +42,8 @@ SMALL = EngineConfig(
     max_top_logprobs=5,
     compilation_cache_dir=None,
     progress=False,
+    structured_output=False,  # tests/structured/ warm up the masked programs
+    scoring=False,  # tests/engine/test_scoring.py has its own engine
 )
 PROMPT_LENGTHS = (3, 10, 17, 40, 70, 100, 130, 5)
 

@@ -200,6 +200,24 @@ def test_invalid_score_requests_end_with_one_error_event(core):
         assert event.finish_reason == FINISH_ERROR and event.error
 
 
+def test_an_engine_without_scoring_compiles_no_scoring_program_and_refuses_score_requests(
+    reference, monkeypatch
+):
+    """EngineConfig.scoring=False: an engine that only generates skips the scoring programs at
+    warm-up, and a score request ends at once with one error event that says why."""
+    from infernix_jax.engine.scoring import Scorer
+
+    core = EngineCore(
+        reference.config, reference.params, CONFIG.replace(scoring=False, warmup=False), None,
+        reference.eos_token_ids(),
+    )  # fmt: skip
+    monkeypatch.setattr(Scorer, "_call", lambda *a: pytest.fail("a scoring program was run"))
+    core.scorer.warmup()
+    (event,) = core.add_score_request(ScoreRequest("off", [1, 2, 3], ((4,), (5, 6))))
+    assert event.finish_reason == FINISH_ERROR and "scoring is off" in event.error
+    assert not core.has_work()
+
+
 def test_async_engine_scores_and_reports_errors(core, reference):
     async def main():
         engine = AsyncEngine(core)

@@ -31,6 +31,7 @@ ENGINE = {
     "progress": False,
     "prefix_cache": False,
     "structured_output": False,
+    "scoring": False,
 }
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 64, 11]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

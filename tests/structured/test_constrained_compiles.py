@@ -28,7 +28,7 @@ SCRIPT = [11, 40, 5, 33, 60, 21]  # the only output the grammar allows, then END
 @pytest.fixture(scope="module", params=["fused", "split"])
 def core(request):
     model = infernix_jax.load(HF_FIXTURES / "qwen3_next", max_context=MAX_CONTEXT)
-    config = dataclasses.replace(SMALL, constrained_decode=request.param)
+    config = dataclasses.replace(SMALL, structured_output=True, constrained_decode=request.param)
     return EngineCore(model.config, model.params, config, model.tokenizer, model.eos_token_ids())
 
 

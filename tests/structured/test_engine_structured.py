@@ -67,9 +67,9 @@ def test_json_schemas_yield_valid_json_at_temperature_one(llm, backend, prompt):
     check_json_sweep(llm, backend, prompt, samples=3, max_tokens=24)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # test_json_schemas_yield_valid_json_at_temperature_one at 3 samples runs by default
 def test_json_schema_sweep_twenty_samples_each(llm, backend, prompt):
-    """The acceptance sweep: 16 schemas x 20 samples at temperature 1.0 (~3 min on 2 cores)."""
+    """The acceptance sweep: 16 schemas x 20 samples at temperature 1.0 (~2-3 min on 2 cores)."""
     check_json_sweep(llm, backend, prompt, samples=20, max_tokens=40)
 
 
@@ -105,7 +105,7 @@ def test_regex_choice_and_grammars_yield_accepted_strings(llm, backend, prompt):
     check_other_kinds(llm, backend, prompt, samples=6)
 
 
-@pytest.mark.slow
+@pytest.mark.sweep  # test_regex_choice_and_grammars_yield_accepted_strings at 6 samples runs by default
 def test_regex_choice_and_grammars_twenty_samples_each(llm, backend, prompt):
     check_other_kinds(llm, backend, prompt, samples=20)
 
