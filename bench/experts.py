@@ -132,6 +132,8 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
             fetched_bytes=s.fetched_bytes - before.fetched_bytes,
             promoted_bytes=s.promoted_bytes - before.promoted_bytes,
             callback_seconds=s.fetch_seconds - before.fetch_seconds,
+            promotions=s.promotions - before.promotions,
+            swaps_held=s.swaps_held - before.swaps_held,  # proposals the payback gate did not make
         )
         out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
     return out

@@ -187,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/experts.md)",
     )
 
+    experts.add_argument(
+        "--expert-swap-payback",
+        type=float,
+        default=None,
+        metavar="COPIES",
+        help="copies a proposed GPU slot swap must save, on average over recent proposals, before the "
+        "cache swaps experts (default: 1.0, the swap's own copy; 0: swap on routing scores alone)",
+    )
+
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -286,6 +295,7 @@ def build_engine(args: argparse.Namespace):
             "expert_profile",
             "expert_host_reads",
             "expert_host_copy",
+            "expert_swap_payback",
         )
         if getattr(args, name, None) is not None
     }

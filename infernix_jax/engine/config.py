@@ -86,6 +86,11 @@ class EngineConfig:
     # at batch 4 in the same H200 run; model/host_copy.py) or "auto": mapped when the device can
     # address the pinned rows, else dma (experts.offload.resolve_host_copy)
     expert_host_copy: str = "auto"
+    # copies a proposed slot swap must save, on average over recent proposals, before swaps that
+    # evict an expert are made (experts.cache.ExpertCache.payback): 1.0 pays for the swap's own copy;
+    # 0 swaps on the routing scores alone (under random routing that halved the 80B shape's batch-1
+    # rate on the H200, docs/experts.md)
+    expert_swap_payback: float = 1.0
 
     def __post_init__(self) -> None:
         errors = []
@@ -143,6 +148,8 @@ class EngineConfig:
             errors.append(
                 f"expert_host_reads must be auto, callback or program, got {self.expert_host_reads!r}"
             )
+        if not self.expert_swap_payback >= 0:
+            errors.append(f"expert_swap_payback must be >= 0, got {self.expert_swap_payback!r}")
         if self.expert_host_copy not in ("auto", "loop", "buckets", "dma", "mapped"):
             errors.append(
                 f"expert_host_copy must be auto, loop, buckets, dma or mapped, got {self.expert_host_copy!r}"

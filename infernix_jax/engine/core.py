@@ -152,6 +152,7 @@ class EngineCore:
                 profile=config.expert_profile,
                 host_reads=config.expert_host_reads,
                 host_copy=config.expert_host_copy,
+                payback=config.expert_swap_payback,
             )
             params = self.experts.params
         num_blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)

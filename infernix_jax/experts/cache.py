@@ -6,7 +6,13 @@ routed, what it missed, and which experts deserve a slot next.
 counts where they came from. `record_routing` receives every layer's routing counts once per
 forward (lookups, slot hits, the routing profile and the scores the policy uses).
 Between steps `plan_swaps` proposes slot changes by a score that is both frequency and recency
-(an exponential moving average of routing counts per layer-step).
+(an exponential moving average, per layer-step, of whether the expert was routed), and makes them
+only while such proposals pay for their copies: each proposal is watched for the layer-steps after
+it, made or not (routing does not depend on placement), counting the steps that routed the incoming
+expert minus those that routed the evicted one, i.e. the copies it saved. Under routing without
+locality (random weights, or a workload whose hot experts keep moving) proposals save nothing and
+the slots stay as placed, where swapping every step had cost the 80B shape half its batch-1 rate on
+the H200 (docs/experts.md).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class ExpertStats:
     read_failures: int = 0  # fetches that raised (their step failed)
     fetch_seconds: float = 0.0  # host time spent inside the step callbacks (fetches and routing reports)
     per_layer_misses: dict[int, int] = field(default_factory=dict)
+    proposals_watched: int = 0  # proposed swaps whose payback window has ended (`ExpertCache.payback`)
+    swaps_held: int = 0  # proposed swaps not made because recent proposals did not pay back
 
     @property
     def misses(self) -> int:
@@ -101,12 +109,18 @@ class ExpertCache:
         margin: float = 0.25,
         swaps_per_layer: int = 4,
         reads_in_program: bool = False,
+        payback: float = 1.0,
+        payback_window: int = 16,
     ):
         """decay: score kept per layer-step; margin: a candidate needs a score above the evicted
         expert's by this factor (hysteresis against thrashing); swaps_per_layer: the most slot
         changes per layer between two steps (bounds the bytes a step boundary moves);
         reads_in_program: programs copy missed experts from pinned host stacks themselves (no
-        fetch callback), so the routing report also counts those misses as host hits and bytes."""
+        fetch callback), so the routing report also counts those misses as host hits and bytes;
+        payback: copies a proposed swap must have saved, on average over recent proposals, within
+        `payback_window` layer-steps, before swaps that evict an expert are made (1.0: the swap's
+        own copy; 0: make every proposal, the policy before the gate). Filling an empty slot is
+        always made."""
         num_layers, num_experts = len(layout.moe_layers), layout.num_experts
         self.layout, self.store = layout, store
         self.slots_per_layer = slots_per_layer
@@ -119,6 +133,11 @@ class ExpertCache:
         self.stats = ExpertStats()
         self.last_error: str | None = None
         self.reads_in_program = reads_in_program
+        self.payback, self.payback_window = payback, payback_window
+        # proposals being watched, a row each: layer, incoming expert, evicted expert, layer-steps
+        # seen, copies saved so far (steps routing the incoming one minus steps routing the evicted one)
+        self._watched = np.zeros((0, 5))
+        self.recent_payback: float | None = None  # moving mean of watched proposals' savings
         self._lock = threading.Lock()
 
     @property
@@ -141,6 +160,8 @@ class ExpertCache:
         self.last_missed.clear()
         if scores:
             self.scores[:] = 0.0
+            self._watched = np.zeros((0, 5))
+            self.recent_payback = None
 
     def report(self, tokens: int) -> ExpertCacheReport:
         """The counters as a snapshot, with the slots' occupancy; `tokens`: processed so far."""
@@ -169,9 +190,11 @@ class ExpertCache:
         model.mlp.collect_expert_routing). The sign, not the current slot map, says what was
         missed: a report can arrive after the slots changed."""
         start = time.perf_counter()
+        counts = np.asarray(counts, np.int64)
         with self._lock:
-            for layer, layer_counts in zip(layers, np.asarray(counts, np.int64)):
+            for layer, layer_counts in zip(layers, counts):
                 self._record(layer, layer_counts)
+            self._watch_steps(np.asarray(layers, np.int64), counts != 0)
             self.stats.fetch_seconds += time.perf_counter() - start
 
     def _record(self, layer: int, signed: np.ndarray) -> None:
@@ -184,7 +207,9 @@ class ExpertCache:
         stats.lookups += int(routed.sum())
         stats.gpu_hits += int((routed & ~missed).sum())
         self.routing_counts[layer] += counts
-        self.scores[layer] = self.scores[layer] * self.decay + counts
+        self.scores[layer] = (
+            self.scores[layer] * self.decay + routed
+        )  # a miss costs a copy, whatever its tokens
         self.last_missed[layer] = [int(e) for e in np.flatnonzero(missed)]
         if self.reads_in_program:
             missed = len(self.last_missed[layer])
@@ -214,6 +239,7 @@ class ExpertCache:
             previous_next = self.last_missed.get(layer + 1, [])
             if record_routing:
                 self._record(layer, np.asarray(counts, np.int64))
+                self._watch_steps(np.asarray([layer]), np.asarray(counts)[None] != 0)
         if previous_next and self.store.has_disk:  # the next layer will likely miss what it missed last step
             self.store.read_ahead(
                 layer + 1, [e for e in previous_next if self.store.tier_of(layer + 1, e) == DISK]
@@ -234,9 +260,64 @@ class ExpertCache:
         return out
 
     # ---- policy --------------------------------------------------------------------------------
+    PAYBACK_WEIGHT = 0.1  # weight of one ended proposal in `recent_payback` (~the last 20 count)
+    PAYBACK_EVIDENCE = 8  # ended proposals needed before the first swap that evicts anything
+
+    def _watch_steps(self, layers: np.ndarray, routed: np.ndarray) -> None:
+        """Count one layer-step for the proposals watched in each of `layers` (cache layer ranks;
+        `routed` bool [len(layers), E]) and fold those whose window ended into `recent_payback`.
+        Holds the lock."""
+        w = self._watched  # [N, 5]: layer, incoming expert, evicted expert, layer-steps seen, copies saved
+        if not len(w):
+            return
+        row_of = np.full(self.num_layers, -1)
+        row_of[layers] = np.arange(len(layers))
+        rows = row_of[w[:, 0].astype(np.int64)]
+        seen = rows >= 0
+        r = rows[seen]
+        w[seen, 3] += 1
+        w[seen, 4] += routed[r, w[seen, 1].astype(np.int64)].astype(np.float64) - routed[
+            r, w[seen, 2].astype(np.int64)
+        ].astype(np.float64)
+        ended = w[:, 3] >= self.payback_window
+        for saved in w[ended, 4]:
+            k = self.PAYBACK_WEIGHT
+            self.recent_payback = (
+                saved if self.recent_payback is None else (1 - k) * self.recent_payback + k * saved
+            )
+            self.stats.proposals_watched += 1
+        self._watched = w[~ended]
+
+    def swaps_pay(self) -> bool:
+        """Whether recent proposals saved at least `payback` copies each (always with payback 0)."""
+        if self.payback <= 0:
+            return True
+        return (
+            self.stats.proposals_watched >= self.PAYBACK_EVIDENCE
+            and self.recent_payback is not None
+            and self.recent_payback >= self.payback
+        )
+
     def plan_swaps(self) -> list[Swap]:
         """Slot changes worth making now: per layer, the best-scored experts without a slot replace
-        the worst-scored residents (empty slots first) when they beat them by the margin."""
+        the worst-scored residents (empty slots first) when they beat them by the margin. Proposals
+        that evict an expert are watched, and made only while recent ones paid back (`swaps_pay`)."""
+        proposals = self._propose()
+        with self._lock:
+            pay = self.swaps_pay()
+            watching = np.bincount(self._watched[:, 0].astype(np.int64), minlength=self.num_layers)
+            rows = []
+            for p in proposals:  # a bounded watch list per layer
+                if p.evicted >= 0 and watching[p.layer] < 2 * self.swaps_per_layer:
+                    watching[p.layer] += 1
+                    rows.append((p.layer, p.expert, p.evicted, 0, 0.0))
+            if rows:
+                self._watched = np.concatenate([self._watched, np.asarray(rows, np.float64)])
+            swaps = [p for p in proposals if pay or p.evicted < 0]
+            self.stats.swaps_held += len(proposals) - len(swaps)
+        return swaps
+
+    def _propose(self) -> list[Swap]:
         swaps = []
         for layer in range(self.num_layers):
             scores = self.scores[layer]

@@ -33,6 +33,10 @@ CONFIG = EngineConfig(
     prefix_cache=False,
     structured_output=False,
     scoring=False,
+    # swap on the routing scores alone: these tests check that swaps keep the output exact and the
+    # statistics honest, in runs too short for the payback gate's evidence (its own tests:
+    # tests/experts/test_store_and_policy.py)
+    expert_swap_payback=0.0,
 )
 PROMPT_LENGTHS = (5, 12, 30, 9)
 MAX_TOKENS = 10
@@ -393,6 +397,8 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
         CONFIG.replace(expert_host_reads="dma")
     with pytest.raises(ValueError, match="expert_host_copy must be auto, loop, buckets, dma or mapped"):
         CONFIG.replace(expert_host_copy="gather")
+    with pytest.raises(ValueError, match="expert_swap_payback must be >= 0"):
+        CONFIG.replace(expert_swap_payback=-1.0)
 
 
 def test_ngram_speculation_with_offloaded_experts_gives_the_resident_output(model, resident):

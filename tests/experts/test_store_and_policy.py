@@ -153,7 +153,9 @@ def test_a_report_counts_what_its_step_missed_even_after_the_slots_changed(model
 def test_policy_promotes_hot_experts_with_hysteresis(model):
     cfg, params = model
     layout = layout_of(cfg, params)
-    cache = ExpertCache(layout, ExpertStore(layout), slots_per_layer=2, margin=0.5, swaps_per_layer=4)
+    cache = ExpertCache(
+        layout, ExpertStore(layout), slots_per_layer=2, margin=0.5, swaps_per_layer=4, payback=0.0
+    )
     cache.assign(0, 0, 1)
     cache.assign(0, 1, 2)
     cache.scores[0, [1, 2, 7, 8]] = [10.0, 4.0, 5.0, 20.0]
@@ -165,6 +167,78 @@ def test_policy_promotes_hot_experts_with_hysteresis(model):
     assert sorted((s.expert, s.evicted) for s in cache.plan_swaps()) == [(7, 1), (8, 2)]
     cache.scores[0, [7, 8]] = [5.0, 5.9]  # 5.9 does not beat 4 * 1.5: the margin holds everything
     assert cache.plan_swaps() == []
+
+
+def _routed(experts: list[int]) -> np.ndarray:
+    signed = np.zeros((1, NUM_EXPERTS), np.int32)
+    signed[0, experts] = -1  # missed (the sign only counts misses; scores see routing)
+    return signed
+
+
+def _policy_run(cache: ExpertCache, routing, steps: int, rebalance_every: int = 4) -> tuple[int, int]:
+    """Feed `routing(step)` (experts routed by layer 0) for `steps` steps, making the planned swaps
+    every `rebalance_every` steps as the engine does between dispatches. Returns (slot hits,
+    lookups) over the run."""
+    hits = lookups = 0
+    for step in range(steps):
+        routed = routing(step)
+        hits += int((cache.slot_map[0, routed] >= 0).sum())
+        lookups += len(routed)
+        cache.record_routing((0,), _routed(routed))
+        if step % rebalance_every == rebalance_every - 1:
+            for swap in cache.plan_swaps():
+                cache.assign(swap.layer, swap.slot, swap.expert)
+    return hits, lookups
+
+
+def test_swaps_stop_when_routing_has_no_locality_and_resume_when_it_does(model):
+    """Under uniform random routing a proposed swap saves no copies later (the incoming expert is
+    routed no more often than the evicted one), so after watching its proposals the cache keeps
+    its placement instead of paying a copy for each swap; once a hot set appears, proposals pay
+    back and the hot experts take the slots."""
+    cfg, params = model
+    layout = layout_of(cfg, params)
+    cache = ExpertCache(layout, ExpertStore(layout), slots_per_layer=4, swaps_per_layer=2)
+    for slot in range(4):
+        cache.assign(0, slot, slot)
+    rng = np.random.default_rng(0)
+
+    def uniform(step):
+        return rng.choice(NUM_EXPERTS, 2, replace=False)
+
+    _policy_run(cache, uniform, 200)
+    s = cache.stats
+    assert s.proposals_watched >= cache.PAYBACK_EVIDENCE and s.swaps_held > 0
+    assert cache.recent_payback < cache.payback and not cache.swaps_pay()
+    placed = cache.slot_owner[0].copy()
+    _policy_run(cache, uniform, 100)
+    assert (cache.slot_owner[0] == placed).all(), "no swap under routing without locality"
+
+    hot = [9, 10, 11, 12]  # every step routes one of them, the other expert at random
+    cold = [e for e in range(NUM_EXPERTS) if e not in hot]
+
+    def hot_routing(step):
+        return [hot[step % 4], int(rng.choice(cold))]
+
+    _policy_run(cache, hot_routing, 200)
+    assert cache.swaps_pay() and cache.recent_payback >= cache.payback
+    assert sorted(cache.slot_owner[0]) == hot
+    hits, lookups = _policy_run(cache, hot_routing, 100)
+    assert hits >= lookups // 2, "the hot half of the routing now hits its slots"
+
+
+def test_payback_zero_swaps_on_scores_alone_and_empty_slots_are_always_filled(model):
+    cfg, params = model
+    layout = layout_of(cfg, params)
+    gated = ExpertCache(layout, ExpertStore(layout), slots_per_layer=2)
+    ungated = ExpertCache(layout, ExpertStore(layout), slots_per_layer=2, payback=0.0)
+    for cache in (gated, ungated):
+        cache.assign(0, 0, 1)  # slot 1 stays empty
+        cache.record_routing((0,), _routed([5, 6]))
+    # no evidence yet: the gated cache fills the empty slot only; the ungated one also evicts
+    assert [(s.expert, s.evicted) for s in gated.plan_swaps()] == [(5, -1)]
+    assert sorted((s.expert, s.evicted) for s in ungated.plan_swaps()) == [(5, -1), (6, 1)]
+    assert gated.stats.swaps_held == 1 and ungated.stats.swaps_held == 0
 
 
 def test_fetch_buckets_bound_the_bytes_moved():
