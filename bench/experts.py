@@ -12,7 +12,7 @@ N of the 48 layers; the GPU expert budgets (8, 16, 32 GiB) are budgets for the f
 model and are scaled by N / 48, so each layer gets the slots it would have at full depth and the
 hit rates match. For each budget (and all-resident: the plain model with no slots) the engine
 decodes `--dispatches` dispatches of `--steps` steps at batch 1 and 4 over prompts placed in the
-cache without compute.
+cache without compute; each step's time is kept (`step_marks`), and the rate of the later half.
 
 Figure: generated tokens per second (the engine's own step loop, host work included).
 Ceiling (the PCIe bound): pinned-host -> device bandwidth measured in the same run divided by
@@ -120,11 +120,16 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
     before = dataclasses.replace(experts.stats) if experts else None
     tokens0 = core.metrics.generated_tokens
     start = time.perf_counter()
+    marks = []  # (seconds since start, tokens since start) after each step
     for _ in range(dispatches):
         core.step()
+        marks.append((time.perf_counter() - start, core.metrics.generated_tokens - tokens0))
     wall = time.perf_counter() - start
     tokens = core.metrics.generated_tokens - tokens0
-    out = {"tokens": tokens, "seconds": wall, "tok_s": tokens / wall}
+    out = {"tokens": tokens, "seconds": wall, "tok_s": tokens / wall, "step_marks": marks}
+    if dispatches >= 4:  # the later half alone: a window that starts with the pipeline's head start
+        (t_half, n_half), (t_end, n_end) = marks[dispatches // 2 - 1], marks[-1]
+        out["later_half_tok_s"] = (n_end - n_half) / (t_end - t_half)
     if experts:
         s = experts.stats
         lookups = s.lookups - before.lookups
@@ -170,8 +175,8 @@ def main(argv: list[str] | None = None):
         "--dispatches",
         type=int,
         default=6,
-        help="timed dispatches per point (after two untimed ones: a point's first dispatches ran up to "
-        "2x slower than later ones on the H200)",
+        help="timed dispatches per point, after two untimed ones (with offloaded experts the H200's steps "
+        "alternate ~20 and ~95 ms, so a window of 2 read anywhere from 140 to 264 tok/s: docs/experts.md)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model (32 experts, top-4), any machine")
     parser.add_argument(
