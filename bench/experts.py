@@ -120,15 +120,19 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
     before = dataclasses.replace(experts.stats) if experts else None
     tokens0 = core.metrics.generated_tokens
     start = time.perf_counter()
-    marks = []  # (seconds since start, tokens since start) after each step
-    for _ in range(dispatches):
+    m = core.metrics
+    marks = []  # after each step: seconds and tokens since start, and the step's host time enqueuing,
+    for _ in range(dispatches):  # waiting for the device's results, and rebalancing the expert slots
+        host0 = (m.decode_enqueue_s, m.decode_device_wait_s, m.expert_rebalance_s)
         core.step()
-        marks.append((time.perf_counter() - start, core.metrics.generated_tokens - tokens0))
+        host1 = (m.decode_enqueue_s, m.decode_device_wait_s, m.expert_rebalance_s)
+        spent = [b - a for a, b in zip(host0, host1)]
+        marks.append((time.perf_counter() - start, m.generated_tokens - tokens0, *spent))
     wall = time.perf_counter() - start
     tokens = core.metrics.generated_tokens - tokens0
     out = {"tokens": tokens, "seconds": wall, "tok_s": tokens / wall, "step_marks": marks}
     if dispatches >= 4:  # the later half alone: a window that starts with the pipeline's head start
-        (t_half, n_half), (t_end, n_end) = marks[dispatches // 2 - 1], marks[-1]
+        (t_half, n_half, *_), (t_end, n_end, *_) = marks[dispatches // 2 - 1], marks[-1]
         out["later_half_tok_s"] = (n_end - n_half) / (t_end - t_half)
     if experts:
         s = experts.stats

@@ -63,6 +63,8 @@ class EngineMetrics:
     decode_dispatches: int = 0
     decode_wall_s: float = 0.0  # wall time of steps that ran only a decode dispatch
     decode_device_wait_s: float = 0.0  # of which the host waited for the device's results
+    decode_enqueue_s: float = 0.0  # host time enqueuing decode dispatches (returns before they run)
+    expert_rebalance_s: float = 0.0  # host time planning and enqueuing expert slot swaps between steps
     warmup_s: float = 0.0  # compile time at start
     async_dispatches: int = 0  # decode dispatches enqueued before the last one was read back
     spec_rows: int = 0  # speculative: row-steps verified (one per row per verify dispatch)
@@ -411,7 +413,9 @@ class EngineCore:
         try:
             if self.ngram is not None:
                 batch.ngram_rows = self.ngram.decode_rows(plan)
+            t0 = time.perf_counter()
             out = self.runner.decode(batch, feed)
+            self.metrics.decode_enqueue_s += time.perf_counter() - t0
             flight = InFlight(plan.decode, batch, out, self.runner.last_feed, budget, budget, feed)
         except Exception as exc:  # noqa: BLE001
             self._fail_step([r.request for r in plan.decode], exc, events)
@@ -436,13 +440,17 @@ class EngineCore:
         decode) keeps the slots it was enqueued with: the swaps' programs run after it on the
         device, and the next dispatch gets the new slots."""
         if self.experts is not None:
+            t0 = time.perf_counter()
             self.runner.params = self.experts.rebalance()
+            self.metrics.expert_rebalance_s += time.perf_counter() - t0
 
     def _read_decode(self, flight: InFlight, events: list[TokenEvent]) -> float:
         """Enqueue the dispatch after `flight` when the batch is steady, then read `flight` back and
         feed each row's tokens through its constraint and stop rules. Returns the device wait."""
         try:
+            t0 = time.perf_counter()
             ahead = self.async_decode.follow(flight)
+            self.metrics.decode_enqueue_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             sampled = self.runner.read_decode(flight.out)
             runs = runs_on(ahead)
