@@ -562,11 +562,24 @@ class Int8Weight(QuantizedWeight):
     def dequantize(self, dtype=jnp.bfloat16) -> Array:
         return (self.data.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None]).astype(dtype)
 
-    def _gpu_matmul(self, x2d: Array) -> Array:
+    def _gpu_matmul(self, x2d: Array) -> Array | None:
+        if self.ndim == 2 and int8_decode_way(x2d.shape[0], self.shape[-1]) == "reference":
+            return None  # the float32 reference: one reduction fusion reading the int8 bytes once
         return int8_xla_matmul(x2d, self.data, self.scale)
 
 
 _register(Int8Weight, ("data", "scale"))
+
+
+def int8_decode_way(m: int, k: int) -> str:
+    """"xla" (`int8_xla_matmul`) or "reference" (the float32 path): which runs x [m, k] @ W.T for
+    INT8 W on a GPU. From the H200 (`bench.xla_quant --formats int8`, 5332098): the dot won at 8
+    rows (2194-3303 against 425-502 GB/s) and at M = 4096 (609-652 against ~50 TFLOP/s); at one
+    row the float32 path, which XLA turns into one reduction reading the int8 bytes, won every
+    layer with K <= 6144 (27B gate_up 2473 against 2136 GB/s, q_gated 2346 / 2124, o_proj 2118 /
+    1776, gdn_in 2222 / 2045; the 80B's three by 4-30%), and lost the 27B down (K = 17408: 1305
+    against 2218)."""
+    return "reference" if m == 1 and k < 16384 else "xla"
 
 
 def int8_xla_matmul(x: Array, data: Array, scale: Array) -> Array:

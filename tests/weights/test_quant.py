@@ -249,6 +249,15 @@ def test_fp8_decode_takes_xlas_dot_where_the_h200_measured_it_faster():
         pass
 
 
+def test_int8_decode_takes_the_float32_reduction_at_one_row_where_the_h200_measured_it_faster():
+    """INT8 on a GPU: XLA's dot for 2+ rows and for one row on the 27B down (K = 17408); the
+    float32 reference's reduction for one row on the narrower layers."""
+    from infernix_jax.weights.quant import int8_decode_way
+
+    assert int8_decode_way(8, 5120) == int8_decode_way(4096, 2048) == int8_decode_way(1, 17408) == "xla"
+    assert int8_decode_way(1, 5120) == int8_decode_way(1, 6144) == int8_decode_way(1, 2048) == "reference"
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_fp8_and_int8_xla_matmuls_equal_the_reference(fmt, dtype):
