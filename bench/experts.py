@@ -5,6 +5,7 @@
     python -m bench.experts --quick              # tiny model, any machine (the CPU in tests)
     python -m bench.experts --host-reads callback   # missed experts fetched by host callbacks
     python -m bench.experts --host-copy dma         # copied in the program by one callback a layer
+    python -m bench.experts --hot-experts 64        # routing with a hot set: the dynamic cache's case
 
 The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
 NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
@@ -18,7 +19,9 @@ Figure: generated tokens per second (the engine's own step loop, host work inclu
 Ceiling (the PCIe bound): pinned-host -> device bandwidth measured in the same run divided by
 the expert bytes that crossed to the device per generated token (missed experts fetched into
 the steps plus experts promoted into slots). `fraction` = figure / ceiling. Each budget also runs
-once with the slots frozen (static placement, the same budget) at batch 1, for comparison.
+once with the slots frozen (static placement, the same budget) at batch 1, for comparison; it
+runs first, on the placement at start (after a dynamic point it would inherit the slots that
+point learned: with `--hot-experts`, routing with a hot set, that matters).
 Records go to bench/results/experts-<machine>.json; names contain "expert" and "pcie".
 """
 
@@ -79,6 +82,35 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0):
     return map_decls(make, declare_params(cfg, with_mtp=False))
 
 
+def hot_routing(cfg: ModelConfig, params, hot: int, strength: float, seed: int = 0):
+    """Give the random model routing with a hot set: per MoE layer `hot` experts (random ids) that
+    the router prefers for every token, so that a cache has something to learn.
+
+    Random weights route without locality (every expert equally likely at every step), where no
+    placement beats another. Here every token's embedding gets one constant coordinate (4 times the
+    embedding's spread), each MoE layer's norm passes that coordinate through unscaled, and the hot
+    experts' router rows read it with a weight that adds about `strength` standard deviations of
+    the random logits. Returns (params, hot ids [MoE layers, hot])."""
+    rng = np.random.default_rng(seed)
+    embed = params.embed
+    c = 4.0 * float(jnp.std(embed.astype(jnp.float32)))
+    params = dataclasses.replace(params, embed=embed.at[:, 0].set(c))
+    hot_ids, layers = [], list(params.layers)
+    unit = 0.0 if cfg.zero_centered_norm else 1.0  # the norm weight that scales by one
+    for i, layer in enumerate(layers):
+        if layer.moe is None:
+            continue
+        ids = np.sort(rng.choice(cfg.num_experts, hot, replace=False))
+        router = layer.moe.router
+        spread = float(jnp.std(router.astype(jnp.float32))) * np.sqrt(router.shape[-1])  # random logits' std
+        column = np.zeros(cfg.num_experts, np.float32)
+        column[ids] = strength * spread / 4.0  # the coordinate reads ~4 after the norm
+        moe = dataclasses.replace(layer.moe, router=router.at[:, 0].set(jnp.asarray(column, router.dtype)))
+        layers[i] = dataclasses.replace(layer, moe=moe, post_norm=layer.post_norm.at[0].set(unit))
+        hot_ids.append(ids)
+    return dataclasses.replace(params, layers=tuple(layers)), np.stack(hot_ids)
+
+
 def make_core(
     cfg,
     params,
@@ -103,8 +135,9 @@ def make_core(
     return EngineCore(cfg, params, config)
 
 
-def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed: int) -> dict:
-    """Tokens per second and expert traffic of `dispatches` decode steps at `batch`.
+def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed: int, hot_ids=None) -> dict:
+    """Tokens per second and expert traffic of `dispatches` decode steps at `batch` (with `hot_ids`,
+    `hot_routing`'s sets: also the share of the routed tokens that went to them).
 
     With asynchronous decode each step reads one dispatch and leaves the next in flight, and the
     statistics wait for every routing report sent: the traffic is that of the `dispatches`
@@ -118,6 +151,7 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
         core.step()
     experts = core.experts
     before = dataclasses.replace(experts.stats) if experts else None
+    counts_before = experts.cache.routing_counts.copy() if experts else None
     tokens0 = core.metrics.generated_tokens
     start = time.perf_counter()
     m = core.metrics
@@ -146,6 +180,9 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
             swaps_held=s.swaps_held - before.swaps_held,  # proposals the payback gate did not make
         )
         out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
+        counts = experts.cache.routing_counts - counts_before  # tokens routed per (MoE layer, expert)
+        if hot_ids is not None and counts.sum():
+            out["hot_share"] = float(np.take_along_axis(counts, hot_ids, axis=1).sum() / counts.sum())
     return out
 
 
@@ -208,6 +245,16 @@ def main(argv: list[str] | None = None):
         help="after each budget's first point, one more engine step under the profiler: kernels and "
         "idle gaps of the device (bench/profile_summary.py), printed and kept in the record",
     )
+    parser.add_argument(
+        "--hot-experts",
+        type=int,
+        default=0,
+        help="routing with a hot set of this many experts per layer (`hot_routing`; 0: the random "
+        "model's own routing, which has no locality); records say 'hot N' and the share routed to them",
+    )
+    parser.add_argument(
+        "--hot-strength", type=float, default=2.0, help="the hot experts' router bonus in logit deviations"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     machine, commit = machine_name(), git_commit()
@@ -215,6 +262,9 @@ def main(argv: list[str] | None = None):
     layers = cfg.num_layers
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     params = random_params(cfg, dtype)
+    hot_ids = None
+    if args.hot_experts:
+        params, hot_ids = hot_routing(cfg, params, args.hot_experts, args.hot_strength)
     moe = params.layers[0].moe
     expert_bytes = (
         sum(x.nbytes for x in jax.tree.leaves((moe.gate_proj, moe.up_proj, moe.down_proj))) // cfg.num_experts
@@ -226,6 +276,8 @@ def main(argv: list[str] | None = None):
         budgets = {f"{b}GiB": int(float(b) * GiB * layers / FULL_LAYERS) for b in args.budgets.split(",")}
     bandwidth = measure_host_to_device(QUICK if args.quick else Sizes()).rate
     shape = "tiny-moe32" if args.quick else f"qwen3-next-80b-a3b {layers}of{FULL_LAYERS}layers"
+    if hot_ids is not None:
+        shape += f" hot{args.hot_experts}"
     batches = [int(b) for b in args.batches.split(",")]
     slug = machine_slug(machine)
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
@@ -235,11 +287,14 @@ def main(argv: list[str] | None = None):
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
         )  # fmt: skip
-        runs = [(batch, "dynamic") for batch in batches] + ([(batches[0], "static")] if budget else [])
+        # static placement first, while the slots still hold the placement at start (a dynamic
+        # point before it would hand it the slots it learned); then the cache may swap
+        runs = ([(batches[0], "static")] if budget else []) + [(batch, "dynamic") for batch in batches]
+        swaps = core.experts.cache.swaps_per_layer if budget else 0
         for batch, policy in runs:
-            if policy == "static":
-                core.experts.cache.swaps_per_layer = 0
-            r = run_decode(core, batch, args.context, args.dispatches, seed=batch)
+            if budget:
+                core.experts.cache.swaps_per_layer = 0 if policy == "static" else swaps
+            r = run_decode(core, batch, args.context, args.dispatches, seed=batch, hot_ids=hot_ids)
             if args.profile and (batch, policy) == runs[0]:
                 r["profile"] = profile_device(core.step)
                 print(format_summary(r["profile"]), flush=True)

@@ -1,4 +1,5 @@
-"""The expert benchmark's quick run: records carry the PCIe bound and add up (one budget, batch 1)."""
+"""The expert benchmark's quick run: records carry the PCIe bound and add up (one budget, batch 1),
+and with a hot set in the routing the dynamic cache finds it where static placement cannot."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ def test_quick_run_writes_pcie_bound_records(tmp_path):
             "--batches",
             "1",
             "--dispatches",
-            "1",
+            "12",
             "--steps",
             "4",
+            "--hot-experts",
+            "8",
             "--out",
             str(out),
         ]
@@ -32,10 +35,14 @@ def test_quick_run_writes_pcie_bound_records(tmp_path):
     for record in offloaded:
         d = record["details"]
         assert "expert" in record["name"] and "pcie" in record["name"]
-        assert 0.0 < d["hit_rate"] < 1.0 and d["tokens"] == 4
+        assert 0.0 < d["hit_rate"] < 1.0 and d["tokens"] == 48
+        assert d["hot_share"] > 0.5, "the hot experts should take most of the routing"
         moved = (d["fetched_bytes"] + d["promoted_bytes"]) / d["tokens"]
         assert d["moved_bytes_per_token"] == pytest.approx(moved)
         assert record["ceiling"] == pytest.approx(d["pinned_host_GBps"] * 1e9 / moved)
         assert record["fraction"] == pytest.approx(record["figure"] / record["ceiling"])
+    by_policy = {r["details"]["policy"]: r["details"] for r in offloaded}
+    assert by_policy["static"]["promotions"] == 0 < by_policy["dynamic"]["promotions"]
+    assert by_policy["dynamic"]["hit_rate"] > by_policy["static"]["hit_rate"] + 0.15
     resident = [r for n, r in records.items() if "all-resident" in n]
     assert len(resident) == 1 and resident[0]["ceiling"] is None and resident[0]["figure"] > 0
