@@ -186,7 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
         "waiting (mapped) (default: auto, mapped when the GPU can address pinned host memory, else dma; "
         "docs/experts.md)",
     )
-
     experts.add_argument(
         "--expert-swap-payback",
         type=float,

@@ -207,9 +207,8 @@ class ExpertCache:
         stats.lookups += int(routed.sum())
         stats.gpu_hits += int((routed & ~missed).sum())
         self.routing_counts[layer] += counts
-        self.scores[layer] = (
-            self.scores[layer] * self.decay + routed
-        )  # a miss costs a copy, whatever its tokens
+        # routed steps, not tokens: a miss costs one copy whatever its tokens
+        self.scores[layer] = self.scores[layer] * self.decay + routed
         self.last_missed[layer] = [int(e) for e in np.flatnonzero(missed)]
         if self.reads_in_program:
             missed = len(self.last_missed[layer])
