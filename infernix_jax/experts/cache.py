@@ -138,6 +138,7 @@ class ExpertCache:
         # seen, copies saved so far (steps routing the incoming one minus steps routing the evicted one)
         self._watched = np.zeros((0, 5))
         self.recent_payback: float | None = None  # moving mean of watched proposals' savings
+        self._proposals_ended = 0  # watched proposals folded into recent_payback (statistics aside)
         self._lock = threading.Lock()
 
     @property
@@ -162,6 +163,7 @@ class ExpertCache:
             self.scores[:] = 0.0
             self._watched = np.zeros((0, 5))
             self.recent_payback = None
+            self._proposals_ended = 0
 
     def report(self, tokens: int) -> ExpertCacheReport:
         """The counters as a snapshot, with the slots' occupancy; `tokens`: processed so far."""
@@ -285,6 +287,7 @@ class ExpertCache:
                 saved if self.recent_payback is None else (1 - k) * self.recent_payback + k * saved
             )
             self.stats.proposals_watched += 1
+            self._proposals_ended += 1
         self._watched = w[~ended]
 
     def swaps_pay(self) -> bool:
@@ -292,7 +295,7 @@ class ExpertCache:
         if self.payback <= 0:
             return True
         return (
-            self.stats.proposals_watched >= self.PAYBACK_EVIDENCE
+            self._proposals_ended >= self.PAYBACK_EVIDENCE
             and self.recent_payback is not None
             and self.recent_payback >= self.payback
         )
