@@ -587,7 +587,8 @@ def int8_xla_matmul(x: Array, data: Array, scale: Array) -> Array:
     fuse into its GEMM (as it does FP8's), the per-row scale on the float32 result: int8 values
     are exact in bf16 and float16, so bf16 / float16 activations meet them in their own dtype with
     float32 accumulation; other activations go in as float32 (full precision). On a GPU INT8 has
-    no Pallas kernel: this serves its decode rows too."""
+    no Pallas kernel: this serves its decode rows too (one row of a layer with K < 16384 aside:
+    `int8_decode_way`)."""
     return (_stored_values_dot(x, data) * jnp.asarray(scale, jnp.float32)).astype(x.dtype)
 
 

@@ -319,8 +319,9 @@ def test_nvfp4_xla_matmul_equals_the_reference(dtype):
 def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monkeypatch):
     """Past the kernels' rows a GPU runs NVFP4, per-tensor FP8 and INT8 as one dot in the
     activation dtype (a full-precision float32 dot would run on CUDA cores); float32 activations
-    keep the float32 reference. INT8, which has no kernel, takes its dot at decode rows too.
-    Traced only: the CPU cannot run the GPU path."""
+    keep the float32 reference. INT8, which has no kernel, takes its dot at decode rows too, but
+    for one row on layers with K < 16384, where the float32 reduction was faster on the H200
+    (`int8_decode_way`). Traced only: the CPU cannot run the GPU path."""
     from pallas_kernels import compat
 
     monkeypatch.setattr(compat, "on_gpu", lambda: True)
@@ -339,5 +340,6 @@ def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monk
     assert "HIGHEST" in lowered(quantize_nvfp4(w), jnp.float32)
     int8 = lowered(quant.quantize_int8(w), jnp.bfloat16)
     assert "(tensor<32x128xi8>) -> tensor<32x128xbf16>" in int8 and "HIGHEST" not in int8
-    # INT8 decode rows: no kernel, the same dot
-    assert "HIGHEST" not in lowered(quant.quantize_int8(w), jnp.bfloat16, rows=1)
+    # INT8 decode rows: no kernel, the same dot; one row of a narrow layer: the float32 reduction
+    assert "HIGHEST" not in lowered(quant.quantize_int8(w), jnp.bfloat16, rows=2)
+    assert "HIGHEST" in lowered(quant.quantize_int8(w), jnp.bfloat16, rows=1)
