@@ -43,6 +43,7 @@ from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
+from infernix_jax.model import host_copy as host_copy_module
 from infernix_jax.model.params import Decl, declare_params, map_decls, param_dtype
 from infernix_jax.weights.quant import NVFP4Weight
 
@@ -255,8 +256,16 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--hot-strength", type=float, default=2.0, help="the hot experts' router bonus in logit deviations"
     )
+    parser.add_argument(
+        "--gather-graphs",
+        default="on",
+        choices=("on", "off"),
+        help="host copy 'mapped': whether XLA may record the gather's callback into its CUDA graphs "
+        "(host_copy.MAPPED_IN_COMMAND_BUFFERS); records of 'off' say 'gather outside graphs'",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    host_copy_module.MAPPED_IN_COMMAND_BUFFERS = args.gather_graphs == "on"
     machine, commit = machine_name(), git_commit()
     cfg = model_config(args.layers, args.quick)
     layers = cfg.num_layers
@@ -302,10 +311,13 @@ def main(argv: list[str] | None = None):
             details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
                        "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
                        "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
-                       "host_reads": host_reads, "host_copy": host_copy, **r}  # fmt: skip
+                       "host_reads": host_reads, "host_copy": host_copy,
+                       "gather_in_graphs": host_copy_module.MAPPED_IN_COMMAND_BUFFERS, **r}  # fmt: skip
             reads = " host reads in program" if host_reads == "program" else ""
             if reads and host_copy != "loop":
                 reads += f" copy {host_copy}"
+            if host_copy == "mapped" and args.gather_graphs == "off":
+                reads += " gather outside graphs"
             name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
                 record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,

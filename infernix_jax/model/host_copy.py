@@ -24,7 +24,12 @@ on the device) from a u8 [E, expert_bytes] array in pinned host memory (`Slotted
   allocations into its unified address space). No synchronisation at all: the host keeps
   launching the rest of the program while the rows cross PCIe. The rows' device address is
   carried as data (`host_rows_address`), so engines of one shape share programs. On the CPU it
-  copies with `memmove` from the same address.
+  copies with `memmove` from the same address. The callback is `command_buffer_compatible`
+  (`MAPPED_IN_COMMAND_BUFFERS`): its only work on the GPU is one kernel launch whose arguments are
+  device addresses, so XLA may record it into the CUDA graphs it runs a program's thunks as, and
+  the layer does not split them. A callback that is not compatible ends one graph and starts
+  another, and the thunks between are launched one by one from the host (docs/experts.md, "Why
+  the steps alternate").
 
 Every way leaves the rows past the count zero, so all give the same bytes.
 """
@@ -185,6 +190,8 @@ def _device_pointer(buffer) -> int:
 # "mapped": bytes a gather kernel moves per load (the largest that divides the row width), threads
 # per block, and blocks per launch spread over the rows (enough loads in flight to fill PCIe).
 GATHER_WIDTHS = (16, 8, 4, 2, 1)
+# "mapped": let XLA record the gather's launch into its CUDA graphs (read when a program is traced)
+MAPPED_IN_COMMAND_BUFFERS = True
 GATHER_THREADS = 256
 GATHER_BLOCKS = 1024
 CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
@@ -214,6 +221,8 @@ def host_rows_address(rows: jax.Array) -> np.ndarray:
                     'the GPU cannot address these pinned host rows, so host copy "mapped" cannot read '
                     "them; use --expert-host-copy dma"
                 ) from e
+            # load the gathers now, not inside a graph capture (where loading may be refused)
+            cuda.load_current(GATHER_PTX, [gather_kernel_name(w) for w in GATHER_WIDTHS])
         address = value.value
     return np.asarray([address & 0xFFFFFFFF, address >> 32], np.uint32).view(np.int32)
 
@@ -231,7 +240,8 @@ def copy_rows_mapped(
          experts.astype(jnp.int32)]
     )  # fmt: skip
     out = jax.ShapeDtypeStruct((experts.shape[0], row_bytes), jnp.uint8)
-    return buffer_callback(functools.partial(_mapped_rows, num_rows), out)(header)
+    gather = functools.partial(_mapped_rows, num_rows)
+    return buffer_callback(gather, out, command_buffer_compatible=MAPPED_IN_COMMAND_BUFFERS)(header)
 
 
 def _mapped_rows(num_rows: int, ctx, out, header) -> None:
@@ -509,15 +519,29 @@ class _CudaDriver:
         current)."""
         ctx = ctypes.c_void_p()
         self.check("cuStreamGetCtx", stream, ctypes.byref(ctx))
-        key = (ctx.value, ptx, name)
+        return self._function(ctx.value, ptx, name)
+
+    def load_current(self, ptx: str, names: Sequence[str]) -> None:
+        """Load the kernels `names` of the PTX module `ptx` into the current context now, so that
+        a later `function` call (perhaps while XLA captures a CUDA graph) finds them loaded."""
+        ctx = ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", ctypes.byref(ctx))
+        for name in names:
+            self._function(ctx.value, ptx, name)
+
+    def _module(self, context: int, ptx: str) -> ctypes.c_void_p:
+        module = self._modules.get((context, ptx))
+        if module is None:
+            module = ctypes.c_void_p()
+            self.check("cuModuleLoadData", ctypes.byref(module), ptx.encode() + b"\0")
+            self._modules[(context, ptx)] = module
+        return module
+
+    def _function(self, context: int, ptx: str, name: str) -> ctypes.c_void_p:
+        key = (context, ptx, name)
         if key not in self._functions:
-            module = self._modules.get((ctx.value, ptx))
-            if module is None:
-                module = ctypes.c_void_p()
-                self.check("cuModuleLoadData", ctypes.byref(module), ptx.encode() + b"\0")
-                self._modules[(ctx.value, ptx)] = module
             fn = ctypes.c_void_p()
-            self.check("cuModuleGetFunction", ctypes.byref(fn), module, name.encode())
+            self.check("cuModuleGetFunction", ctypes.byref(fn), self._module(context, ptx), name.encode())
             self._functions[key] = fn
         return self._functions[key]
 
