@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 
 from bench.ceilings import QUICK, Sizes, measure_host_to_device
 from bench.engine_setup import QWEN3_NEXT_24_LAYERS, TINY, place_prompts_without_compute
-from bench.profile_summary import format_summary, profile_device
+from bench.profile_summary import MARK, format_summary, profile_device
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.config import ModelConfig
@@ -187,6 +188,13 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
     return out
 
 
+def profiled_steps(core: EngineCore, steps: int) -> None:
+    """`steps` engine steps, each inside a host trace annotation 'mark:step i' (`profile_summary.MARK`)."""
+    for i in range(steps):
+        with jax.profiler.TraceAnnotation(f"{MARK}step {i}"):
+            core.step()
+
+
 def ways_used(core: EngineCore) -> tuple[str | None, str | None]:
     """(host reads, host copy) the engine resolved its options to: ("program", way) when the
     programs copy misses themselves, ("callback", None) with fetch callbacks, (None, None) when
@@ -247,6 +255,13 @@ def main(argv: list[str] | None = None):
         "idle gaps of the device (bench/profile_summary.py), printed and kept in the record",
     )
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=1,
+        help="--profile: engine steps traced (each marked 'step i' on the host, so the device's idle "
+        "gaps can be placed in the steps)",
+    )
+    parser.add_argument(
         "--hot-experts",
         type=int,
         default=0,
@@ -305,7 +320,7 @@ def main(argv: list[str] | None = None):
                 core.experts.cache.swaps_per_layer = 0 if policy == "static" else swaps
             r = run_decode(core, batch, args.context, args.dispatches, seed=batch, hot_ids=hot_ids)
             if args.profile and (batch, policy) == runs[0]:
-                r["profile"] = profile_device(core.step)
+                r["profile"] = profile_device(functools.partial(profiled_steps, core, args.profile_steps))
                 print(format_summary(r["profile"]), flush=True)
             host_reads, host_copy = ways_used(core)
             details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,

@@ -22,6 +22,10 @@ from typing import Any
 
 import jax
 
+# host events named MARK + text (`jax.profiler.TraceAnnotation`) are kept with their times, so a
+# summary can say which device gaps fall in which engine step
+MARK = "mark:"
+
 
 def _union_ns(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
@@ -34,21 +38,24 @@ def _union_ns(intervals: list[tuple[float, float]]) -> float:
 
 def summarize_planes(planes: Any, top: int = 25) -> dict:
     """{"devices": [...], "host_top": [...]} from ProfileData planes (see the module docstring)."""
-    devices, host = [], collections.Counter()
+    devices, host, marks = [], collections.Counter(), []
     for plane in planes:
         if plane.name.startswith("/device:"):
             intervals, by_name, counts = [], collections.Counter(), collections.Counter()
+            kernels = []
             for line in plane.lines:
                 if "stream" not in line.name.lower():
                     continue  # kernel events sit on per-stream lines; others are derived views
                 for ev in line.events:
                     intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
+                    kernels.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
                     by_name[ev.name] += ev.duration_ns
                     counts[ev.name] += 1
             if not intervals:
                 continue
             span = max(e for _, e in intervals) - min(s for s, _ in intervals)
             busy = _union_ns(intervals)
+            origin = min(s for s, _ in intervals)
             devices.append({
                 "plane": plane.name,
                 "span_ms": span / 1e6,
@@ -59,18 +66,43 @@ def summarize_planes(planes: Any, top: int = 25) -> dict:
                     {"name": name[:160], "ms": ns / 1e6, "count": counts[name], "share": ns / busy}
                     for name, ns in by_name.most_common(top)
                 ],
+                "origin_ns": origin,
+                "gaps": idle_gaps(kernels, origin, top),
             })  # fmt: skip
         elif plane.name.startswith("/host:CPU"):
             for line in plane.lines:
                 for ev in line.events:
                     host[f"{line.name}: {ev.name}"[:160]] += ev.duration_ns
+                    if ev.name.startswith(MARK):
+                        marks.append((ev.start_ns, ev.duration_ns, ev.name[len(MARK) :]))
+    origin = min((d["origin_ns"] for d in devices), default=min((m[0] for m in marks), default=0))
     return {
         "devices": devices,
         "host_top": [{"name": n, "ms": ns / 1e6} for n, ns in host.most_common(top)],
+        "marks": [{"name": n, "start_ms": (t - origin) / 1e6, "ms": d / 1e6} for t, d, n in sorted(marks)],
     }
 
 
-def profile_device(fn: Callable[[], Any], *, repeats: int = 1, log_dir: str | None = None, top: int = 25) -> dict:
+def idle_gaps(
+    kernels: list[tuple[float, float, str]], origin: float, top: int = 25, min_ns: float = 1e5
+) -> list[dict]:
+    """The `top` longest stretches (at least `min_ns`) in which no kernel ran, in time order: where
+    each starts (ms after `origin`), how long it is, and the kernels on either side (a gap after a
+    kernel that reads host memory, or before the first kernel of a step, says who kept the device
+    waiting)."""
+    gaps, covered_to, last = [], None, ""
+    for start, end, name in sorted(kernels):
+        if covered_to is not None and start - covered_to >= min_ns:
+            gaps.append({"start_ms": (covered_to - origin) / 1e6, "ms": (start - covered_to) / 1e6,
+                         "after": last[:80], "before": name[:80]})  # fmt: skip
+        if covered_to is None or end >= covered_to:
+            covered_to, last = end, name
+    return sorted(sorted(gaps, key=lambda g: -g["ms"])[:top], key=lambda g: g["start_ms"])
+
+
+def profile_device(
+    fn: Callable[[], Any], *, repeats: int = 1, log_dir: str | None = None, top: int = 25
+) -> dict:
     """Trace `repeats` calls of fn (each waited for) and summarise them (`summarize_planes`)."""
     from jax.profiler import ProfileData
 
@@ -81,7 +113,9 @@ def profile_device(fn: Callable[[], Any], *, repeats: int = 1, log_dir: str | No
             jax.block_until_ready(fn())
     finally:
         jax.profiler.stop_trace()
-    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    paths = sorted(
+        glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime
+    )
     if not paths:
         return {"devices": [], "host_top": [], "error": f"no trace written under {log_dir}"}
     summary = summarize_planes(ProfileData.from_file(paths[-1]).planes, top)
@@ -99,6 +133,14 @@ def format_summary(summary: dict, lines: int = 15) -> str:
         )
         for k in dev["top"][:lines]:
             out.append(f"  {k['ms']:9.3f} ms {k['share']:6.1%} x{k['count']:<5d} {k['name'][:100]}")
+        if dev.get("gaps"):
+            out.append("  longest idle gaps (at ms: length, after -> before):")
+            for g in dev["gaps"][:lines]:
+                out.append(
+                    f"    {g['start_ms']:9.3f}: {g['ms']:7.3f} ms  {g['after'][:40]} -> {g['before'][:40]}"
+                )
+    for m in summary.get("marks", [])[: 2 * lines]:
+        out.append(f"  host {m['name']}: at {m['start_ms']:.3f} ms for {m['ms']:.3f} ms")
     if not summary.get("devices"):
         out.append("no device plane in the trace (CPU run); busiest host events:")
         out += [f"  {h['ms']:9.3f} ms {h['name'][:110]}" for h in summary.get("host_top", [])[:lines]]
