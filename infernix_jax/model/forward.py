@@ -129,7 +129,9 @@ def forward(
                         memory_rows=rows,
                         tree_parents=tree_parents,
                     )
-    report_expert_routing(routing)
+    receipt = report_expert_routing(routing)
+    if receipt is not None:  # the report is sent only if the result depends on it
+        x = x + receipt.astype(x.dtype)
     hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     selected = hidden
     if logit_indices is not None:

@@ -8,6 +8,11 @@ cost the offloaded Qwen3-Next-80B shape a third of its batch-1 decode rate on th
 
 `send_to_host(value, receiver)` instead runs one `buffer_callback` that enqueues a copy of `value`
 into pinned host memory on XLA's stream and records an event behind it; nothing waits. The
+callback declares no side effect: it returns a receipt (a float32 zero) that the caller folds into
+its result, which is what keeps XLA from removing it. A callback with a side effect would mark the
+whole program effectful, and jit runs effectful programs through its Python path at every call,
+never its C++ fast path: on the H200 that cost the offloaded Qwen3-Next-80B shape about 13 ms of
+host time a decode dispatch (docs/experts.md, "Why the steps alternate"). The
 receiver gets the numpy copy later, in the order the sends ran, from `deliver()`: the engine calls
 it between steps (`ExpertOffload.rebalance`), and code about to read what the receivers keep calls
 `deliver(wait=True)`. On the CPU the program runs on the host, so the callback hands the value over
@@ -55,24 +60,32 @@ _free_buffers: dict[tuple[int, int], list[int]] = collections.defaultdict(list) 
 _free_events: dict[int, list[int]] = collections.defaultdict(list)  # context -> events
 
 
-def send_to_host(value: jax.Array, receiver: Receiver) -> None:
+def send_to_host(value: jax.Array, receiver: Receiver) -> jax.Array:
     """Inside a jitted function: hand `value`'s contents, as a numpy array, to `receiver` once the
     device has computed it, without stopping the device or the launching thread (see the module
-    docstring). `receiver` is static: part of the traced program, like an io_callback's function."""
+    docstring). `receiver` is static: part of the traced program, like an io_callback's function.
+
+    Returns the receipt, float32 [] zero: the send happens only if the program's result depends on
+    it (add it to something the program returns: `x + receipt.astype(x.dtype)`)."""
     from jax.experimental.buffer_callback import buffer_callback
 
-    buffer_callback(functools.partial(_send, receiver), (), has_side_effect=True)(value)
+    receipt = jax.ShapeDtypeStruct((), np.float32)
+    return buffer_callback(functools.partial(_send, receiver), receipt)(value)
 
 
-def _send(receiver: Receiver, ctx, _outputs, value) -> None:
+def _send(receiver: Receiver, ctx, receipt, value) -> None:
     from jax.experimental.buffer_callback import ExecutionStage
 
     if ctx.stage != ExecutionStage.EXECUTE:
         return
     if value.__dlpack_device__()[0] == 1:  # kDLCPU: the value is in host memory now
+        np.asarray(receipt)[()] = 0
         receiver(np.array(np.asarray(value)))
         return
     _send_from_gpu(ctx.stream, value, receiver)
+    cuda = _cuda()
+    with cuda.context_of(ctx.stream):
+        cuda.check("cuMemsetD8Async", _device_pointer(receipt), 0, np.dtype(np.float32).itemsize, ctx.stream)
     if pending() > MAX_PENDING:
         deliver(wait=True)
 

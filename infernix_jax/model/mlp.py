@@ -215,16 +215,17 @@ def collect_expert_routing():
         _routing.counts = previous
 
 
-def report_expert_routing(collected: list) -> None:
+def report_expert_routing(collected: list) -> jax.Array | None:
     """Send every collected layer's routing counts to their source in one message that the device
     does not wait for (`host_report.send_to_host`: the source records them when the host next
-    calls `host_report.deliver`); nothing when none were collected."""
+    calls `host_report.deliver`). Returns the send's receipt, a float32 zero the caller must add to
+    its result (else XLA drops the send); None when nothing was collected."""
     if not collected:
-        return
+        return None
     layers = tuple(layer for _, layer, _ in collected)
     counts = jnp.stack([c for _, _, c in collected]).astype(jnp.int32)  # [L, E]
     source_id = jnp.reshape(collected[0][0], (1,)).astype(jnp.int32)
-    host_report.send_to_host(
+    return host_report.send_to_host(
         jnp.concatenate([source_id, counts.reshape(-1)]), functools.partial(_receive_routing, layers)
     )
 
@@ -420,12 +421,29 @@ def _experts_slotted(
     collected = getattr(_routing, "counts", None)  # inside forward: its one routing report records
     if collected is not None:
         collected.append((se.source_id, se.layer, routing))
+    receipt = None
     if se.host_stacks is None:
         fetched = _fetch_missed(se, routing, missed, num_missed, record=collected is None)  # (gate, up, down)
     else:
         if collected is None:  # outside forward: report this layer's routing on its own
-            report_expert_routing([(se.source_id, se.layer, routing)])
+            receipt = report_expert_routing([(se.source_id, se.layer, routing)])
         fetched = _read_missed_in_program(se, missed, num_missed)
+    out = _slotted_outputs(se, x, ids, num_experts, resident, missing, fetched)
+    return out if receipt is None else out + receipt.astype(out.dtype)
+
+
+def _slotted_outputs(
+    se: SlottedExperts,
+    x: jax.Array,
+    ids: jax.Array,
+    num_experts: int,
+    resident: jax.Array,
+    missing: jax.Array,
+    fetched: tuple,
+) -> jax.Array:
+    """`_experts_slotted`'s outputs from the slots and the `fetched` experts (`missing` [E] marks
+    which ids those are, in ascending order)."""
+    n, k = ids.shape
     fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
     slot_of = jnp.maximum(se.slot_map, 0)
     slots = (se.gate_proj, se.up_proj, se.down_proj)

@@ -32,8 +32,8 @@ def test_on_the_cpu_each_step_of_a_loop_reaches_its_receiver_in_order():
     @jax.jit
     def run(x):
         def step(i, x):
-            host_report.send_to_host(x * i, got.append)
-            return x + 1
+            receipt = host_report.send_to_host(x * i, got.append)
+            return x + 1 + receipt.astype(x.dtype)
 
         return jax.lax.fori_loop(0, 3, step, x)
 
@@ -41,6 +41,27 @@ def test_on_the_cpu_each_step_of_a_loop_reaches_its_receiver_in_order():
     np.testing.assert_array_equal(np.asarray(out), np.arange(4) + 3)
     assert [g.tolist() for g in got] == [[0, 0, 0, 0], [1, 2, 3, 4], [4, 6, 8, 10]]
     assert host_report.pending() == 0 and host_report.deliver(wait=True) == 0
+
+
+def test_a_send_whose_receipt_the_result_uses_keeps_the_program_free_of_effects():
+    """jit runs a program with effects through its Python path at every call; a send declares none
+    (its receipt, folded into the result, is what keeps it), and one whose receipt goes unused is
+    dropped by the compiler."""
+    got = []
+
+    def kept(x):
+        return x + host_report.send_to_host(x, got.append).astype(x.dtype)
+
+    def dropped(x):
+        host_report.send_to_host(x, got.append)
+        return x + 1
+
+    x = jnp.arange(3, dtype=jnp.int32)
+    assert not jax.make_jaxpr(kept)(x).effects
+    np.testing.assert_array_equal(np.asarray(jax.jit(kept)(x)), np.arange(3))
+    assert len(got) == 1
+    np.testing.assert_array_equal(np.asarray(jax.jit(dropped)(x)), np.arange(3) + 1)
+    assert len(got) == 1, "an unused receipt loses its send"
 
 
 class _FakeDriver:
