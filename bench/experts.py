@@ -6,6 +6,7 @@
     python -m bench.experts --host-reads callback   # missed experts fetched by host callbacks
     python -m bench.experts --host-copy dma         # copied in the program by one callback a layer
     python -m bench.experts --hot-experts 64        # routing with a hot set: the dynamic cache's case
+    python -m bench.experts --prefetch              # the next layer's guessed misses copied ahead
 
 The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
 NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
@@ -124,6 +125,7 @@ def make_core(
     host_reads: str = "auto",
     host_copy: str = "auto",
     batches: tuple[int, ...] = (1, 4),
+    prefetch: bool = False,
 ) -> EngineCore:
     """The engine of one budget; it compiles a decode program for each of `batches` only."""
     batch = max(batches)
@@ -132,7 +134,7 @@ def make_core(
         prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=tuple(sorted(set(batches))),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
         structured_output=False, scoring=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
-        expert_host_copy=host_copy,
+        expert_host_copy=host_copy, expert_prefetch=prefetch,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
 
@@ -180,6 +182,8 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
             callback_seconds=s.fetch_seconds - before.fetch_seconds,
             promotions=s.promotions - before.promotions,
             swaps_held=s.swaps_held - before.swaps_held,  # proposals the payback gate did not make
+            prefetched=s.prefetched - before.prefetched,  # next-layer guesses copied ahead (--prefetch)
+            prefetch_used=s.prefetch_used - before.prefetch_used,  # ... that the next layer missed
         )
         out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
         counts = experts.cache.routing_counts - counts_before  # tokens routed per (MoE layer, expert)
@@ -278,6 +282,12 @@ def main(argv: list[str] | None = None):
         help="host copy 'mapped': whether XLA may record the gather's callback into its CUDA graphs "
         "(host_copy.MAPPED_IN_COMMAND_BUFFERS); records of 'off' say 'gather outside graphs'",
     )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="each MoE layer copies the next one's guessed misses ahead on a second stream "
+        "(EngineConfig.expert_prefetch); records say 'prefetch' and count the guesses used",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     host_copy_module.MAPPED_IN_COMMAND_BUFFERS = args.gather_graphs == "on"
@@ -310,6 +320,7 @@ def main(argv: list[str] | None = None):
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
+            prefetch=args.prefetch and budget is not None,
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
@@ -333,6 +344,8 @@ def main(argv: list[str] | None = None):
                 reads += f" copy {host_copy}"
             if host_copy == "mapped" and args.gather_graphs == "off":
                 reads += " gather outside graphs"
+            if args.prefetch and budget is not None:
+                reads += " prefetch"
             name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
                 record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,
@@ -349,6 +362,8 @@ def main(argv: list[str] | None = None):
                 if "hit_rate" in r
                 else ""
             )
+            if r.get("prefetched"):
+                hit += f", prefetched {r['prefetched']} experts, {r['prefetch_used'] / r['prefetched']:.0%} of them used"
             bound = (
                 f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
             )

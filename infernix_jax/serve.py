@@ -187,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/experts.md)",
     )
     experts.add_argument(
+        "--expert-prefetch",
+        action="store_true",
+        default=None,
+        help="with program host reads: copy each decode step's guessed misses of the next MoE layer "
+        "while this layer computes, on a second GPU stream (docs/experts.md)",
+    )
+    experts.add_argument(
         "--expert-swap-payback",
         type=float,
         default=None,
@@ -295,6 +302,7 @@ def build_engine(args: argparse.Namespace):
             "expert_host_reads",
             "expert_host_copy",
             "expert_swap_payback",
+            "expert_prefetch",
         )
         if getattr(args, name, None) is not None
     }

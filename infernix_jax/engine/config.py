@@ -91,6 +91,11 @@ class EngineConfig:
     # 0 swaps on the routing scores alone (under random routing that halved the 80B shape's batch-1
     # rate on the H200, docs/experts.md)
     expert_swap_payback: float = 1.0
+    # with expert_host_reads "program": each MoE layer of a decode step guesses the next layer's
+    # experts (its router applied to this layer's input) and copies the guessed misses ahead on a
+    # second GPU stream, so the copies overlap this layer's compute (model.mlp.prefetching_experts;
+    # docs/experts.md, "Prefetching the next layer's misses"). Off until measured on a GPU.
+    expert_prefetch: bool = False
 
     def __post_init__(self) -> None:
         errors = []

@@ -154,6 +154,7 @@ class EngineCore:
                 profile=config.expert_profile,
                 host_reads=config.expert_host_reads,
                 host_copy=config.expert_host_copy,
+                prefetch=config.expert_prefetch,
                 payback=config.expert_swap_payback,
             )
             params = self.experts.params

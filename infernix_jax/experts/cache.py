@@ -46,6 +46,8 @@ class ExpertStats:
     per_layer_misses: dict[int, int] = field(default_factory=dict)
     proposals_watched: int = 0  # proposed swaps whose payback window has ended (`ExpertCache.payback`)
     swaps_held: int = 0  # proposed swaps not made because recent proposals did not pay back
+    prefetched: int = 0  # experts a layer copied ahead for the next one (`--expert-prefetch`)
+    prefetch_used: int = 0  # ... that the next layer missed and took (the rest were moved for nothing)
 
     @property
     def misses(self) -> int:
@@ -186,16 +188,25 @@ class ExpertCache:
             )
 
     # ---- the step's callbacks ------------------------------------------------------------------
-    def record_routing(self, layers: tuple[int, ...], counts: np.ndarray) -> None:
+    def record_routing(
+        self, layers: tuple[int, ...], counts: np.ndarray, prefetch: np.ndarray | None = None
+    ) -> None:
         """Record one forward's routing: `counts` [len(layers), E] tokens per expert of each MoE layer,
         negative for an expert the forward found in no slot (the forward's one routing report; see
         model.mlp.collect_expert_routing). The sign, not the current slot map, says what was
-        missed: a report can arrive after the slots changed."""
+        missed: a report can arrive after the slots changed. `prefetch` [len(layers), 2]: experts
+        the layer before copied ahead for each layer, and how many of them it missed (took); the
+        others crossed PCIe for nothing and count as fetched bytes too."""
         start = time.perf_counter()
         counts = np.asarray(counts, np.int64)
         with self._lock:
             for layer, layer_counts in zip(layers, counts):
                 self._record(layer, layer_counts)
+            if prefetch is not None:
+                ahead, used = np.asarray(prefetch, np.int64).sum(axis=0)
+                self.stats.prefetched += int(ahead)
+                self.stats.prefetch_used += int(used)
+                self.stats.fetched_bytes += int(ahead - used) * self.layout.expert_bytes
             self._watch_steps(np.asarray(layers, np.int64), counts != 0)
             self.stats.fetch_seconds += time.perf_counter() - start
 

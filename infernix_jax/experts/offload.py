@@ -270,6 +270,7 @@ class ExpertOffload:
         profile: RoutingProfile | str | None = None,
         host_reads: str = "auto",
         host_copy: str = "auto",
+        prefetch: bool = False,
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
@@ -278,8 +279,9 @@ class ExpertOffload:
         `artifact` (a converted artifact holding these weights). host_reads: "callback",
         "program" (the module docstring) or "auto" (`resolve_host_reads`); host_copy: how
         "program" copies the missed experts (`model.host_copy.HOST_COPIES`, or "auto":
-        `resolve_host_copy`). Raises ValueError
-        when they do not fit anywhere, or when "program" is asked for with experts on disk."""
+        `resolve_host_copy`); prefetch: each layer copies the next one's guessed misses ahead
+        (`SlottedExperts.prefetch`; "program" only). Raises ValueError when they do not fit
+        anywhere, when "program" is asked for with experts on disk, or prefetch without it."""
         if host_reads not in HOST_READS:
             raise ValueError(f"host_reads must be one of {HOST_READS}, got {host_reads!r}")
         if host_copy not in (*HOST_COPIES, "auto"):
@@ -310,6 +312,11 @@ class ExpertOffload:
             raise ValueError(
                 f"expert host reads in the program need every expert in host RAM; {disk} experts per "
                 f"layer would stay on disk: raise the host budget ({host_budget}) or use callbacks"
+            )
+        if prefetch and host_reads != "program":
+            raise ValueError(
+                "expert prefetch copies the next layer's guessed misses inside the program: it needs "
+                f"expert host reads in the program, and these resolved to {host_reads!r}"
             )
         paths = {
             rank: tuple(f"layers.{layer}.moe.{name}" for name in ("gate_proj", "up_proj", "down_proj"))
@@ -356,6 +363,7 @@ class ExpertOffload:
                 host_stacks=host_stacks,
                 host_copy=host_copy,
                 host_rows_ref=rows_ref,
+                prefetch=prefetch and host_stacks is not None,
             )
             new_moe = dataclasses.replace(
                 params.layers[layer].moe, gate_proj=slotted, up_proj=None, down_proj=None

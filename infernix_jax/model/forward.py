@@ -14,7 +14,14 @@ from infernix_jax.cache.sequence import SequenceCache
 from infernix_jax.config import FULL_ATTENTION, ModelConfig
 from infernix_jax.model.attention import attention
 from infernix_jax.model.gated_deltanet import gated_deltanet
-from infernix_jax.model.mlp import collect_expert_routing, mlp, moe, report_expert_routing
+from infernix_jax.model.mlp import (
+    announce_next_moe,
+    collect_expert_routing,
+    mlp,
+    moe,
+    prefetching_experts,
+    report_expert_routing,
+)
 from infernix_jax.model.ngram_memory import ngram_memory
 from infernix_jax.model.norm import rms_norm
 from infernix_jax.model.params import LayerParams, Params
@@ -108,8 +115,11 @@ def forward(
     x = embed(params, tokens, dtype)
     entries = list(cache.layers)
     snapshots = []
-    with collect_expert_routing() as routing:  # experts beyond device memory: one report, below
+    # experts beyond device memory: one routing report (below); each layer may copy the next
+    # one's likely misses ahead
+    with collect_expert_routing() as routing, prefetching_experts():
         for i, layer in enumerate(params.layers):
+            announce_next_moe(params.layers[i + 1].moe if i + 1 < len(params.layers) else None)
             kind = "attn" if cfg.layer_types[i] == FULL_ATTENTION else "gdn"
             rows = ngram_rows[memory_layers.index(i)] if i in memory_layers else None
             with jax.named_scope(f"layer{i}_{kind}"):

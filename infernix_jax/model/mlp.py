@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jax.experimental.compute_on import compute_on
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model import host_copy, host_report
@@ -124,8 +125,11 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
         valid = valid.reshape(-1)
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
     stacks = (p.gate_proj, p.up_proj, p.down_proj)
-    if isinstance(p.gate_proj, SlottedExperts):
-        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid)
+    slotted = isinstance(p.gate_proj, SlottedExperts)
+    prefetched = _take_prefetched(p.gate_proj) if slotted else None
+    _prefetch_next_layer(xf, valid, cfg)  # the next layer's likely misses, before this layer's work
+    if slotted:
+        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid, prefetched)
     elif _takes_grouped_kernel(stacks):
         per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
@@ -171,6 +175,9 @@ class SlottedExperts:
     # how the host-side of the copy finds host_stacks (else None): host_copy "dma": i32 [], their key
     # in `host_copy.HOST_ROWS`; "mapped": i32 [2], their device address (`host_copy.host_rows_address`)
     host_rows_ref: Any = None
+    # static: the layer before copies this layer's likely misses ahead, on a second stream
+    # (`prefetching_experts`; only with host_stacks)
+    prefetch: bool = False
 
 
 jax.tree_util.register_dataclass(
@@ -184,7 +191,7 @@ jax.tree_util.register_dataclass(
         "host_stacks",
         "host_rows_ref",
     ],
-    meta_fields=["layer", "host_copy"],
+    meta_fields=["layer", "host_copy", "prefetch"],
 )
 
 # id -> the host object serving missed experts: fetch(layer, counts i32 [E], missed i32 [m]) -> leaves [m, ...]
@@ -218,24 +225,98 @@ def collect_expert_routing():
 def report_expert_routing(collected: list) -> jax.Array | None:
     """Send every collected layer's routing counts to their source in one message that the device
     does not wait for (`host_report.send_to_host`: the source records them when the host next
-    calls `host_report.deliver`). Returns the send's receipt, a float32 zero the caller must add to
+    calls `host_report.deliver`). An entry is (source id, layer, counts [E]) or, with the layer's
+    prefetch counts, (source id, layer, counts [E], i32 [2]: rows the layer before prefetched for
+    it, of which its step used). Returns the send's receipt, a float32 zero the caller must add to
     its result (else XLA drops the send); None when nothing was collected."""
     if not collected:
         return None
-    layers = tuple(layer for _, layer, _ in collected)
-    counts = jnp.stack([c for _, _, c in collected]).astype(jnp.int32)  # [L, E]
+    layers = tuple(entry[1] for entry in collected)
+    counts = jnp.stack([entry[2] for entry in collected]).astype(jnp.int32)  # [L, E]
+    zero = jnp.zeros(2, jnp.int32)
+    prefetch = jnp.stack([entry[3] if len(entry) > 3 else zero for entry in collected]).astype(jnp.int32)
     source_id = jnp.reshape(collected[0][0], (1,)).astype(jnp.int32)
     return host_report.send_to_host(
-        jnp.concatenate([source_id, counts.reshape(-1)]), functools.partial(_receive_routing, layers)
+        jnp.concatenate([source_id, counts.reshape(-1), prefetch.reshape(-1)]),
+        functools.partial(_receive_routing, layers),
     )
 
 
 def _receive_routing(layers: tuple[int, ...], message: np.ndarray) -> None:
-    """Host side of the routing report: message is [source id, counts [L, E] flattened]."""
+    """Host side of the routing report: message is [source id, counts [L, E] flattened, prefetch
+    counts [L, 2] flattened]."""
     source = EXPERT_SOURCES.get(int(message[0]))
     if source is None:  # its engine was closed while the message was on its way: nothing to record
         return
-    source.record_routing(layers, message[1:].reshape(len(layers), -1))
+    num_layers = len(layers)
+    counts, prefetch = message[1 : len(message) - 2 * num_layers], message[len(message) - 2 * num_layers :]
+    source.record_routing(layers, counts.reshape(num_layers, -1), prefetch.reshape(num_layers, 2))
+
+
+# ---- prefetching the next layer's misses ------------------------------------------------------------
+
+# A decode step's misses of layer l + 1 are guessed at layer l (layer l + 1's router applied to
+# layer l's MoE input) and copied on a second GPU stream while layer l computes; layer l + 1 takes
+# the guessed rows it needs and copies only the rest. Steps with more token-expert pairs than this
+# (prefill) do not prefetch: they miss most of a layer anyway, and the rows would double the
+# copy buffers.
+PREFETCH_MAX_PAIRS = 64
+PREFETCH_STREAM = "gpu_stream:1"  # jax's compute_on stream annotation (XLA runs it on its own stream)
+
+_prefetch = threading.local()  # .next: the next layer's MoEParams or None; .rows: {layer: (have, rows)}
+
+
+@contextlib.contextmanager
+def prefetching_experts():
+    """While tracing one forward: slotted layers with `prefetch` receive their guessed misses from
+    the layer before (`announce_next_moe` names that layer before each layer runs)."""
+    previous = (getattr(_prefetch, "next", None), getattr(_prefetch, "rows", None))
+    _prefetch.next, _prefetch.rows = None, {}
+    try:
+        yield
+    finally:
+        _prefetch.next, _prefetch.rows = previous
+
+
+def announce_next_moe(p: MoEParams | None) -> None:
+    """Inside `prefetching_experts`: the MoE parameters of the layer after the one about to run
+    (None at the last layer, or when it is not a slotted layer that prefetches)."""
+    if getattr(_prefetch, "rows", None) is None:
+        return
+    se = p.gate_proj if p is not None else None
+    wants = isinstance(se, SlottedExperts) and se.prefetch and se.host_stacks is not None
+    _prefetch.next = p if wants else None
+
+
+def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfig) -> None:
+    """Guess the next layer's routed experts from this layer's MoE input `xf` [N, D] and start
+    copying the ones without a slot, on the prefetch stream (nothing when no next layer prefetches
+    or the step is large)."""
+    p = getattr(_prefetch, "next", None)
+    k, num_experts = cfg.num_experts_per_tok, cfg.num_experts
+    if p is None or xf.shape[0] * k > PREFETCH_MAX_PAIRS:
+        return
+    se = p.gate_proj
+    _, guess = route(p.router, xf, k, cfg.norm_topk_prob)
+    if valid is not None:
+        guess = jnp.where(valid[:, None], guess, guess[jnp.argmax(valid)])
+    have = (jnp.bincount(guess.reshape(-1), length=num_experts) > 0) & (se.slot_map < 0)  # [E]
+    size = min(guess.size, num_experts)
+    ids, count = _first_ids(have, size, fill=-1), jnp.sum(have.astype(jnp.int32))
+
+    def copy(host_stacks, ids, count, rows_ref):
+        return copy_missed_rows(se.host_copy, host_stacks, ids, count, rows_ref)
+
+    with compute_on(PREFETCH_STREAM):
+        rows = jax.jit(copy)(se.host_stacks, ids, count, se.host_rows_ref)
+    _prefetch.rows[se.layer] = (have, rows)
+
+
+def _take_prefetched(se: SlottedExperts) -> tuple[jax.Array, jax.Array] | None:
+    """(have [E] bool, rows [P, row bytes]): what the layer before copied ahead for this layer,
+    rows in ascending expert order; None when it copied nothing."""
+    rows = getattr(_prefetch, "rows", None)
+    return rows.pop(se.layer, None) if rows is not None else None
 
 
 def fetch_buckets(max_missed: int) -> tuple[int, ...]:
@@ -363,16 +444,21 @@ def copy_missed_rows(
     raise ValueError(f"host copy must be one of {host_copy.HOST_COPIES}, got {method!r}")
 
 
-def _read_missed_in_program(se: SlottedExperts, missed: jax.Array, num_missed: jax.Array):
+def _read_missed_in_program(
+    se: SlottedExperts, missed: jax.Array, num_missed: jax.Array, ahead: jax.Array | None = None
+):
     """The missed experts' weights (gate, up, down), each [len(missed), ...] on the device, copied
     from the `pinned_host` byte rows inside the program (`copy_missed_rows`, the way
-    `se.host_copy` names; rows past `num_missed` are never selected).
+    `se.host_copy` names; rows past `num_missed` are never selected). With `ahead` (rows [P, row
+    bytes] the layer before prefetched), those rows come first: [P + len(missed), ...].
 
     `missed` i32 [M] lists the missed expert ids first, then -1: a layer that misses nothing in a
     large step copies nothing."""
     slots = (se.gate_proj, se.up_proj, se.down_proj)
     like, treedef = jax.tree.flatten(slots)
     rows = copy_missed_rows(se.host_copy, se.host_stacks, missed, num_missed, se.host_rows_ref)
+    if ahead is not None:
+        rows = jnp.concatenate([ahead, rows])
     return jax.tree.unflatten(treedef, expert_rows_to_leaves(rows, like))
 
 
@@ -397,7 +483,12 @@ def _first_ids(flags: jax.Array, size: int, fill: int) -> jax.Array:
 
 
 def _experts_slotted(
-    se: SlottedExperts, x: jax.Array, ids: jax.Array, num_experts: int, valid: jax.Array | None = None
+    se: SlottedExperts,
+    x: jax.Array,
+    ids: jax.Array,
+    num_experts: int,
+    valid: jax.Array | None = None,
+    prefetched: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Per-pair outputs [N, k, D] with experts read from slots, the missing ones fetched for this step.
 
@@ -418,17 +509,29 @@ def _experts_slotted(
     # what the host records: tokens per expert, negative for the experts this step found in no slot
     # (the slot map the program ran with, which the host may have changed since it was enqueued)
     routing = jnp.where(resident, counts, -counts)
+    entry = (se.source_id, se.layer, routing)
+    fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
+    if prefetched is not None and se.host_stacks is not None:
+        # the layer before copied its guesses ahead: take the misses it guessed from its rows and
+        # copy only the rest (ascending, as ever); the fetched set is both, guesses first
+        have, ahead = prefetched
+        rest = missing & ~have
+        missed, num_missed = _first_ids(rest, max_missed, fill=-1), jnp.sum(rest.astype(jnp.int32))
+        used = jnp.sum((missing & have).astype(jnp.int32))
+        entry += (jnp.stack([jnp.sum(have.astype(jnp.int32)), used]),)
+        rest_pos = ahead.shape[0] + jnp.maximum(jnp.cumsum(rest.astype(jnp.int32)) - 1, 0)
+        fetch_pos = jnp.where(have, jnp.maximum(jnp.cumsum(have.astype(jnp.int32)) - 1, 0), rest_pos)
     collected = getattr(_routing, "counts", None)  # inside forward: its one routing report records
     if collected is not None:
-        collected.append((se.source_id, se.layer, routing))
+        collected.append(entry)
     receipt = None
     if se.host_stacks is None:
         fetched = _fetch_missed(se, routing, missed, num_missed, record=collected is None)  # (gate, up, down)
     else:
         if collected is None:  # outside forward: report this layer's routing on its own
-            receipt = report_expert_routing([(se.source_id, se.layer, routing)])
-        fetched = _read_missed_in_program(se, missed, num_missed)
-    out = _slotted_outputs(se, x, ids, num_experts, resident, missing, fetched)
+            receipt = report_expert_routing([entry])
+        fetched = _read_missed_in_program(se, missed, num_missed, ahead=None if prefetched is None else ahead)
+    out = _slotted_outputs(se, x, ids, num_experts, resident, fetch_pos, fetched)
     return out if receipt is None else out + receipt.astype(out.dtype)
 
 
@@ -438,13 +541,12 @@ def _slotted_outputs(
     ids: jax.Array,
     num_experts: int,
     resident: jax.Array,
-    missing: jax.Array,
+    fetch_pos: jax.Array,
     fetched: tuple,
 ) -> jax.Array:
-    """`_experts_slotted`'s outputs from the slots and the `fetched` experts (`missing` [E] marks
-    which ids those are, in ascending order)."""
+    """`_experts_slotted`'s outputs from the slots and the `fetched` experts (`fetch_pos` [E]: where
+    each expert without a slot sits in them)."""
     n, k = ids.shape
-    fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
     slot_of = jnp.maximum(se.slot_map, 0)
     slots = (se.gate_proj, se.up_proj, se.down_proj)
 

@@ -417,6 +417,39 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
         CONFIG.replace(expert_swap_payback=-1.0)
 
 
+@pytest.mark.parametrize("host_copy", ["mapped", "loop"])
+def test_prefetching_the_next_layers_misses_gives_the_resident_output(model, resident, host_copy):
+    """expert_prefetch: each MoE layer of a decode step guesses the next layer's experts and copies
+    the guessed misses ahead; the next layer takes those it missed and copies only the rest. The
+    output is still the all-resident model's, guesses were made and some were used, and the bytes
+    of guesses that were not used count as moved."""
+    cfg, params = model
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS),
+        expert_host_reads="program",
+        expert_host_copy=host_copy,
+        expert_prefetch=True,
+    )
+    core = EngineCore(cfg, params, config)
+    layout = core.experts.layout
+    flags = [core.experts.params.layers[i].moe.gate_proj.prefetch for i in layout.moe_layers]
+    assert all(flags)
+    out = drive(core, requests())
+    assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
+    stats = core.experts.stats
+    assert stats.prefetched > stats.prefetch_used > 0
+    wasted = stats.prefetched - stats.prefetch_used
+    assert stats.fetched_bytes == (stats.misses + wasted) * expert_bytes(params)
+    assert stats.gpu_hits + stats.host_hits == stats.lookups
+
+
+def test_prefetch_needs_host_reads_in_the_program(model):
+    cfg, params = model
+    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_prefetch=True)
+    with pytest.raises(ValueError, match="expert prefetch .* needs expert host reads in the program"):
+        EngineCore(cfg, params, config.replace(expert_host_reads="callback"))
+
+
 def test_ngram_speculation_with_offloaded_experts_gives_the_resident_output(model, resident):
     """Verify windows (several tokens a row through one forward) read their experts from slots and
     misses as decode does (here copied inside the program, the GPU default): greedy n-gram
