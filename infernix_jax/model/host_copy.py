@@ -28,8 +28,8 @@ on the device) from a u8 [E, expert_bytes] array in pinned host memory (`Slotted
   (`MAPPED_IN_COMMAND_BUFFERS`): its only work on the GPU is one kernel launch whose arguments are
   device addresses, so XLA may record it into the CUDA graphs it runs a program's thunks as, and
   the layer does not split them. A callback that is not compatible ends one graph and starts
-  another, and the thunks between are launched one by one from the host (docs/experts.md, "Why
-  the steps alternate").
+  another, and the thunks between are launched one by one from the host (measured: docs/experts.md,
+  "Where a dispatch's time goes").
 
 Every way leaves the rows past the count zero, so all give the same bytes.
 """

@@ -511,6 +511,7 @@ def _experts_slotted(
     routing = jnp.where(resident, counts, -counts)
     entry = (se.source_id, se.layer, routing)
     fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
+    ahead = None  # rows the layer before copied ahead for this one
     if prefetched is not None and se.host_stacks is not None:
         # the layer before copied its guesses ahead: take the misses it guessed from its rows and
         # copy only the rest (ascending, as ever); the fetched set is both, guesses first
@@ -530,7 +531,7 @@ def _experts_slotted(
     else:
         if collected is None:  # outside forward: report this layer's routing on its own
             receipt = report_expert_routing([entry])
-        fetched = _read_missed_in_program(se, missed, num_missed, ahead=None if prefetched is None else ahead)
+        fetched = _read_missed_in_program(se, missed, num_missed, ahead)
     out = _slotted_outputs(se, x, ids, num_experts, resident, fetch_pos, fetched)
     return out if receipt is None else out + receipt.astype(out.dtype)
 
