@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="after each budget's first point, one more engine step under the profiler: kernels and "
+        help="after each budget's first point, --profile-steps more engine steps under the profiler: kernels and "
         "idle gaps of the device (bench/profile_summary.py), printed and kept in the record",
     )
     parser.add_argument(

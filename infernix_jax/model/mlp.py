@@ -476,6 +476,12 @@ def _call_fetch(layer: int, shapes, record: bool, source_id, counts, missed):
     return out
 
 
+def _positions(flags: jax.Array) -> jax.Array:
+    """i32 [E]: each flagged index's place among the flagged ones, in ascending order (0 where unflagged
+    before the first)."""
+    return jnp.maximum(jnp.cumsum(flags.astype(jnp.int32)) - 1, 0)
+
+
 def _first_ids(flags: jax.Array, size: int, fill: int) -> jax.Array:
     """i32 [size]: the indices where `flags` [E] is True, ascending, then `fill` (a cumulative
     count, not a sort: one fewer sort launch per layer on a GPU)."""
@@ -510,9 +516,9 @@ def _experts_slotted(
     # (the slot map the program ran with, which the host may have changed since it was enqueued)
     routing = jnp.where(resident, counts, -counts)
     entry = (se.source_id, se.layer, routing)
-    fetch_pos = jnp.maximum(jnp.cumsum(missing.astype(jnp.int32)) - 1, 0)  # [E]: index into `missed`
-    ahead = None  # rows the layer before copied ahead for this one
-    if prefetched is not None and se.host_stacks is not None:
+    fetch_pos = _positions(missing)  # [E]: index into `missed`
+    ahead = None  # rows the layer before copied ahead for this one (only with host_stacks)
+    if prefetched is not None:
         # the layer before copied its guesses ahead: take the misses it guessed from its rows and
         # copy only the rest (ascending, as ever); the fetched set is both, guesses first
         have, ahead = prefetched
@@ -520,8 +526,7 @@ def _experts_slotted(
         missed, num_missed = _first_ids(rest, max_missed, fill=-1), jnp.sum(rest.astype(jnp.int32))
         used = jnp.sum((missing & have).astype(jnp.int32))
         entry += (jnp.stack([jnp.sum(have.astype(jnp.int32)), used]),)
-        rest_pos = ahead.shape[0] + jnp.maximum(jnp.cumsum(rest.astype(jnp.int32)) - 1, 0)
-        fetch_pos = jnp.where(have, jnp.maximum(jnp.cumsum(have.astype(jnp.int32)) - 1, 0), rest_pos)
+        fetch_pos = jnp.where(have, _positions(have), ahead.shape[0] + _positions(rest))
     collected = getattr(_routing, "counts", None)  # inside forward: its one routing report records
     if collected is not None:
         collected.append(entry)
