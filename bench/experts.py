@@ -288,8 +288,17 @@ def main(argv: list[str] | None = None):
         help="each MoE layer copies the next one's guessed misses ahead on a second stream "
         "(EngineConfig.expert_prefetch); records say 'prefetch' and count the guesses used",
     )
+    parser.add_argument(
+        "--points",
+        default="static,dynamic,resident",
+        help="which points to run: static (batch 1, slots frozen), dynamic (every batch), resident "
+        "(all experts on the GPU); leaving some out saves device time in A/B runs",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    points = set(args.points.split(","))
+    if not points or points - {"static", "dynamic", "resident"}:
+        parser.error(f"--points takes static, dynamic, resident; got {args.points!r}")
     host_copy_module.MAPPED_IN_COMMAND_BUFFERS = args.gather_graphs == "on"
     machine, commit = machine_name(), git_commit()
     cfg = model_config(args.layers, args.quick)
@@ -316,7 +325,8 @@ def main(argv: list[str] | None = None):
     slug = machine_slug(machine)
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
-    for label, budget in [*budgets.items(), ("all-resident", None)]:
+    resident = [("all-resident", None)] if "resident" in points else []
+    for label, budget in [*budgets.items(), *resident]:
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
@@ -324,7 +334,9 @@ def main(argv: list[str] | None = None):
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
-        runs = ([(batches[0], "static")] if budget else []) + [(batch, "dynamic") for batch in batches]
+        runs = [(batches[0], "static")] if budget and "static" in points else []
+        if budget is None or "dynamic" in points:
+            runs += [(batch, "dynamic") for batch in batches]
         swaps = core.experts.cache.swaps_per_layer if budget else 0
         for batch, policy in runs:
             if budget:
