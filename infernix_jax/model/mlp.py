@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -307,9 +309,22 @@ def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfi
     def copy(host_stacks, ids, count, rows_ref):
         return copy_missed_rows(se.host_copy, host_stacks, ids, count, rows_ref)
 
-    with compute_on(PREFETCH_STREAM):
-        rows = jax.jit(copy)(se.host_stacks, ids, count, se.host_rows_ref)
+    rows = on_stream(copy, PREFETCH_STREAM)(se.host_stacks, ids, count, se.host_rows_ref)
     _prefetch.rows[se.layer] = (have, rows)
+
+
+def on_stream(f: Callable[..., jax.Array], stream: str) -> Callable[..., jax.Array]:
+    """`f` (one device result) run on the XLA stream `stream` ("gpu_stream:N"), across jax
+    versions: jax 0.10 has `compute_on(type)`, a context manager around a jitted call; jax 0.11
+    made it a function transform taking the results' memory spaces too."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(f, compute_type=stream, out_memory_spaces=jax.memory.Space.Device)
+
+    def run(*args):
+        with compute_on(stream):
+            return jax.jit(f)(*args)
+
+    return run
 
 
 def _take_prefetched(se: SlottedExperts) -> tuple[jax.Array, jax.Array] | None:
