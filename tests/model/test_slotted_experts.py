@@ -69,3 +69,25 @@ def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer,
     assert stacks_read == [min(tokens * TOP_K, NUM_EXPERTS)] * 3, "a stack of the routed experts only"
     with kernel_mode("reference"):  # the CPU's path: per-pair gathers, the same output to rounding
         np.testing.assert_allclose(run(slotted(p, RESIDENT), x, cfg), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_prefetch_stream_takes_either_jax_versions_compute_on(monkeypatch):
+    """jax 0.10's `compute_on` is a context manager; 0.11's a transform that also wants the
+    results' memory spaces. `on_stream` runs the copy on the named stream with either, and the
+    result is the function's."""
+
+    def copy(x):
+        return x * 2
+
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(mlp.on_stream(copy, "gpu_stream:1")(x), x * 2)  # this jax's form
+
+    calls = []
+
+    def transform(f=None, *, compute_type, out_memory_spaces, compiler_options=None):  # jax 0.11's
+        calls.append((compute_type, out_memory_spaces))
+        return f
+
+    monkeypatch.setattr(mlp, "compute_on", transform)
+    np.testing.assert_array_equal(mlp.on_stream(copy, "gpu_stream:1")(x), x * 2)
+    assert calls == [("gpu_stream:1", jax.memory.Space.Device)]
