@@ -7,6 +7,7 @@
     python -m bench.experts --host-copy dma         # copied in the program by one callback a layer
     python -m bench.experts --hot-experts 64        # routing with a hot set: the dynamic cache's case
     python -m bench.experts --prefetch              # the next layer's guessed misses copied ahead
+    python -m bench.experts --prefetch both         # without, then with it, on the same model
 
 The model has Qwen3-Next-80B-A3B's layer shapes with random weights, every routed expert random
 NVFP4 (packed bytes, e4m3 block scales, a float32 scale per expert). `--layers` keeps the first
@@ -284,9 +285,13 @@ def main(argv: list[str] | None = None):
     )
     parser.add_argument(
         "--prefetch",
-        action="store_true",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("off", "on", "both"),
         help="each MoE layer copies the next one's guessed misses ahead on a second stream "
-        "(EngineConfig.expert_prefetch); records say 'prefetch' and count the guesses used",
+        "(EngineConfig.expert_prefetch); records say 'prefetch' and count the guesses used; "
+        "'both': each budget without, then with it (an A/B on one machine and one model)",
     )
     parser.add_argument(
         "--points",
@@ -325,12 +330,17 @@ def main(argv: list[str] | None = None):
     slug = machine_slug(machine)
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
-    resident = [("all-resident", None)] if "resident" in points else []
-    for label, budget in [*budgets.items(), *resident]:
+    prefetch_modes = {"off": [False], "on": [True], "both": [False, True]}[args.prefetch]
+    points_run = [
+        (label, budget, prefetch) for label, budget in budgets.items() for prefetch in prefetch_modes
+    ]
+    if "resident" in points:
+        points_run.append(("all-resident", None, False))
+    for label, budget, prefetch in points_run:
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
-            prefetch=args.prefetch and budget is not None,
+            prefetch=prefetch,
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
@@ -356,7 +366,7 @@ def main(argv: list[str] | None = None):
                 reads += f" copy {host_copy}"
             if host_copy == "mapped" and args.gather_graphs == "off":
                 reads += " gather outside graphs"
-            if args.prefetch and budget is not None:
+            if prefetch:
                 reads += " prefetch"
             name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
