@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     points = set(args.points.split(","))
-    if not points or points - {"static", "dynamic", "resident"}:
+    if points - {"static", "dynamic", "resident"}:
         parser.error(f"--points takes static, dynamic, resident; got {args.points!r}")
     host_copy_module.MAPPED_IN_COMMAND_BUFFERS = args.gather_graphs == "on"
     machine, commit = machine_name(), git_commit()
@@ -331,8 +331,11 @@ def main(argv: list[str] | None = None):
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
     prefetch_modes = {"off": [False], "on": [True], "both": [False, True]}[args.prefetch]
+    offloaded = points & {"static", "dynamic"}  # without either, no budget point runs (nor is built)
     points_run = [
-        (label, budget, prefetch) for label, budget in budgets.items() for prefetch in prefetch_modes
+        (label, budget, prefetch)
+        for label, budget in (budgets.items() if offloaded else ())
+        for prefetch in prefetch_modes
     ]
     if "resident" in points:
         points_run.append(("all-resident", None, False))
