@@ -127,6 +127,7 @@ def make_core(
     host_copy: str = "auto",
     batches: tuple[int, ...] = (1, 4),
     prefetch: bool = False,
+    cpu_share: float | str = "auto",
 ) -> EngineCore:
     """The engine of one budget; it compiles a decode program for each of `batches` only."""
     batch = max(batches)
@@ -135,7 +136,7 @@ def make_core(
         prefill_chunk=prefill_chunk, prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=tuple(sorted(set(batches))),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
         structured_output=False, scoring=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
-        expert_host_copy=host_copy, expert_prefetch=prefetch,
+        expert_host_copy=host_copy, expert_prefetch=prefetch, expert_cpu_share=cpu_share,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
 
@@ -185,6 +186,8 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
             swaps_held=s.swaps_held - before.swaps_held,  # proposals the payback gate did not make
             prefetched=s.prefetched - before.prefetched,  # next-layer guesses copied ahead (--prefetch)
             prefetch_used=s.prefetch_used - before.prefetch_used,  # ... that the next layer missed
+            cpu_computed=s.cpu_computed - before.cpu_computed,  # misses the host's CPU computed
+            cpu_seconds=s.cpu_seconds - before.cpu_seconds,
         )
         out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
         counts = experts.cache.routing_counts - counts_before  # tokens routed per (MoE layer, expert)
@@ -299,8 +302,16 @@ def main(argv: list[str] | None = None):
         help="which points to run: static (batch 1, slots frozen), dynamic (every batch), resident "
         "(all experts on the GPU); leaving some out saves device time in A/B runs",
     )
+    parser.add_argument(
+        "--cpu-share",
+        default="auto",
+        help="with callback host reads: the share of each layer's misses the CPU computes "
+        "(EngineConfig.expert_cpu_share; auto: the engine's cost model); records of a share above 0 "
+        "say 'cpu share' and count the experts the CPU computed",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    cpu_share = args.cpu_share if args.cpu_share == "auto" else float(args.cpu_share)
     points = set(args.points.split(","))
     if points - {"static", "dynamic", "resident"}:
         parser.error(f"--points takes static, dynamic, resident; got {args.points!r}")
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None):
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
-            prefetch=prefetch,
+            prefetch=prefetch, cpu_share=cpu_share,
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
@@ -371,6 +382,10 @@ def main(argv: list[str] | None = None):
                 reads += " gather outside graphs"
             if prefetch:
                 reads += " prefetch"
+            share = core.experts.placement.cpu_share if core.experts is not None else 0.0
+            details["cpu_share"] = share
+            if share:
+                reads += f" cpu share {share:.2f}"
             name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
             if budget is None:
                 record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,
@@ -387,6 +402,8 @@ def main(argv: list[str] | None = None):
                 if "hit_rate" in r
                 else ""
             )
+            if r.get("cpu_computed"):
+                hit += f", the CPU computed {r['cpu_computed']} misses"
             if r.get("prefetched"):
                 hit += f", prefetched {r['prefetched']} experts, {r['prefetch_used'] / r['prefetched']:.0%} of them used"
             bound = (

@@ -19,6 +19,19 @@ from infernix_jax.api.config import ServerConfig
 log = logging.getLogger("infernix_jax.serve")
 
 
+def _cpu_share(text: str) -> float | str:
+    """`--expert-cpu-share`: "auto" or a number in [0, 1]."""
+    if text == "auto":
+        return text
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected auto or a number in [0, 1], got {text!r}")
+    return share
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m infernix_jax.serve",
@@ -194,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
         "while this layer computes, on a second GPU stream (docs/experts.md)",
     )
     experts.add_argument(
+        "--expert-cpu-share",
+        type=_cpu_share,
+        default=None,
+        metavar="auto|SHARE",
+        help="with callback host reads: the share (0 to 1) of each layer's missed experts computed on "
+        "the CPU while the rest cross PCIe, or auto (default): balanced by a cost model measured at "
+        "start (docs/experts.md)",
+    )
+    experts.add_argument(
         "--expert-swap-payback",
         type=float,
         default=None,
@@ -303,6 +325,7 @@ def build_engine(args: argparse.Namespace):
             "expert_host_copy",
             "expert_swap_payback",
             "expert_prefetch",
+            "expert_cpu_share",
         )
         if getattr(args, name, None) is not None
     }

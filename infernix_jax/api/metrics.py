@@ -156,6 +156,14 @@ class ServerMetrics:
         self.expert_host_experts = Gauge(
             "infernix_expert_host_experts", "Experts held in host RAM", registry=r
         )
+        self.expert_cpu_computed = Gauge(
+            "infernix_expert_cpu_computed",
+            "Missed experts computed on the host CPU (their outputs crossed, not their weights)",
+            registry=r,
+        )
+        self.expert_cpu_share = Gauge(
+            "infernix_expert_cpu_share", "Share of the missed experts computed on the host CPU", registry=r
+        )
         self.expert_read_failures = Gauge(
             "infernix_expert_read_failures",
             "Expert reads that failed (their step's requests failed)",
@@ -201,6 +209,8 @@ class ServerMetrics:
         self.expert_slots_total.set(report.slots_total)
         self.expert_host_experts.set(report.host_experts)
         self.expert_read_failures.set(report.read_failures)
+        self.expert_cpu_computed.set(report.cpu_computed)
+        self.expert_cpu_share.set(report.cpu_share)
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the engine gauges refreshed first."""

@@ -96,6 +96,12 @@ class EngineConfig:
     # second GPU stream, so the copies overlap this layer's compute (model.mlp.prefetching_experts;
     # docs/experts.md, "Prefetching the next layer's misses"). Off until measured on a GPU.
     expert_prefetch: bool = False
+    # with expert_host_reads "callback": the share of each layer's missed experts the host's CPU
+    # computes (those with the fewest tokens; the fetch callback returns their outputs, not their
+    # weights, while it stages the rest), or "auto": balanced by a cost model measured at start
+    # (CPU seconds per expert against staging + copy; 0 where the device is the CPU, and with
+    # "program" host reads). experts.host_compute, docs/experts.md
+    expert_cpu_share: float | str = "auto"
 
     def __post_init__(self) -> None:
         errors = []
@@ -152,6 +158,12 @@ class EngineConfig:
         if self.expert_host_reads not in ("auto", "callback", "program"):
             errors.append(
                 f"expert_host_reads must be auto, callback or program, got {self.expert_host_reads!r}"
+            )
+        if self.expert_cpu_share != "auto" and not (
+            isinstance(self.expert_cpu_share, (int, float)) and 0 <= self.expert_cpu_share <= 1
+        ):
+            errors.append(
+                f"expert_cpu_share must be auto or a number in [0, 1], got {self.expert_cpu_share!r}"
             )
         if not self.expert_swap_payback >= 0:
             errors.append(f"expert_swap_payback must be >= 0, got {self.expert_swap_payback!r}")

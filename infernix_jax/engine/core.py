@@ -155,6 +155,7 @@ class EngineCore:
                 host_reads=config.expert_host_reads,
                 host_copy=config.expert_host_copy,
                 prefetch=config.expert_prefetch,
+                cpu_share=config.expert_cpu_share,
                 payback=config.expert_swap_payback,
             )
             params = self.experts.params

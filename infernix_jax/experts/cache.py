@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,13 @@ class ExpertStats:
     swaps_held: int = 0  # proposed swaps not made because recent proposals did not pay back
     prefetched: int = 0  # experts a layer copied ahead for the next one (`--expert-prefetch`)
     prefetch_used: int = 0  # ... that the next layer missed and took (the rest were moved for nothing)
+    cpu_computed: int = 0  # missed experts the host CPU computed (host or disk hits, not fetched)
+    cpu_seconds: float = 0.0  # the CPU's time on them (reads included), beside the fetches
+
+    @property
+    def cpu_share(self) -> float:
+        """Share of the misses computed on the host's CPU (0 when none missed)."""
+        return self.cpu_computed / self.misses if self.misses else 0.0
 
     @property
     def misses(self) -> int:
@@ -77,6 +85,13 @@ class ExpertCacheReport:
     slots_total: int = 0
     host_experts: int = 0  # experts held in host RAM
     tokens: int = 0  # tokens the forwards processed (prompt and generated)
+    cpu_computed: int = 0  # missed experts computed on the host's CPU (part of the host and disk hits)
+
+    @property
+    def cpu_share(self) -> float:
+        """Share of the misses (host and disk hits) computed on the host's CPU (0 when none)."""
+        missed = self.hits.get("host", 0) + self.hits.get("disk", 0)
+        return self.cpu_computed / missed if missed else 0.0
 
     def hit_rate(self, tier: str) -> float:
         """Share of lookups served by `tier` (0 when idle)."""
@@ -135,6 +150,9 @@ class ExpertCache:
         self.stats = ExpertStats()
         self.last_error: str | None = None
         self.reads_in_program = reads_in_program
+        # computes the share of the misses the device leaves to the host's CPU (set by the offload
+        # when that share is above 0; experts.host_compute)
+        self.host_compute = None
         self.payback, self.payback_window = payback, payback_window
         # proposals being watched, a row each: layer, incoming expert, evicted expert, layer-steps
         # seen, copies saved so far (steps routing the incoming one minus steps routing the evicted one)
@@ -185,6 +203,7 @@ class ExpertCache:
                 # with reads in the program every expert sits in the pinned host stacks
                 host_experts=self.layout.total_experts if self.reads_in_program else self.store.host_experts,
                 tokens=tokens,
+                cpu_computed=s.cpu_computed,
             )
 
     # ---- the step's callbacks ------------------------------------------------------------------
@@ -229,6 +248,26 @@ class ExpertCache:
             stats.fetched_bytes += missed * self.layout.expert_bytes
             stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + missed
 
+    def _count_misses(self, layer: int, experts: list[int]) -> None:
+        """Count missed experts of `layer` as host or disk hits, by where they live. Holds the lock."""
+        stats = self.stats
+        for e in experts:
+            if self.store.tier_of(layer, e) == HOST:
+                stats.host_hits += 1
+            else:
+                stats.disk_hits += 1
+        stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(experts)
+
+    def _read(self, layer: int, experts: list[int]) -> list:
+        """`store.read_many`, a failure counted and kept as the last error (then raised)."""
+        try:
+            return self.store.read_many(layer, experts)
+        except ExpertReadError as e:
+            with self._lock:
+                self.stats.read_failures += 1
+                self.last_error = str(e)
+            raise
+
     def fetch(
         self, layer: int, counts: np.ndarray, missed: np.ndarray, record_routing: bool = True
     ) -> list[np.ndarray]:
@@ -240,14 +279,8 @@ class ExpertCache:
         wanted = [int(e) for e in np.asarray(missed) if e >= 0]
         layout = self.layout
         with self._lock:
-            stats = self.stats
-            for e in wanted:
-                if self.store.tier_of(layer, e) == HOST:
-                    stats.host_hits += 1
-                else:
-                    stats.disk_hits += 1
-            stats.fetched_bytes += len(wanted) * layout.expert_bytes
-            stats.per_layer_misses[layer] = stats.per_layer_misses.get(layer, 0) + len(wanted)
+            self._count_misses(layer, wanted)
+            self.stats.fetched_bytes += len(wanted) * layout.expert_bytes
             previous_next = self.last_missed.get(layer + 1, [])
             if record_routing:
                 self._record(layer, np.asarray(counts, np.int64))
@@ -256,19 +289,55 @@ class ExpertCache:
             self.store.read_ahead(
                 layer + 1, [e for e in previous_next if self.store.tier_of(layer + 1, e) == DISK]
             )
-        try:
-            experts = self.store.read_many(layer, wanted)
-        except ExpertReadError as e:
-            with self._lock:
-                self.stats.read_failures += 1
-                self.last_error = str(e)
-            raise
+        experts = self._read(layer, wanted)
         out = [np.empty((len(missed), *s), d) for s, d in zip(layout.leaf_shapes, layout.leaf_dtypes)]
         for dst, *rows in zip(out, *experts):
             if rows:
                 np.stack(rows, out=dst[: len(rows)])
             dst[len(rows) :] = 0  # padding rows (never selected; zeros keep them finite)
         self.stats.fetch_seconds += time.perf_counter() - start
+        return out
+
+    def fetch_and_compute(
+        self,
+        layer: int,
+        counts: np.ndarray,
+        missed: np.ndarray,
+        x: np.ndarray,
+        ids: np.ndarray,
+        valid: np.ndarray,
+        cpu_ids: np.ndarray,
+        record_routing: bool = True,
+    ) -> list[np.ndarray]:
+        """`fetch(layer, counts, missed, record_routing)` for the experts that cross to the device,
+        then the outputs [N, k, D] of the pairs routed to `cpu_ids` (-1 entries: none; x [N, D],
+        ids [N, k], valid i32 [N]: padding rows are not computed), which the host's CPU computes
+        from their host or disk copies on a worker thread while `fetch` stages the others. Raises
+        ExpertReadError when a read fails, either way."""
+        on_cpu = [int(e) for e in np.asarray(cpu_ids) if e >= 0]
+        if not on_cpu:
+            return [
+                *self.fetch(layer, counts, missed, record_routing),
+                self.host_compute.outputs([], [], x, ids, valid),
+            ]
+        future = self.host_compute.submit(self._compute_on_cpu, layer, on_cpu, x, ids, valid)
+        try:
+            fetched = self.fetch(layer, counts, missed, record_routing)
+        except BaseException:
+            wait([future])  # its failure, if any, is counted; this one is the step's error
+            raise
+        return [*fetched, future.result()]
+
+    def _compute_on_cpu(
+        self, layer: int, experts: list[int], x: np.ndarray, ids: np.ndarray, valid: np.ndarray
+    ) -> np.ndarray:
+        start = time.perf_counter()
+        with self._lock:
+            self._count_misses(layer, experts)
+            self.stats.cpu_computed += len(experts)
+        out = self.host_compute.outputs(self._read(layer, experts), experts, x, ids, valid)
+        with self._lock:
+            self.stats.cpu_seconds += time.perf_counter() - start
         return out
 
     # ---- policy --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import numpy as np
 from infernix_jax.cache.prefix_host import PINNED_HOST, HostMemory, memory_kinds
 from infernix_jax.config import ModelConfig
 from infernix_jax.experts.cache import ExpertCache
+from infernix_jax.experts.host_compute import HostExpertCompute, host_cpu_device
 from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget, layout_of, projections
 from infernix_jax.experts.profile import RoutingProfile
 from infernix_jax.experts.store import ExpertReadError, ExpertStore
@@ -127,6 +128,45 @@ def resolve_host_copy(host_copy: str, rows: jax.Array) -> str:
     return "mapped"
 
 
+def cpu_share_at_start(
+    cpu_share: float | str, host_reads: str, layout: ExpertLayout, sample: Leaves, hidden_size: int, dtype
+) -> tuple[float, HostExpertCompute | None]:
+    """(the share of each layer's misses the host's CPU computes, what computes them or None).
+
+    "auto": measured here (`HostExpertCompute.measure` on `sample`, one expert's leaves, and
+    `HostComputeCost.best_share`), said in the log; 0 without a measurement where no callback
+    brings outputs back (host reads "program") or where the device is the CPU itself. A number in
+    [0, 1] is taken as given; above 0 it needs callback host reads. Raises ValueError otherwise."""
+    if cpu_share == "auto":
+        if host_reads != "callback":
+            return 0.0, None
+        if jax.default_backend() == "cpu":
+            log.info("expert CPU share 0: the device is the CPU")
+            return 0.0, None
+        if host_cpu_device() is None:
+            log.info("expert CPU share 0: jax's CPU backend is not loaded")
+            return 0.0, None
+        compute = HostExpertCompute(layout)
+        cost = compute.measure(sample, hidden_size, dtype)
+        share = cost.best_share()
+        log.info("expert CPU share %.2f of each layer's misses: %s", share, cost.describe())
+        if share == 0:
+            compute.close()
+            return 0.0, None
+        return share, compute
+    share = float(cpu_share)
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the expert CPU share must be auto or within [0, 1], got {cpu_share!r}")
+    if share == 0.0:
+        return 0.0, None
+    if host_reads != "callback":
+        raise ValueError(
+            "computing missed experts on the CPU returns their outputs through the fetch callback: it "
+            f"needs expert host reads by callback, and these resolved to {host_reads!r}"
+        )
+    return share, HostExpertCompute(layout)
+
+
 def _committed(a: np.ndarray) -> jax.Array:
     """`a` on the default device, committed to it. The slot programs return committed arrays and
     jit keys its compiled programs on whether an argument is committed, so slots built any other
@@ -196,6 +236,7 @@ class Placement:
     disk_per_layer: int
     expert_bytes: int
     num_layers: int
+    cpu_share: float = 0.0  # of each layer's misses, computed on the host's CPU
 
     def describe(self) -> str:
         gib = lambda n: n * self.expert_bytes * self.num_layers / 2**30
@@ -203,7 +244,7 @@ class Placement:
             f"experts: {self.num_layers} MoE layers x (slots {self.slots_per_layer} = {gib(self.slots_per_layer):.2f} GiB device, "
             f"host {self.host_per_layer} = {gib(self.host_per_layer):.2f} GiB RAM, "
             f"disk {self.disk_per_layer} = {gib(self.disk_per_layer):.2f} GiB artifact); "
-            f"{self.expert_bytes / 2**20:.2f} MiB per expert"
+            f"{self.expert_bytes / 2**20:.2f} MiB per expert; CPU computes {self.cpu_share:.0%} of the misses"
         )
 
 
@@ -271,6 +312,7 @@ class ExpertOffload:
         host_reads: str = "auto",
         host_copy: str = "auto",
         prefetch: bool = False,
+        cpu_share: float | str = "auto",
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
@@ -280,8 +322,10 @@ class ExpertOffload:
         "program" (the module docstring) or "auto" (`resolve_host_reads`); host_copy: how
         "program" copies the missed experts (`model.host_copy.HOST_COPIES`, or "auto":
         `resolve_host_copy`); prefetch: each layer copies the next one's guessed misses ahead
-        (`SlottedExperts.prefetch`; "program" only). Raises ValueError when they do not fit
-        anywhere, when "program" is asked for with experts on disk, or prefetch without it."""
+        (`SlottedExperts.prefetch`; "program" only); cpu_share: the share of each layer's misses
+        computed on the host's CPU ("auto": measured, `cpu_share_at_start`; "callback" only).
+        Raises ValueError when they do not fit anywhere, when "program" is asked for with experts
+        on disk, or prefetch or a CPU share without the host reads they need."""
         if host_reads not in HOST_READS:
             raise ValueError(f"host_reads must be one of {HOST_READS}, got {host_reads!r}")
         if host_copy not in (*HOST_COPIES, "auto"):
@@ -334,11 +378,18 @@ class ExpertOffload:
         cache = ExpertCache(layout, store, slots, reads_in_program=host_memory is not None, **cache_options)
         source_id = jnp.asarray(register_expert_source(cache), jnp.int32)
         layers = list(params.layers)
+        share = None  # f32 [] on the device when the host's CPU computes a share of the misses
         for rank, layer in enumerate(layout.moe_layers):
             order = placement_order(profile, rank, num_experts)
             resident = [int(e) for e in order[:slots]]
             in_ram = [int(e) for e in order[slots : slots + host]]
             experts = _placed_experts(params.layers[layer].moe, store, rank, resident + in_ram)
+            if rank == 0:
+                dtype = params.final_norm.dtype  # the activations' (the CPU computes in it too)
+                value, cache.host_compute = cpu_share_at_start(
+                    cpu_share, host_reads, layout, experts[resident[0]], cfg.hidden_size, dtype
+                )
+                share = None if cache.host_compute is None else _committed(np.float32(value))
             if host_memory is None:  # else the pinned stacks below are the host tier (no second copy)
                 for e in in_ram:
                     store.put_host(rank, e, experts[e])
@@ -364,13 +415,16 @@ class ExpertOffload:
                 host_copy=host_copy,
                 host_rows_ref=rows_ref,
                 prefetch=prefetch and host_stacks is not None,
+                cpu_share=share,
             )
             new_moe = dataclasses.replace(
                 params.layers[layer].moe, gate_proj=slotted, up_proj=None, down_proj=None
             )
             layers[layer] = dataclasses.replace(params.layers[layer], moe=new_moe)
             del experts
-        placement = Placement(slots, host, disk, layout.expert_bytes, len(layout.moe_layers))
+        placement = Placement(
+            slots, host, disk, layout.expert_bytes, len(layout.moe_layers), 0.0 if share is None else value
+        )
         log.info("%s", placement.describe())
         return cls(dataclasses.replace(params, layers=tuple(layers)), layout, cache, placement)
 
@@ -531,3 +585,5 @@ class ExpertOffload:
 
     def close(self) -> None:
         self.store.close()
+        if self.cache.host_compute is not None:
+            self.cache.host_compute.close()

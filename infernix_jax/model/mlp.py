@@ -180,6 +180,10 @@ class SlottedExperts:
     # static: the layer before copies this layer's likely misses ahead, on a second stream
     # (`prefetching_experts`; only with host_stacks)
     prefetch: bool = False
+    # f32 []: the share of a step's missed experts the host computes on its CPU (the fetch callback
+    # returns their pairs' outputs instead of their weights; `_split_missed`), or None: every missed
+    # expert crosses to the device. Data, so a re-measured share recompiles nothing. Callbacks only.
+    cpu_share: Any = None
 
 
 jax.tree_util.register_dataclass(
@@ -192,6 +196,7 @@ jax.tree_util.register_dataclass(
         "source_id",
         "host_stacks",
         "host_rows_ref",
+        "cpu_share",
     ],
     meta_fields=["layer", "host_copy", "prefetch"],
 )
@@ -345,40 +350,85 @@ def fetch_buckets(max_missed: int) -> tuple[int, ...]:
 
 
 def _fetch_missed(
-    se: SlottedExperts, counts: jax.Array, missed: jax.Array, num_missed: jax.Array, record: bool = True
+    se: SlottedExperts,
+    counts: jax.Array,
+    missed: jax.Array,
+    num_missed: jax.Array,
+    record: bool = True,
+    host_work: tuple | None = None,
 ):
-    """The missed experts' weights (gate, up, down), each [len(missed), ...], from the host callback.
+    """(the missed experts' weights (gate, up, down), each [len(missed), ...], from the host
+    callback; the host's outputs or None).
 
     `missed` i32 [M] lists the missed expert ids first (ascending), then -1. With `record` the
     callback runs on every call and also records the layer's routing counts; without, it runs only
     when something was missed. Its result size is the smallest bucket that holds `num_missed`
-    experts, padded to M on the device."""
+    experts, padded to M on the device. With `host_work` (x [N, D], ids [N, k], valid i32 [N],
+    cpu_ids i32 [M]: the experts the host computes, first, then -1, and their count), the same
+    callback also returns those experts' pairs' outputs [N, k, D] (zeros elsewhere), computed on
+    the host's CPU: one round trip serves both."""
     projections = (se.gate_proj, se.up_proj, se.down_proj)
     leaves, treedef = jax.tree.flatten(projections)
     max_missed = missed.shape[0]
     buckets = fetch_buckets(max_missed)
+    work, out_like = (), None
+    if host_work is not None:
+        x, ids, valid, cpu_ids, num_cpu = host_work
+        work = (x, ids, valid, cpu_ids)
+        out_like = jax.ShapeDtypeStruct((*ids.shape, x.shape[-1]), x.dtype)
+
+    def nothing(*_):
+        zeros = [jnp.zeros((max_missed, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        return zeros if out_like is None else [*zeros, jnp.zeros(out_like.shape, out_like.dtype)]
 
     def branch(m: int):
         shapes = [jax.ShapeDtypeStruct((m, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        results = shapes if out_like is None else [*shapes, out_like]
 
-        def run(counts, missed):
-            if m == 0 and not record:  # nothing missed and nothing to record: no host round trip
-                return [jnp.zeros((max_missed, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        def call(counts, missed, *work):
             out = io_callback(
-                functools.partial(_call_fetch, se.layer, shapes, record),
-                shapes,
+                functools.partial(_call_fetch, se.layer, results, record),
+                results,
                 se.source_id,
                 counts,
                 missed[:m],
+                *work,
                 ordered=False,
             )
-            return [jnp.pad(a, [(0, max_missed - m)] + [(0, 0)] * (a.ndim - 1)) for a in out]
+            fetched = [
+                jnp.pad(a, [(0, max_missed - m)] + [(0, 0)] * (a.ndim - 1)) for a in out[: len(leaves)]
+            ]
+            return fetched + list(out[len(leaves) :])
+
+        def run(counts, missed, *work):
+            if m > 0 or record:
+                return call(counts, missed, *work)
+            if out_like is None:  # nothing missed and nothing to record: no host round trip
+                return nothing()
+            return jax.lax.cond(num_cpu > 0, call, nothing, counts, missed, *work)
 
         return run
 
     index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), num_missed.astype(jnp.int32), side="left")
-    out = jax.lax.switch(index, [branch(m) for m in buckets], counts, missed)
-    return jax.tree.unflatten(treedef, out)
+    out = jax.lax.switch(index, [branch(m) for m in buckets], counts, missed, *work)
+    fetched = jax.tree.unflatten(treedef, out[: len(leaves)])
+    return fetched, (None if out_like is None else out[len(leaves)])
+
+
+def _split_missed(se: SlottedExperts, counts: jax.Array, missing: jax.Array, num_missed: jax.Array):
+    """(on_cpu [E] bool, num_cpu i32 []): the share `se.cpu_share` of the missed experts (rounded)
+    that the host computes, those with the fewest tokens (ties: lower ids): a CPU's time grows
+    with an expert's tokens, a copy's does not. The device decides, so that the callback moves
+    only the other experts' weights."""
+    e = missing.shape[0]
+    share = se.cpu_share.astype(jnp.float32)
+    num_cpu = jnp.minimum(
+        num_missed, jnp.floor(num_missed.astype(jnp.float32) * share + 0.5).astype(jnp.int32)
+    )
+    key = jnp.where(missing, counts, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, stable=True)  # the missed experts by tokens, then the rest
+    place = jnp.zeros(e, jnp.int32).at[order].set(jnp.arange(e, dtype=jnp.int32))
+    return missing & (place < num_cpu), num_cpu
 
 
 # An expert's byte row is padded with zeros to a multiple of this, so that every row starts 16-byte
@@ -477,16 +527,25 @@ def _read_missed_in_program(
     return jax.tree.unflatten(treedef, expert_rows_to_leaves(rows, like))
 
 
-def _call_fetch(layer: int, shapes, record: bool, source_id, counts, missed):
-    """Host side of the fetch: the source's leaves, checked against the shapes the program expects."""
+def _call_fetch(layer: int, results, record: bool, source_id, counts, missed, *work):
+    """Host side of the fetch: the source's leaves (and, with `work` = (x, ids, valid, cpu_ids),
+    the outputs of the experts it computes itself), checked against the shapes the program expects."""
     source = EXPERT_SOURCES.get(int(source_id))
     if source is None:
         raise RuntimeError(f"no expert source {int(source_id)} (its engine was closed)")
-    out = source.fetch(layer, np.asarray(counts), np.asarray(missed), record_routing=record)
-    if len(out) != len(shapes) or any(a.shape != s.shape or a.dtype != s.dtype for a, s in zip(out, shapes)):
+    if work:
+        x, ids, valid, cpu_ids = (np.asarray(a) for a in work)
+        out = source.fetch_and_compute(
+            layer, np.asarray(counts), np.asarray(missed), x, ids, valid, cpu_ids, record_routing=record
+        )
+    else:
+        out = source.fetch(layer, np.asarray(counts), np.asarray(missed), record_routing=record)
+    if len(out) != len(results) or any(
+        a.shape != s.shape or a.dtype != s.dtype for a, s in zip(out, results)
+    ):
         got = [(a.shape, a.dtype.name) for a in out]
         raise ValueError(
-            f"expert source returned {got} for layer {layer}; expected {[(s.shape, s.dtype.name) for s in shapes]}"
+            f"expert source returned {got} for layer {layer}; expected {[(s.shape, s.dtype.name) for s in results]}"
         )
     return out
 
@@ -545,14 +604,24 @@ def _experts_slotted(
     collected = getattr(_routing, "counts", None)  # inside forward: its one routing report records
     if collected is not None:
         collected.append(entry)
-    receipt = None
+    receipt = host_out = None
     if se.host_stacks is None:
-        fetched = _fetch_missed(se, routing, missed, num_missed, record=collected is None)  # (gate, up, down)
+        work = None
+        if se.cpu_share is not None:  # the host computes a share of the misses; the rest cross
+            on_cpu, num_cpu = _split_missed(se, counts, missing, num_missed)
+            crossing = missing & ~on_cpu
+            missed, num_missed = _first_ids(crossing, max_missed, fill=-1), num_missed - num_cpu
+            fetch_pos = _positions(crossing)
+            rows_valid = counted[::k]  # i32 [N]: the host computes no padding row
+            work = (x, ids, rows_valid, _first_ids(on_cpu, max_missed, fill=-1), num_cpu)
+        fetched, host_out = _fetch_missed(se, routing, missed, num_missed, collected is None, work)
     else:
         if collected is None:  # outside forward: report this layer's routing on its own
             receipt = report_expert_routing([entry])
         fetched = _read_missed_in_program(se, missed, num_missed, ahead)
     out = _slotted_outputs(se, x, ids, num_experts, resident, fetch_pos, fetched)
+    if host_out is not None:  # the host's experts' pairs: its outputs (the device read zeros for them)
+        out = jnp.where(on_cpu[ids][..., None], host_out.astype(out.dtype), out)
     return out if receipt is None else out + receipt.astype(out.dtype)
 
 

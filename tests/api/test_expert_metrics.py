@@ -30,6 +30,7 @@ def test_expert_cache_figures_are_exported():
         slots_total=64,
         host_experts=300,
         tokens=110,
+        cpu_computed=20,
     )
     samples = scrape(EngineStats(experts=report))
     assert samples[("infernix_expert_lookups", ())] == 200
@@ -42,6 +43,8 @@ def test_expert_cache_figures_are_exported():
     assert samples[("infernix_expert_slots_total", ())] == 64
     assert samples[("infernix_expert_host_experts", ())] == 300
     assert samples[("infernix_expert_read_failures", ())] == 1
+    assert samples[("infernix_expert_cpu_computed", ())] == 20
+    assert samples[("infernix_expert_cpu_share", ())] == pytest.approx(20 / 50)  # of the host and disk hits
 
 
 def test_without_offloaded_experts_no_tier_is_reported():

@@ -204,10 +204,13 @@ def test_no_compilation_after_warmup_while_slots_change(model, host_reads):
     assert compiles == []
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-def test_failed_expert_read_fails_only_that_steps_requests(tier, model, artifact, resident):
+@pytest.mark.parametrize(
+    ("tier", "cpu_share"),
+    [("host", 0.0), ("disk", 0.0), ("disk", 1.0)],  # 1.0: every miss is read by the CPU's worker
+)
+def test_failed_expert_read_fails_only_that_steps_requests(tier, cpu_share, model, artifact, resident):
     cfg, params = model
-    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS))
+    config = CONFIG.replace(gpu_expert_budget=budget(params, SLOTS), expert_cpu_share=cpu_share)
     if tier == "disk":
         config = config.replace(host_expert_budget=0, expert_artifact=artifact)
     core = EngineCore(cfg, params, config)
@@ -229,6 +232,49 @@ def test_failed_expert_read_fails_only_that_steps_requests(tier, model, artifact
     out = drive(core, reqs[1:])
     assert {k: v["tokens"] for k, v in out.items()} == {k: resident[k]["tokens"] for k in out}
     assert all(v["finish"] != FINISH_ERROR for v in out.values())
+
+
+def test_misses_computed_on_the_cpu_give_the_resident_output(model, artifact, resident):
+    """expert_cpu_share: the host's CPU computes a share of each layer's misses (from RAM and from
+    disk) and returns their outputs; only the other misses' weights cross. Greedy output is the
+    all-resident model's, and the statistics say which misses the CPU took."""
+    cfg, params = model
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS),
+        host_expert_budget=budget(params, 8),
+        expert_artifact=artifact,
+        expert_cpu_share=0.5,
+    )
+    core = EngineCore(cfg, params, config)
+    assert core.experts.placement.cpu_share == 0.5 and "CPU computes 50%" in core.experts.placement.describe()
+    out = drive(core, requests())
+    assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
+    stats = core.experts.stats
+    assert stats.host_hits > 0 and stats.disk_hits > 0
+    assert stats.gpu_hits + stats.host_hits + stats.disk_hits == stats.lookups
+    assert stats.misses == sum(stats.per_layer_misses.values())
+    # each layer-step rounds half its misses: the whole lies near half
+    assert 0 < stats.cpu_computed < stats.misses and 0.4 <= stats.cpu_share <= 0.6
+    assert stats.fetched_bytes == (stats.misses - stats.cpu_computed) * expert_bytes(params)
+    report = core.stats().experts  # what /metrics shows
+    assert report.cpu_computed == stats.cpu_computed and report.cpu_share == stats.cpu_share
+
+
+def test_a_cpu_share_needs_callbacks_and_a_share_in_range(model):
+    from infernix_jax.experts.offload import ExpertOffload
+
+    cfg, params = model
+    gpu = budget(params, SLOTS)
+    with pytest.raises(ValueError, match="needs expert host reads by callback"):
+        ExpertOffload.build(cfg, params, gpu, host_reads="program", cpu_share=0.5)
+    for bad in (1.5, -0.1, "half"):
+        with pytest.raises(ValueError, match="expert_cpu_share must be auto or a number in"):
+            CONFIG.replace(expert_cpu_share=bad)
+    # auto: where the device is the CPU itself, nothing is computed "on the host"
+    offload = ExpertOffload.build(cfg, params, gpu, host_reads="callback", cpu_share="auto")
+    assert offload.cache.host_compute is None and offload.placement.cpu_share == 0.0
+    assert offload.params.layers[offload.layout.moe_layers[0]].moe.gate_proj.cpu_share is None
+    offload.close()
 
 
 def test_a_recorded_profile_places_the_most_routed_experts_in_slots(model, tmp_path):

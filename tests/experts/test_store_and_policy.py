@@ -313,6 +313,11 @@ def test_serve_flags_reach_the_engine_options():
     assert build_parser().parse_args([]).gpu_expert_budget is None
     with pytest.raises(SystemExit):  # argparse refuses a mode it does not know
         build_parser().parse_args(["--expert-host-reads", "dma"])
+    assert build_parser().parse_args(["--expert-cpu-share", "0.25"]).expert_cpu_share == 0.25
+    assert build_parser().parse_args(["--expert-cpu-share", "auto"]).expert_cpu_share == "auto"
+    for bad in ("1.5", "half"):  # a share is within [0, 1]
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--expert-cpu-share", bad])
 
 
 def test_a_failed_read_ahead_does_not_fail_a_later_step(model, artifact_dir):
