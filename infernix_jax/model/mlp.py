@@ -620,7 +620,7 @@ def _experts_slotted(
             receipt = report_expert_routing([entry])
         fetched = _read_missed_in_program(se, missed, num_missed, ahead)
     out = _slotted_outputs(se, x, ids, num_experts, resident, fetch_pos, fetched)
-    if host_out is not None:  # the host's experts' pairs: its outputs (the device read zeros for them)
+    if host_out is not None:  # the host's experts' pairs take its outputs (the device's used other weights)
         out = jnp.where(on_cpu[ids][..., None], host_out.astype(out.dtype), out)
     return out if receipt is None else out + receipt.astype(out.dtype)
 
