@@ -161,12 +161,21 @@ def admit_in_cache(core, batch: int, context: int, constraint, seed: int = 0) ->
 
 
 def decode_rate(
-    cfg, params, batch: int, context: int, steps: int, tokens: int, constraint, mode: str = "split"
+    cfg,
+    params,
+    batch: int,
+    context: int,
+    steps: int,
+    tokens: int,
+    constraint,
+    mode: str = "split",
+    graphs: bool = True,
 ) -> dict:
     """Generated tokens per second of `batch` rows (host work included), after a warm-up step;
-    `mode`: EngineConfig.constrained_decode."""
+    `mode`: EngineConfig.constrained_decode; `graphs`: EngineConfig.one_step_command_buffers."""
     core = make_core(cfg, params, batch=batch, context=context + tokens + 4 * steps, steps=steps,
-                     kv_dtype="bf16", prefill_chunk=256, constrained_decode=mode)  # fmt: skip
+                     kv_dtype="bf16", prefill_chunk=256, constrained_decode=mode,
+                     one_step_command_buffers=graphs)  # fmt: skip
     admit_in_cache(core, batch, context, constraint)
     core.step()  # compile
     core.step()
@@ -267,6 +276,11 @@ def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, co
     parts["b_forward"] = _chain(
         tokens, lambda: runner.decode_forward(tokens_d, positions_d, table_d, slots_d)[0]
     )
+    runner.config = runner.config.replace(one_step_command_buffers=False)
+    parts["b_forward_no_graphs"] = _chain(
+        tokens, lambda: runner.decode_forward(tokens_d, positions_d, table_d, slots_d)[0]
+    )
+    runner.config = runner.config.replace(one_step_command_buffers=True)
     parts["b_forward_numpy_args"] = _chain(
         tokens, lambda: runner.decode_forward(host.tokens, host.positions, host.block_table, host.slots)[0]
     )
@@ -310,6 +324,9 @@ def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, co
     config = core.config
     core.config = dataclasses.replace(config, constrained_decode="split")
     constrained_split = _engine_rate(core, batch, tokens)
+    runner.config = runner.config.replace(one_step_command_buffers=False)
+    constrained_split_no_graphs = _engine_rate(core, batch, tokens)
+    runner.config = runner.config.replace(one_step_command_buffers=True)
     core.config = dataclasses.replace(config, constrained_decode="fused")
     constrained = _engine_rate(core, batch, tokens)
     watch = Stopwatch()  # (f): the fused loop, instrumented
@@ -330,12 +347,13 @@ def breakdown(cfg, params, batch: int, context: int, steps: int, tokens: int, co
         core.abort(state.request_id)
     core.config = config
     return {"free": free, "parts": parts, "constrained": constrained, "constrained_split": constrained_split,
-            "instrumented": instrumented, "host_ms_per_step": host, "steps_per_dispatch": steps}  # fmt: skip
+            "constrained_split_no_graphs": constrained_split_no_graphs, "instrumented": instrumented, "host_ms_per_step": host, "steps_per_dispatch": steps}  # fmt: skip
 
 
 BREAKDOWN_ROWS = (  # (label, where in the result, key)
     ("(a) free decode (multi-step, async)", "free", None),
     ("(b) forward alone, device args", "parts", "b_forward"),
+    ("(b) forward alone, no command buffers", "parts", "b_forward_no_graphs"),
     ("(b) forward alone, numpy args", "parts", "b_forward_numpy_args"),
     ("(c) sample alone, no top-k", "parts", "c_sample"),
     ("(c) sample alone, top-k", "parts", "c_sample_top_k"),
@@ -346,6 +364,7 @@ BREAKDOWN_ROWS = (  # (label, where in the result, key)
     ("(d) fused step, no reads", "parts", "d_fused"),
     ("(d) fused step, read each step", "parts", "d_fused_read_each"),
     ("(e) engine constrained loop, split", "constrained_split", None),
+    ("(e) split, no command buffers", "constrained_split_no_graphs", None),
     ("(e) engine constrained loop, fused", "constrained", None),
 )
 
@@ -406,6 +425,14 @@ def main(argv: list[str] | None = None):
         choices=("split", "fused", "callback"),
         help="EngineConfig.constrained_decode of the throughput records (other than split: named in them)",
     )
+    parser.add_argument(
+        "--one-step-graphs",
+        default="on",
+        choices=("on", "off", "both"),
+        help="EngineConfig.one_step_command_buffers of the constrained records: whether the programs "
+        "dispatched once per token keep XLA's command buffers on a GPU; 'both': each batch with and "
+        "without (records of 'off' say 'no graphs')",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -438,34 +465,27 @@ def main(argv: list[str] | None = None):
             cfg, params = build_model(shape, dtype)
             for batch in (int(b) for b in args.batches.split(",")):
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None)
-                constrained = decode_rate(
-                    cfg,
-                    params,
-                    batch,
-                    args.context,
-                    args.steps,
-                    args.tokens,
-                    constraint,
-                    args.constrained_decode,
-                )
                 if batch == 1 and step_ms is None:
                     step_ms = free["ms_per_token"]
-                way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
-                name = (
-                    f"structured decode {shape} json_schema{way} batch{batch} {context_label(args.context)}"
-                )
-                record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
-                                     machine=machine, commit=commit, details={
-                    "batch": batch, "context": args.context, "steps_per_dispatch": args.steps,
-                    "tokens_per_row": args.tokens, "free_ms_per_token": free["ms_per_token"],
-                    "constrained_ms_per_token": constrained["ms_per_token"],
-                    "constrained_rows_finished": constrained["finished"],
-                    "constrained_decode": args.constrained_decode,
-                })  # fmt: skip
-                print(f"{name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of free {record.ceiling:.1f}",
-                      flush=True)  # fmt: skip
-                records.append(record)
-                write_records(records, out)  # after every point: a run cut short keeps what it measured
+                graph_choices = {"on": (True,), "off": (False,), "both": (True, False)}[args.one_step_graphs]
+                for graphs in graph_choices:
+                    constrained = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens,
+                                              constraint, args.constrained_decode, graphs)  # fmt: skip
+                    way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
+                    way += "" if graphs else " no graphs"
+                    name = f"structured decode {shape} json_schema{way} batch{batch} {context_label(args.context)}"
+                    record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
+                                         machine=machine, commit=commit, details={
+                        "batch": batch, "context": args.context, "steps_per_dispatch": args.steps,
+                        "tokens_per_row": args.tokens, "free_ms_per_token": free["ms_per_token"],
+                        "constrained_ms_per_token": constrained["ms_per_token"],
+                        "constrained_rows_finished": constrained["finished"],
+                        "constrained_decode": args.constrained_decode, "one_step_command_buffers": graphs,
+                    })  # fmt: skip
+                    print(f"{name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of free "
+                          f"{record.ceiling:.1f}", flush=True)  # fmt: skip
+                    records.append(record)
+                    write_records(records, out)  # after every point: a run cut short keeps what it measured
             del params
     for name, result in masks.items():
         ms = result["us_per_token"] / 1e3

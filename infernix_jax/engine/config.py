@@ -49,6 +49,10 @@ class EngineConfig:
     # at batch 1 it took 7.3 ms a token against fused's 9.3, and at batch 8 it ran at 84% of free
     # speed (docs/structured_output.md)
     constrained_decode: str = "split"
+    # whether the programs dispatched once per constrained token (split and fused) keep XLA's
+    # command buffers (CUDA graphs) on a GPU; False compiles them without, the multi-step programs
+    # keep theirs (infernix_jax/jit.py, docs/structured_output.md)
+    one_step_command_buffers: bool = True
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
     prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts

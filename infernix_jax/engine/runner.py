@@ -635,10 +635,10 @@ class Runner:
             )
         args = [jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots, mask)]
         if np.ndim(tokens) == 2:
-            program = partial(masked_window_program, cfg=self.cfg)
+            program = partial(self._one_step(masked_window_program), cfg=self.cfg)
         else:
             num_top = self.num_top if with_top else 0
-            program = partial(masked_decode_step_program, cfg=self.cfg, num_top=num_top)
+            program = partial(self._one_step(masked_decode_step_program), cfg=self.cfg, num_top=num_top)
         self.kv_pool, self.state_pool, self.slot_sampling, tokens, positions, packed = program(
             self.params, self.kv_pool, self.state_pool, self.slot_sampling, *args
         )
@@ -658,7 +658,7 @@ class Runner:
         tokens, positions, block_table, slots = (
             jax.device_put(a, self.device) for a in (tokens, positions, block_table, slots)
         )
-        self.kv_pool, self.state_pool, logits, next_positions = decode_forward_program(
+        self.kv_pool, self.state_pool, logits, next_positions = self._one_step(decode_forward_program)(
             self.params, self.kv_pool, self.state_pool, tokens, positions, block_table, slots, cfg=self.cfg
         )
         return logits, next_positions
@@ -670,10 +670,15 @@ class Runner:
         next forward; the packed outputs, read them with `read_step`). with_top False: no top
         alternatives (every row's top ids and logprobs come back empty)."""
         slots, active, mask = (jax.device_put(a, self.device) for a in (slots, active, mask))
-        self.slot_sampling, tokens, packed = masked_sample_program(
+        self.slot_sampling, tokens, packed = self._one_step(masked_sample_program)(
             self.slot_sampling, logits, slots, active, mask, num_top=self.num_top if with_top else 0
         )
         return tokens, packed
+
+    def _one_step(self, program):
+        """A program dispatched once per constrained token, with or without command buffers
+        (EngineConfig.one_step_command_buffers)."""
+        return program if self.config.one_step_command_buffers else program.without_command_buffers
 
     @staticmethod
     def read_step(packed: jax.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -228,19 +228,23 @@ def test_the_constrained_decode_ways_give_the_same_tokens(llm, backend, prompt):
 
     core = llm.core
     results = {}
-    for mode in ("fused", "split", "callback"):
-        saved = core.config
-        core.config = dataclasses.replace(saved, constrained_decode=mode)
+    ways = {  # the split way once more with its programs compiled without command buffers on a GPU
+        "fused": {}, "split": {}, "callback": {}, "split no graphs": {"one_step_command_buffers": False}
+    }  # fmt: skip
+    for mode, changes in ways.items():
+        saved, saved_runner = core.config, core.runner.config
+        core.config = dataclasses.replace(saved, constrained_decode=mode.split()[0], **changes)
+        core.runner.config = dataclasses.replace(saved_runner, **changes)
         forced, host_s = core.metrics.forced_tokens, core.metrics.constrained_host_s
         try:
             results[mode] = _tokens_and_logprobs(core, batch())
         finally:
-            core.config = saved
+            core.config, core.runner.config = saved, saved_runner
         if mode == "fused":
             assert core.metrics.forced_tokens > forced  # the schema's keys and punctuation
         if mode == "callback":
             assert core.metrics.constrained_host_s > host_s  # the masks came from its callback
-    for mode in ("fused", "callback"):
+    for mode in ("fused", "callback", "split no graphs"):
         for request_id, (tokens, logprobs) in results[mode].items():
             split_tokens, split_logprobs = results["split"][request_id]
             assert tokens and tokens == split_tokens, (mode, request_id)
