@@ -41,6 +41,7 @@ bench/results/expert-copies-<machine>.json; names contain "expert" and "pcie".
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 import jax
@@ -52,7 +53,13 @@ from bench.record import git_commit, machine_name, machine_slug, make_record, wr
 from infernix_jax.cache.prefix_host import PINNED_HOST, memory_kinds
 from infernix_jax.experts.offload import expert_rows
 from infernix_jax.model.host_copy import host_rows_address, register_host_rows
-from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_rows_to_leaves, fetch_buckets
+from infernix_jax.model.mlp import (
+    copy_host_rows,
+    copy_missed_rows,
+    expert_rows_to_leaves,
+    fetch_buckets,
+    on_stream,
+)
 
 METHODS = (
     "loop-leaves",
@@ -125,26 +132,32 @@ def _unrolled(stack_leaves: list[jax.Array], missed: jax.Array) -> list[jax.Arra
 
 
 def _unrolled_on_streams(host_rows: jax.Array, missed: jax.Array) -> jax.Array:
-    """Every row of `missed` copied on its own GPU stream (`compute_on("gpu_stream:i")`)."""
-    from jax.experimental.compute_on import compute_on
-
-    rows = []
-    for i in range(missed.shape[0]):
-        with compute_on(f"gpu_stream:{i + 1}"):
-            rows.append(copy_host_rows(host_rows, missed[i : i + 1]))
+    """Every row of `missed` copied on its own GPU stream (`compute_on("gpu_stream:i")`, through
+    `mlp.on_stream`, which speaks both jax 0.10's and 0.11's form of it)."""
+    rows = [
+        on_stream(copy_host_rows, f"gpu_stream:{i + 1}")(host_rows, missed[i : i + 1])
+        for i in range(missed.shape[0])
+    ]
     return jnp.concatenate(rows)
+
+
+def _host_transform(f, out_memory_spaces):
+    """`f` as host compute inside the program: jax 0.10's `compute_on2`, which jax 0.11 made
+    `compute_on` itself."""
+    from jax.experimental import compute_on as module
+
+    transform = module.compute_on
+    if "out_memory_spaces" not in inspect.signature(transform).parameters:
+        transform = module.compute_on2
+    return transform(f, compute_type="device_host", out_memory_spaces=out_memory_spaces)
 
 
 def _gathered_on_host(host_rows: jax.Array, experts: jax.Array) -> jax.Array:
     """Rows [len(experts), row_bytes]: gathered by host compute inside the program into a pinned
     staging block, then one host-to-device copy of the block."""
-    from jax.experimental.compute_on import compute_on2
-
     ids = jax.device_put(jnp.maximum(experts, 0), jax.memory.Space.Host)
-    gather = compute_on2(
-        lambda rows, ids: jnp.take(rows, ids, axis=0, mode="clip"),
-        compute_type="device_host",
-        out_memory_spaces=jax.memory.Space.Host,
+    gather = _host_transform(
+        lambda rows, ids: jnp.take(rows, ids, axis=0, mode="clip"), jax.memory.Space.Host
     )
     return jax.device_put(gather(host_rows, ids), jax.memory.Space.Device)
 
