@@ -51,7 +51,8 @@ class EngineConfig:
     constrained_decode: str = "split"
     # whether the programs dispatched once per constrained token (split and fused) keep XLA's
     # command buffers (CUDA graphs) on a GPU; False compiles them without, the multi-step programs
-    # keep theirs (infernix_jax/jit.py, docs/structured_output.md)
+    # keep theirs (infernix_jax/jit.py). On the H200 False was slower: 27B split at 60% of free
+    # decode against 85% (docs/structured_output.md)
     one_step_command_buffers: bool = True
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
@@ -98,7 +99,8 @@ class EngineConfig:
     # with expert_host_reads "program": each MoE layer of a decode step guesses the next layer's
     # experts (its router applied to this layer's input) and copies the guessed misses ahead on a
     # second GPU stream, so the copies overlap this layer's compute (model.mlp.prefetching_experts;
-    # docs/experts.md, "Prefetching the next layer's misses"). Off until measured on a GPU.
+    # docs/experts.md, "Prefetching the next layer's misses"). Off: on the H200 it was 20% slower
+    # (a third of the guesses unused, no overlap gained); on a GPU it needs the mapped or dma copy
     expert_prefetch: bool = False
     # with expert_host_reads "callback": the share of each layer's missed experts the host's CPU
     # computes (those with the fewest tokens; the fetch callback returns their outputs, not their

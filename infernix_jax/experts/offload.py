@@ -114,6 +114,9 @@ def resolve_host_reads(host_reads: str, disk_experts: int) -> str:
     return "program" if on_gpu and not disk_experts and PINNED_HOST in memory_kinds(device) else "callback"
 
 
+PREFETCH_COPIES_CPU_ONLY = ("loop", "buckets")  # host copies with control flow (see check_prefetch_copy)
+
+
 def resolve_host_copy(host_copy: str, rows: jax.Array) -> str:
     """`"auto"` -> "mapped" when the device can address the pinned host rows (`host_rows_address`:
     on the H200 its gather beat "dma" at batch 1 and tied it at batch 4, docs/experts.md), else
@@ -126,6 +129,18 @@ def resolve_host_copy(host_copy: str, rows: jax.Array) -> str:
         log.warning("expert host copy: %s; copying with dma instead", e)
         return "dma"
     return "mapped"
+
+
+def check_prefetch_copy(host_copy: str, backend: str) -> None:
+    """Raise ValueError where expert prefetch cannot run with this host copy: on a GPU, XLA could
+    not place the "loop" copy (a while loop) nor the "buckets" one (a switch) on the prefetch
+    stream ("No ExecutionStreamId found", jax 0.11 on the H200, docs/experts.md); "mapped" and
+    "dma" ran there and gave the all-resident tokens. The CPU runs all four."""
+    if backend != "cpu" and host_copy in PREFETCH_COPIES_CPU_ONLY:
+        raise ValueError(
+            f"expert prefetch cannot use the {host_copy!r} host copy on a {backend} device (XLA does not "
+            "run its control flow on the prefetch stream); use expert_host_copy mapped or dma"
+        )
 
 
 def cpu_share_at_start(
@@ -402,6 +417,8 @@ class ExpertOffload:
                 (host_stacks,) = host_memory.adopt((rows,))
                 del rows
                 host_copy = resolve_host_copy(host_copy, host_stacks)  # the first layer decides for all
+                if prefetch:
+                    check_prefetch_copy(host_copy, jax.default_backend())
                 if host_copy == "dma":
                     rows_ref = _committed(np.int32(register_host_rows(host_stacks)))
                 elif host_copy == "mapped":

@@ -15,6 +15,7 @@ from infernix_jax.engine import memory_plan
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_ERROR, GenerationRequest, SamplingParams
+from infernix_jax.experts.offload import PREFETCH_COPIES_CPU_ONLY, check_prefetch_copy
 from infernix_jax.model.mlp import expert_row_bytes
 from infernix_jax.weights.artifact import ArtifactWriter
 from tests.experts.tiny_moe import NUM_EXPERTS, expert_bytes, tiny_config, tiny_params
@@ -487,6 +488,17 @@ def test_prefetching_the_next_layers_misses_gives_the_resident_output(model, res
     wasted = stats.prefetched - stats.prefetch_used
     assert stats.fetched_bytes == (stats.misses + wasted) * expert_bytes(params)
     assert stats.gpu_hits + stats.host_hits == stats.lookups
+
+
+def test_prefetch_on_a_gpu_refuses_the_host_copies_with_control_flow():
+    """XLA does not place a while loop or a switch on the prefetch stream of a GPU (measured on
+    the H200): the engine says so at start instead of failing its first decode step."""
+    for copy in PREFETCH_COPIES_CPU_ONLY:
+        with pytest.raises(ValueError, match=f"cannot use the '{copy}' host copy on a gpu device"):
+            check_prefetch_copy(copy, "gpu")
+        check_prefetch_copy(copy, "cpu")
+    for copy in ("mapped", "dma"):
+        check_prefetch_copy(copy, "gpu")
 
 
 def test_prefetch_needs_host_reads_in_the_program(model):
