@@ -8,9 +8,10 @@ donation runs in seconds; and CPU memory is not the constraint there. So donatio
 the CPU backend. Facts: docs/model_config.md.
 
 Every program also has a `.without_command_buffers` twin: the same function compiled on a GPU
-with XLA's command buffers (CUDA graphs) off, for programs dispatched once per token, whose graphs
-XLA may have to update on every call (docs/structured_output.md). On the CPU the twin is the
-program itself (compiled once for both).
+with XLA's command buffers (CUDA graphs) off. It was built to test whether updating graphs is what
+makes a once-per-token dispatch costly; on the H200 the twins were slower (every kernel launched
+alone), so the engine keeps graphs (`EngineConfig.one_step_command_buffers`,
+docs/structured_output.md). On the CPU the twin is the program itself (compiled once for both).
 """
 
 from __future__ import annotations
