@@ -45,9 +45,13 @@ class EngineConfig:
     # multi-step decode program with masks, each step's from a host callback after the sample
     # before (engine/mask_feed.py); "fused", one masked forward+sample program per sampled token,
     # the tokens a grammar forces fed in the same dispatch; "split", a forward and a masked sample
-    # per token, the mask computed while the forward runs. Split is the default: on one H200 host
-    # at batch 1 it took 7.3 ms a token against fused's 9.3, and at batch 8 it ran at 84% of free
-    # speed (docs/structured_output.md)
+    # per token, the mask computed while the forward runs; "check", the free multi-step program
+    # with each constrained row's tokens checked against its grammar afterwards, the first refused
+    # one replaced by a masked sample (split's very tokens; chosen against split step by step by
+    # the seconds per token each took, engine/constrained_way.py; rows with top-k/top-p/min-p
+    # sampling or top logprobs split). Split is the default: on one H200 host at batch 1 it took
+    # 7.3 ms a token against fused's 9.3, and at batch 8 it ran at 84% of free speed
+    # (docs/structured_output.md)
     constrained_decode: str = "split"
     # whether the programs dispatched once per constrained token (split and fused) keep XLA's
     # command buffers (CUDA graphs) on a GPU; False compiles them without, the multi-step programs
@@ -154,9 +158,9 @@ class EngineConfig:
             errors.append(
                 f"spec_tree_nodes must be in [0, 15] (verify windows <= 16), got {self.spec_tree_nodes}"
             )
-        if self.constrained_decode not in ("callback", "fused", "split"):
+        if self.constrained_decode not in ("callback", "check", "fused", "split"):
             errors.append(
-                f"constrained_decode must be callback, fused or split, got {self.constrained_decode!r}"
+                f"constrained_decode must be callback, check, fused or split, got {self.constrained_decode!r}"
             )
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")

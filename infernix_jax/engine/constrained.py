@@ -85,6 +85,30 @@ class ConstrainedOutput:
             return FAILED
         return DONE if self.matcher.finished else OK
 
+    def follow_allowed(self, tokens) -> tuple[int, str]:
+        """Follow the longest prefix of `tokens` the constraint allows: (its length, OK or DONE).
+        The first token it refuses is not consumed, so the matcher stays where a masked sample
+        would continue from (the "check" way: free samples checked after the dispatch)."""
+        n = 0
+        while n < len(tokens):
+            token = int(tokens[n])
+            if self.undecided and token != self.constraint.may_open_token:  # the grammar's first token
+                if self.matcher.consume_allowed([token]) == 0:
+                    return n, OK
+                self.undecided = False
+                n += 1
+            elif self.matcher is None or self.undecided:  # the free part, or <think> opening it
+                self.advance(token)
+                n += 1
+                continue
+            else:
+                n += self.matcher.consume_allowed(tokens[n:])
+                if n < len(tokens) and not self.matcher.finished:
+                    return n, OK  # stopped before a refused token
+            if self.matcher.finished:
+                return n, DONE
+        return n, OK
+
     def fill_window_masks(self, drafts: list[int], rows: np.ndarray) -> int:
         """The masks of a speculative window [pending token, drafts..]: rows[j] (int32 [w, words])
         gets the mask of the token after window position j, the grammar advanced by drafts[:j].

@@ -11,6 +11,7 @@ versus everything the host does around them (scheduling, packing arrays, dispatc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from infernix_jax.cache import BLOCK_SIZE, BlockAllocator, SlotAllocator
+from infernix_jax.cache import BLOCK_SIZE, SCRATCH_SLOT, BlockAllocator, SlotAllocator
 from infernix_jax.config import ModelConfig
 from infernix_jax.engine.async_decode import AsyncDecode, InFlight, runs_on
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
+from infernix_jax.engine.constrained_way import CHECK, ConstrainedWayChooser
 from infernix_jax.engine.mask_feed import MaskFeed
 from infernix_jax.engine.memory_plan import auto_expert_budget, plan_blocks
 from infernix_jax.engine.ngram_prefetch import build_ngram_feeder
@@ -74,6 +76,8 @@ class EngineMetrics:
     forced_draft_tokens: int = 0  # speculative: drafts a grammar forced (structured output)
     forced_tokens: int = 0  # structured output: tokens a grammar forced, fed without a sample of their own
     constrained_host_s: float = 0.0  # structured output ("callback" way): host time inside decode programs
+    check_kept_tokens: int = 0  # structured output ("check" way): free samples their grammar allowed
+    check_refusals: int = 0  # ("check" way): free samples refused, each replaced by a masked sample
 
     @property
     def mean_accepted_length(self) -> float:
@@ -189,6 +193,7 @@ class EngineCore:
             load_prefix_cache(self.prefix_cache, config.prefix_cache_file)
         self.requests: dict[str, RequestState] = {}
         self.constraints: dict[str, ConstrainedOutput] = {}  # request id -> its structured-output state
+        self.way_chooser = ConstrainedWayChooser()  # "check" or "split" per step (constrained_decode "check")
         self.metrics = EngineMetrics()
         self._arrivals = 0
         self.scorer = Scorer(self)  # score requests (engine/scoring.py)
@@ -519,10 +524,14 @@ class EngineCore:
         each row's last token to fill its next mask. Free rows of the batch sample with an all-ones
         mask: the same keys, penalties and stops as in decode_program, so their tokens are the ones
         the multi-step program would give. `EngineConfig.constrained_decode` picks the programs
-        (`_constrained_fused`, `_constrained_split`)."""
+        (`_constrained_fused`, `_constrained_split`, `_constrained_check`)."""
         if self.config.constrained_decode == "callback":
             return self._constrained_callback(plan, events)
         b = plan.decode_batch
+        way, timed, started = self.config.constrained_decode, False, time.perf_counter()
+        if way == CHECK:  # timed, for the chooser; a batch the check way cannot serve exactly splits
+            timed = self._checkable(plan)
+            way = self.way_chooser.choose(b) if timed else "split"
         batch = self.runner.empty_decode(b, 1)
         for i, row in enumerate(plan.decode):
             state = row.request
@@ -535,13 +544,17 @@ class EngineCore:
         with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in plan.decode)
         run = _ConstrainedRun(plan, steps, self.runner.num_top, with_top)
         try:
-            if self.config.constrained_decode == "split":
+            if way == "split":
                 wait = self._constrained_split(run, batch)
+            elif way == CHECK:
+                wait = self._constrained_check(run, batch)
             else:
                 wait = self._constrained_fused(run, batch)
         except Exception as exc:  # noqa: BLE001 - as in _run_decode
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
+        if timed:
+            self.way_chooser.record(b, way, time.perf_counter() - started, int(run.counts.sum()))
         sampled = Sampled(run.tokens, run.counts, run.logprobs, run.top_ids, run.top_logprobs)
         for i, row in enumerate(plan.decode):
             if run.fed_after_stop[i]:  # its slot is one token past num_computed (split only)
@@ -709,6 +722,87 @@ class EngineCore:
                 active, active_rows = jax.device_put(sampling_rows), sampling_rows
             mask = self._constrained_masks(run, sampling_rows)  # host work overlapped with the forward
             current, pending = self.runner.sample_masked(logits, slots, active, mask, run.with_top)
+        return wait
+
+    def _checkable(self, plan: SchedulerOutput) -> bool:
+        """Whether the check way gives this batch split's very tokens: each constrained row greedy
+        or sampling from the whole distribution (top-k, top-p or min-p over the allowed tokens can
+        keep tokens the free cut dropped), without top alternatives (the replacement's program has
+        none), and no n-gram memory (docs/structured_output.md)."""
+        if self.ngram is not None:
+            return False
+        for row in plan.decode:
+            if row.request.request_id not in self.constraints:
+                continue
+            sampling = row.request.request.sampling
+            if (sampling.logprobs or 0) > 0:
+                return False
+            truncated = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0
+            if sampling.temperature > 0 and truncated:
+                return False
+        return True
+
+    def _constrained_check(self, run: _ConstrainedRun, batch) -> float:
+        """Sample free, check after: the plain multi-step program (one dispatch for up to
+        `decode_steps_per_dispatch` tokens, no masks), then each constrained row's tokens are
+        followed through its grammar up to the first one it refuses. That one and those after it
+        are dropped; the row's recurrent state and penalty row, copied on the device before the
+        dispatch, are put back, and one `masked_window_program` dispatch feeds the kept tokens and
+        samples the refused position under its mask, with the key split would use there. A kept
+        token is the one split samples (greedy or Gumbel-max: when the free argmax is allowed it
+        is the masked argmax), so the output is split's while the model keeps to its grammar at
+        the cost of free decoding. The KV written past the kept tokens is never read: the row's
+        next tokens overwrite it."""
+        runner, b = self.runner, len(run.live)
+        rows = run.plan.decode
+        constrained = np.zeros(b, bool)
+        constrained[: len(rows)] = [row.request.request_id in self.constraints for row in rows]
+        saved_slots = np.where(constrained, batch.slots, SCRATCH_SLOT).astype(np.int32)
+        saved = runner.save_slots(saved_slots)
+        # a refused row's window re-feeds its pending token and the kept ones: at most FORCED_WINDOW
+        steps = np.minimum(batch.max_steps, FORCED_WINDOW)
+        out = runner.decode(
+            dataclasses.replace(batch, max_steps=steps, steps=self.config.decode_steps_per_dispatch)
+        )
+        t0 = time.perf_counter()
+        sampled = runner.read_decode(out)
+        wait = time.perf_counter() - t0
+        refused = np.zeros(b, bool)
+        for i, row in enumerate(rows):
+            count = int(sampled.counts[i])
+            output = self.constraints.get(row.request.request_id)
+            kept, status = (count, OK) if output is None else output.follow_allowed(sampled.tokens[:count, i])
+            run.tokens[:kept, i] = sampled.tokens[:kept, i]
+            run.logprobs[:kept, i] = sampled.logprobs[:kept, i]
+            run.counts[i], run.statuses[i] = kept, status
+            if output is not None:
+                self.metrics.check_kept_tokens += kept
+            if kept < count and status == DONE:  # the grammar ended; the slot ran on past it
+                run.fed_after_stop[i] = True
+            elif kept < count:
+                refused[i] = True
+        if refused.any():
+            self.metrics.check_refusals += int(refused.sum())
+            wait += self._replace_refused(run, batch, refused, saved, saved_slots)
+        return wait
+
+    def _replace_refused(self, run: _ConstrainedRun, batch, refused, saved, saved_slots) -> float:
+        """The check way's second dispatch: restore the refused rows' slots, feed each its pending
+        token and kept tokens, and sample its next token under its grammar's mask."""
+        b = len(run.live)
+        self.runner.restore_slots(np.where(refused, saved_slots, SCRATCH_SLOT).astype(np.int32), saved)
+        window = np.zeros((b, FORCED_WINDOW), np.int32)
+        positions = np.full((b, FORCED_WINDOW), -1, np.int32)
+        for i in np.flatnonzero(refused):
+            fed = [int(batch.tokens[i]), *run.tokens[: run.counts[i], i]]
+            window[i, : len(fed)] = fed
+            positions[i, : len(fed)] = batch.positions[i] + np.arange(len(fed))
+        mask = self._constrained_masks(run, refused)
+        _, _, packed = self.runner.decode_step_masked(window, positions, batch.block_table, batch.slots, mask)
+        t0 = time.perf_counter()
+        read = self.runner.read_step(packed)
+        wait = time.perf_counter() - t0
+        self._record_constrained_step(run, refused, read)
         return wait
 
     def _cache_chunk(self, chunk) -> None:

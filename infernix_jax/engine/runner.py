@@ -18,6 +18,9 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
 - `decode_forward_program` [batch] and `masked_sample_program` [batch]: the same step split in two
   (`EngineConfig.constrained_decode = "split"`): the host computes the masks while the forward
   runs, at the cost of a second dispatch per token.
+- `save_rows_program` and `restore_rows_program` [batch]: device copies of a decode batch's state
+  slots and penalty rows, put back for the rows whose free sample a grammar refused
+  (`constrained_decode = "check"`: the plain `decode_program`, its tokens checked afterwards).
 
 The pools (KV pages, GDN state slots) and the per-slot sampling state are donated (on accelerators, see infernix_jax/jit.py) to every
 program and updated in place. Per-slot sampling state lives on the device so that a dispatch
@@ -417,6 +420,24 @@ def set_slot_program(
     )
 
 
+@jit
+def save_rows_program(state_pool: StatePool, slot_sampling: SlotSampling, slots: jax.Array):
+    """Copies of the slots' recurrent states and penalty rows (i32 slots [b]), kept on the device:
+    the "check" way restores a row whose free sample its grammar refused (core.py)."""
+    take = lambda x: x[slots]
+    return jax.tree.map(take, state_pool), jax.tree.map(take, slot_sampling.penalties)
+
+
+@partial(jit, donate_argnames=("state_pool", "slot_sampling"))
+def restore_rows_program(state_pool: StatePool, slot_sampling: SlotSampling, slots: jax.Array, saved):
+    """Put `save_rows_program`'s copies back into slots [b]; rows whose slot is 0 (the scratch
+    slot) are left as they are."""
+    states, penalties = saved
+    put = lambda x, rows: x.at[_drop_target(slots, x.shape[0])].set(rows, mode="drop")
+    merged = jax.tree.map(put, slot_sampling.penalties, penalties)
+    return jax.tree.map(put, state_pool, states), SlotSampling(slot_sampling.arrays, merged)
+
+
 def _drop_target(dst: jax.Array, n: int) -> jax.Array:
     return jnp.where(dst == 0, n, dst)  # row 0 (null block / scratch slot): out of range, dropped
 
@@ -675,6 +696,18 @@ class Runner:
         )
         return tokens, packed
 
+    def save_slots(self, slots: np.ndarray):
+        """Device copies of the slots' recurrent states and penalty rows (i32 [b]; 0 on rows that
+        need none), for `restore_slots`. Returns at once."""
+        return save_rows_program(self.state_pool, self.slot_sampling, jax.device_put(slots, self.device))
+
+    def restore_slots(self, slots: np.ndarray, saved) -> None:
+        """Put the states and penalty rows `save_slots` copied back into slots (i32 [b], in the
+        order they were saved; 0 leaves a row as it is)."""
+        self.state_pool, self.slot_sampling = restore_rows_program(
+            self.state_pool, self.slot_sampling, jax.device_put(slots, self.device), saved
+        )
+
     def _one_step(self, program):
         """A program dispatched once per constrained token, with or without command buffers
         (EngineConfig.one_step_command_buffers)."""
@@ -862,8 +895,9 @@ class Runner:
         idle = np.full(batch, -1, np.int32)
         mask = allow_all(batch, self.mask_words)
         out = []
+        way = self.config.constrained_decode
         for top in (True, False):
-            if self.config.constrained_decode == "split":
+            if way in ("split", "check"):  # check splits what it cannot check
                 logits, _ = self.decode_forward(empty.tokens, idle, empty.block_table, empty.slots)
                 out.append(self.sample_masked(logits, empty.slots, np.zeros(batch, bool), mask, top))
                 continue
@@ -871,10 +905,13 @@ class Runner:
                 empty.tokens, idle, empty.block_table, empty.slots, mask, top
             )
             out.append(self.decode_step_masked(tokens, positions, empty.block_table, empty.slots, mask, top))
-        if self.config.constrained_decode == "fused":  # forced tokens (no top alternatives)
+        if way in ("fused", "check"):  # forced tokens / a refused sample's replacement
             window = np.zeros((batch, FORCED_WINDOW), np.int32)
             idle_window = np.full_like(window, -1)
             out.append(self.decode_step_masked(window, idle_window, empty.block_table, empty.slots, mask))
+        if way == "check":  # the copies of the rows' states it restores after a refusal
+            self.restore_slots(empty.slots, self.save_slots(empty.slots))
+            out.append(self.state_pool)
         return out
 
 

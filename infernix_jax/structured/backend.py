@@ -9,6 +9,7 @@ library (xgrammar, outlines-core) fits behind the same two protocols.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +31,12 @@ class Matcher(Protocol):
 
     def consume(self, token: int) -> bool:
         """Advance by one generated token; False when the grammar does not allow it (then `error`)."""
+        ...
+
+    def consume_allowed(self, tokens: Sequence[int]) -> int:
+        """Advance by the longest prefix of tokens the grammar allows and return its length. The
+        first refused token is not consumed and the matcher stays usable (unlike `consume`): free
+        samples are checked this way, and a refused one replaced by a masked sample."""
         ...
 
     def rollback(self, num_tokens: int) -> None:

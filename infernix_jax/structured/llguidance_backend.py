@@ -80,6 +80,18 @@ class LLGuidanceMatcher:
             self._finished = True
         return ok
 
+    def consume_allowed(self, tokens: Sequence[int]) -> int:
+        tokens = [int(t) for t in tokens]
+        n = int(self._inner.try_consume_tokens(tokens))
+        # A grammar with nothing left to match takes an end token through consume_token only
+        # (llguidance 1.9: try_consume_tokens and validate_tokens stop before it, the mask allows it).
+        end = n < len(tokens) and tokens[n] in self._end_tokens
+        if end and not self._inner.is_error() and self._inner.is_accepting():
+            n += bool(self._inner.consume_token(tokens[n]))
+        if n and tokens[n - 1] in self._end_tokens:
+            self._finished = True
+        return n
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self._inner.rollback(num_tokens)

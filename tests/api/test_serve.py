@@ -92,6 +92,21 @@ def test_prefix_cache_flags_reach_the_engine(tmp_path, monkeypatch):
     assert calls[1]["prefix_cache"] is False
 
 
+def test_constrained_decode_reaches_the_engine_only_when_given(tmp_path, monkeypatch):
+    import infernix_jax.engine as engine_package
+
+    calls = []
+    monkeypatch.setattr(
+        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
+    )
+    serve.build_engine(serve.build_parser().parse_args(["--constrained-decode", "check"]))
+    serve.build_engine(serve.build_parser().parse_args([]))
+    assert calls[0]["constrained_decode"] == "check"
+    assert "constrained_decode" not in calls[1]
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--constrained-decode", "fast"])
+
+
 def test_memory_is_logged_from_the_engine(caplog, tokenizer):
     import logging
 

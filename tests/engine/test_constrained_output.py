@@ -40,6 +40,15 @@ class Sequence:
         self.consumed.append(token)
         return not self.failed
 
+    def consume_allowed(self, tokens) -> int:
+        n = 0
+        for token in tokens:
+            if self.finished or token != (self.tokens + [END])[len(self.consumed)]:
+                break
+            self.consumed.append(int(token))
+            n += 1
+        return n
+
     def rollback(self, num_tokens: int) -> None:
         del self.consumed[len(self.consumed) - num_tokens :]
 
@@ -133,8 +142,33 @@ def test_constrained_decode_is_split_unless_another_way_is_asked_for():
     assert EngineConfig().constrained_decode == "split"
     assert EngineConfig(constrained_decode="fused").constrained_decode == "fused"
     assert EngineConfig(constrained_decode="callback").constrained_decode == "callback"
-    with pytest.raises(ValueError, match="constrained_decode must be callback, fused or split"):
+    assert EngineConfig(constrained_decode="check").constrained_decode == "check"
+    with pytest.raises(ValueError, match="constrained_decode must be callback, check, fused or split"):
         EngineConfig(constrained_decode="fast")
+
+
+def test_follow_allowed_keeps_the_allowed_prefix_and_stops_before_the_refused_token():
+    # The check way: free samples are followed while the grammar allows them; the first refused
+    # one is not consumed, so the matcher is where the masked replacement continues from.
+    output = ConstrainedOutput(RequestConstraint(Grammar([5, 6, 7])), SamplingParams())
+    assert output.follow_allowed([5, 6, 9, 7]) == (2, OK)
+    assert output.error is None and allowed(output) == {7}
+    assert output.follow_allowed([7, END, 4]) == (2, DONE)  # the tokens after the end are dropped
+
+
+def test_follow_allowed_crosses_the_free_part_and_the_first_token_decision():
+    thinking = RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE)
+    output = ConstrainedOutput(thinking, SamplingParams())
+    assert output.follow_allowed([11, 12, THINK_CLOSE, 5, 8]) == (4, OK)  # free, free, close, grammar
+    assert allowed(output) == {END}
+    deciding = RequestConstraint(Grammar([5]), starts_after_token=THINK_CLOSE, may_open_token=THINK_OPEN)
+    refused = ConstrainedOutput(deciding, SamplingParams())
+    assert refused.follow_allowed([8, 5]) == (0, OK)
+    assert allowed(refused) == {5, THINK_OPEN}  # still undecided
+    direct = ConstrainedOutput(deciding, SamplingParams())
+    assert direct.follow_allowed([5, END]) == (2, DONE)
+    opened = ConstrainedOutput(deciding, SamplingParams())
+    assert opened.follow_allowed([THINK_OPEN, 3, THINK_CLOSE, 5]) == (4, OK) and allowed(opened) == {END}
 
 
 def test_forced_drafts_only_where_the_grammar_applies():

@@ -1,6 +1,7 @@
-"""Constrained decode after warm-up, fused and split (`EngineConfig.constrained_decode`; the
-callback way, which is not the default, is left out for the suite's time budget): masks
-are obeyed and nothing compiles, with and without logprobs (the programs have variants without the
+"""Constrained decode after warm-up, fused and check (`EngineConfig.constrained_decode`; check
+warms split's programs too and its chooser runs split on the second step of each batch size, so
+the default way is covered; the callback way is left out for the suite's time budget): masks are
+obeyed and nothing compiles, with and without logprobs (the programs have variants without the
 top-k alternatives).
 
 The engine is test_engine_core's (the hybrid MoE fixture, the same small buckets), so in one test
@@ -25,7 +26,7 @@ from tests.engine.test_engine_core import COMPILE_EVENT, MAX_CONTEXT, SMALL, pro
 SCRIPT = [11, 40, 5, 33, 60, 21]  # the only output the grammar allows, then END
 
 
-@pytest.fixture(scope="module", params=["fused", "split"])
+@pytest.fixture(scope="module", params=["fused", "check"])
 def core(request):
     model = infernix_jax.load(HF_FIXTURES / "qwen3_next", max_context=MAX_CONTEXT)
     config = dataclasses.replace(SMALL, structured_output=True, constrained_decode=request.param)
@@ -73,3 +74,5 @@ def test_constrained_batches_follow_the_grammar_without_compiling(core):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles["n"] == 0, f"{compiles['n']} compilations after warm-up"
+    if core.config.constrained_decode == "check":  # both of its ways ran
+        assert min(core.way_chooser.chosen.values()) > 0 and core.metrics.check_refusals > 0

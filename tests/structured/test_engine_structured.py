@@ -9,6 +9,7 @@ samples completed for its assertion to mean something.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import re
@@ -229,28 +230,109 @@ def test_the_constrained_decode_ways_give_the_same_tokens(llm, backend, prompt):
     core = llm.core
     results = {}
     ways = {  # the split way once more with its programs compiled without command buffers on a GPU
-        "fused": {}, "split": {}, "callback": {}, "split no graphs": {"one_step_command_buffers": False}
+        "fused": {}, "split": {}, "callback": {}, "split no graphs": {"one_step_command_buffers": False},
+        "check": {},
     }  # fmt: skip
     for mode, changes in ways.items():
         saved, saved_runner = core.config, core.runner.config
         core.config = dataclasses.replace(saved, constrained_decode=mode.split()[0], **changes)
         core.runner.config = dataclasses.replace(saved_runner, **changes)
         forced, host_s = core.metrics.forced_tokens, core.metrics.constrained_host_s
+        refusals = core.metrics.check_refusals
         try:
-            results[mode] = _tokens_and_logprobs(core, batch())
+            with _always_check(core):  # not split, whatever the chooser measured
+                results[mode] = _tokens_and_logprobs(core, batch())
         finally:
             core.config, core.runner.config = saved, saved_runner
         if mode == "fused":
             assert core.metrics.forced_tokens > forced  # the schema's keys and punctuation
         if mode == "callback":
             assert core.metrics.constrained_host_s > host_s  # the masks came from its callback
-    for mode in ("fused", "callback", "split no graphs"):
+        if mode == "check":  # a random model leaves its grammar: most free samples are replaced
+            assert core.metrics.check_refusals > refusals + 20
+    for mode in ("fused", "callback", "split no graphs", "check"):
         for request_id, (tokens, logprobs) in results[mode].items():
             split_tokens, split_logprobs = results["split"][request_id]
             assert tokens and tokens == split_tokens, (mode, request_id)
             assert [lp.logprob for lp in logprobs] == pytest.approx(
                 [lp.logprob for lp in split_logprobs], abs=1e-5
             )
+
+
+def _count_calls(monkeypatch, runner, *names: str) -> dict[str, int]:
+    """Count the calls of the runner's dispatch methods `names` (the dict fills as they run)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        method = getattr(runner, name)
+
+        def counted(*args, _name=name, _method=method, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(runner, name, counted)
+    return counts
+
+
+@contextlib.contextmanager
+def _always_check(core):
+    """The check way for every checkable constrained step (not the chooser's measured pick)."""
+    choose = core.way_chooser.choose
+    core.way_chooser.choose = lambda batch: "check"
+    try:
+        yield
+    finally:
+        core.way_chooser.choose = choose
+
+
+def test_a_model_that_keeps_to_its_grammar_decodes_at_free_speed_with_the_check_way(
+    llm, backend, prompt, monkeypatch
+):
+    # The check way runs the free multi-step program and checks its tokens afterwards. Constrained
+    # to the text it writes anyway (its own greedy output as the only choice), the model keeps every
+    # free sample: 4 tokens a dispatch (the engine's steps), where split takes a forward and a
+    # sample per token. The one refusal is where the free model writes on and the grammar ends;
+    # the end token is then sampled under the mask in one window dispatch. The tokens are split's.
+    core = llm.core
+    free = generate(core, [GenerationRequest("free", prompt, SamplingParams(max_tokens=16))])["free"]
+    assert len(free.token_ids) == 16 and free.finish_reason == FINISH_LENGTH
+    own = constraint(backend, ConstraintSpec.choice([free.text]))
+    request = GenerationRequest("own", prompt, SamplingParams(max_tokens=24), constraint=own)
+    # multi-step, split's forward, the window
+    counts = _count_calls(monkeypatch, core.runner, "decode", "decode_forward", "decode_step_masked")
+    outputs, seen = {}, {}
+    for way in ("split", "check"):
+        saved, before = core.config, dataclasses.replace(core.metrics)
+        core.config = dataclasses.replace(saved, constrained_decode=way)
+        counts.clear()
+        try:
+            with _always_check(core):
+                outputs[way] = generate(core, [request])["own"]
+        finally:
+            core.config = saved
+        kept = core.metrics.check_kept_tokens - before.check_kept_tokens
+        seen[way] = (dict(counts), kept, core.metrics.check_refusals - before.check_refusals)
+    assert outputs["check"] == outputs["split"]
+    assert outputs["check"].text == free.text and outputs["check"].finish_reason == FINISH_STOP
+    split_counts, _, _ = seen["split"]  # a forward per token (and one after the last)
+    assert list(split_counts) == ["decode_forward"] and split_counts["decode_forward"] >= 17
+    check_counts, kept, refusals = seen["check"]
+    # the first token is a prefill's sample, or a decode's where the prefix cache held the prompt
+    assert kept in (15, 16) and refusals == 1
+    assert check_counts == {"decode": -(-(kept + 1) // 4), "decode_step_masked": 1}
+
+
+def test_the_check_way_splits_rows_it_cannot_check_exactly(llm, backend, prompt, monkeypatch):
+    # Top-p over the allowed tokens can keep a token the free cut dropped, and the replacement's
+    # program has no top alternatives: such rows decode the split way, so their tokens stay split's.
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+    core = llm.core
+    monkeypatch.setattr(core, "config", dataclasses.replace(core.config, constrained_decode="check"))
+    chosen = dict(core.way_chooser.chosen)
+    calls = _count_calls(monkeypatch, core.runner, "decode")
+    for options in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}, {"logprobs": 2}):
+        requests = sampled_requests("unchecked", prompt, json_constraint, 2, max_tokens=6, **options)
+        assert all(out.token_ids for out in generate(core, requests).values())
+    assert calls == {} and core.way_chooser.chosen == chosen
 
 
 def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monkeypatch):
@@ -260,18 +342,11 @@ def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monke
     # per row: up to 3 forced + 1 sampled each), not 10.
     grammar = constraint(backend, ConstraintSpec.regex("1234567890"))
     core = llm.core
-    dispatches = {"n": 0}
-    method = core.runner.decode_step_masked
-
-    def counted(*args, **kwargs):
-        dispatches["n"] += 1
-        return method(*args, **kwargs)
-
-    monkeypatch.setattr(core.runner, "decode_step_masked", counted)
+    dispatches = _count_calls(monkeypatch, core.runner, "decode_step_masked")
     monkeypatch.setattr(core, "config", dataclasses.replace(core.config, constrained_decode="fused"))
     before = core.metrics.forced_tokens
     sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=4)
     output = generate(core, [GenerationRequest("digits", prompt, sampling, constraint=grammar)])["digits"]
     assert output.text == "1234567890" and output.finish_reason == FINISH_STOP
     assert core.metrics.forced_tokens - before in (7, 8)
-    assert dispatches["n"] == 3
+    assert dispatches == {"decode_step_masked": 3}
