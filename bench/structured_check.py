@@ -16,7 +16,8 @@ dispatches per token), check (the check way on every step) and auto (check or sp
 step from measured seconds per token, engine/constrained_way.py). Each way runs twice on the same
 engine and the second run is timed. Recorded per point: tokens per second, the share of checked
 free samples kept (kept / (kept + refusals)), dispatches per generated token, and whether check and
-split gave the same tokens (they must). Figure: check's tok/s; ceiling: free decoding's tok/s of
+split gave the same tokens (they must). Dispatches count the runner's dispatching calls (the
+multi-step decode, split's forward and sample, the window, the row copies and restores). Figure: check's tok/s; ceiling: free decoding's tok/s of
 the same batch in the same run (not the same tokens: the free rows stop at their own ends);
 fraction = check / free. Records go to bench/results/structured-check-<machine>.json.
 """
@@ -79,6 +80,35 @@ def _requests(way: str, batch: int, prompt: list[int], grammar, temperature: flo
     ]
 
 
+DISPATCHES = (
+    "decode",
+    "decode_forward",
+    "sample_masked",
+    "decode_step_masked",
+    "save_slots",
+    "restore_slots",
+)
+
+
+def _count_dispatches(runner) -> tuple[dict[str, int], callable]:
+    """Count calls of the runner's dispatching methods; returns (the counts, a function undoing it)."""
+    counts = dict.fromkeys(DISPATCHES, 0)
+    originals = {name: getattr(runner, name) for name in DISPATCHES}
+    for name, method in originals.items():
+
+        def counted(*args, _name=name, _method=method, **kwargs):
+            counts[_name] += 1
+            return _method(*args, **kwargs)
+
+        setattr(runner, name, counted)
+
+    def undo() -> None:
+        for name in DISPATCHES:
+            delattr(runner, name)  # the instance attribute: the class's method shows again
+
+    return counts, undo
+
+
 def measure_way(core, way: str, requests: list[GenerationRequest]) -> dict:
     """Run `requests` twice the given way; the second run's figures."""
     saved, choose = core.config, core.way_chooser.choose
@@ -90,7 +120,11 @@ def measure_way(core, way: str, requests: list[GenerationRequest]) -> dict:
         _run(core, requests)
         before = dataclasses.replace(core.metrics)
         chosen = dict(core.way_chooser.chosen)
-        tokens, wall = _run(core, requests)
+        counts, undo = _count_dispatches(core.runner)
+        try:
+            tokens, wall = _run(core, requests)
+        finally:
+            undo()
     finally:
         core.config, core.way_chooser.choose = saved, choose
     m = core.metrics
@@ -104,7 +138,8 @@ def measure_way(core, way: str, requests: list[GenerationRequest]) -> dict:
         "kept": kept,
         "refusals": refusals,
         "kept_share": kept / (kept + refusals) if kept + refusals else None,
-        "engine_steps_per_token": (m.steps - before.steps) / max(generated, 1),
+        "dispatches": {name: n for name, n in counts.items() if n},
+        "dispatches_per_token": sum(counts.values()) / max(generated, 1),
         "chosen": {k: v - chosen[k] for k, v in core.way_chooser.chosen.items()},
         "tokens": tokens,
     }
@@ -175,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
                             "batch": batch,
                             "max_tokens": args.tokens,
                             "steps_per_dispatch": args.steps,
-                            "model": Path(args.model).name,
+                            "model": "demo" if Path(args.model) == MODEL_DIR else Path(args.model).name,
                             "ways": results,
                             "check_vs_split": results["check"]["tok_s"] / results["split"]["tok_s"],
                             "same_tokens_as_split": all(same),
