@@ -422,8 +422,11 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--constrained-decode",
         default="split",
-        choices=("split", "fused", "callback"),
-        help="EngineConfig.constrained_decode of the throughput records (other than split: named in them)",
+        choices=("split", "fused", "callback", "check"),
+        help="EngineConfig.constrained_decode of the throughput records (other than split: named in "
+        "them); check: chosen against split by measured speed (a random-weight model leaves its "
+        "grammar, so this measures what the chooser's retries cost; bench.structured_check measures "
+        "check itself with a trained model)",
     )
     parser.add_argument(
         "--one-step-graphs",

@@ -8,8 +8,9 @@ model's free choice is one its grammar allows: a trained model writing the JSON 
 keeps most of its tokens, a random-weight model almost none, and then every refusal wastes the
 rest of the dispatch's steps. The tokens are the same either way (docs/structured_output.md), so
 the choice is only about speed, and it is made from measurements: the seconds per generated token
-each way took lately, for each batch size. The slower way is tried again now and then, after
-twice as many steps each time it loses, so a change of workload is noticed at a small cost.
+each way took lately (decayed sums of seconds over decayed sums of tokens), for each batch size.
+The slower way is tried again now and then, after twice as many steps each time it loses, so a
+change of workload is noticed at a small cost.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ CHECK, SPLIT = "check", "split"
 
 @dataclass
 class _BatchTimes:
-    """The seconds per token of each way at one batch size, and when to try the slower again."""
+    """Decayed sums of each way's seconds and tokens at one batch size, and when to try the
+    slower way again."""
 
-    seconds_per_token: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
     steps_since: dict[str, int] = field(default_factory=lambda: {CHECK: 0, SPLIT: 0})
     retry_after: int = 0
+
+    def seconds_per_token(self, way: str) -> float:
+        return self.seconds[way] / max(self.tokens[way], 1e-9)
 
 
 class ConstrainedWayChooser:
@@ -33,14 +39,21 @@ class ConstrainedWayChooser:
 
     Starts with check (the fast way for a model that follows its grammar), then measures split
     once, then runs the way with fewer seconds per token, retrying the other after `retry_steps`
-    steps, doubled (up to `max_retry_steps`) each time the retry loses. `smoothing` weights the
-    newest measurement in the running average of the way being run; a retry's measurement
-    replaces the other's average (it was stale)."""
+    steps, doubled (up to `max_retry_steps`) each time the retry loses. A way's seconds per token
+    is the ratio of its decayed sums of seconds and tokens (each step's weight falls by `decay`
+    per later step of that way), so a slow step that yields few tokens (a request's last, where
+    the model writes on and its grammar ends) weighs by its tokens, not as one step in many. A
+    retry first shrinks the stale sums of its way by `stale`."""
 
-    def __init__(self, retry_steps: int = 8, max_retry_steps: int = 512, smoothing: float = 0.3):
-        if retry_steps < 1 or max_retry_steps < retry_steps or not 0 < smoothing <= 1:
-            raise ValueError("need 1 <= retry_steps <= max_retry_steps and 0 < smoothing <= 1")
-        self.retry_steps, self.max_retry_steps, self.smoothing = retry_steps, max_retry_steps, smoothing
+    def __init__(
+        self, retry_steps: int = 8, max_retry_steps: int = 512, decay: float = 0.95, stale: float = 0.25
+    ):
+        if retry_steps < 1 or max_retry_steps < retry_steps:
+            raise ValueError("need 1 <= retry_steps <= max_retry_steps")
+        if not (0 < decay < 1 and 0 <= stale <= 1):
+            raise ValueError("need 0 < decay < 1 and 0 <= stale <= 1")
+        self.retry_steps, self.max_retry_steps = retry_steps, max_retry_steps
+        self.decay, self.stale = decay, stale
         self._times: dict[int, _BatchTimes] = {}
         self.chosen = {CHECK: 0, SPLIT: 0}  # steps each way ran (for metrics and tests)
 
@@ -49,19 +62,24 @@ class ConstrainedWayChooser:
             self._times[batch] = _BatchTimes(retry_after=self.retry_steps)
         return self._times[batch]
 
+    def seconds_per_token(self, batch: int, way: str) -> float | None:
+        """The way's measured seconds per token at this batch size (None before it ran)."""
+        at = self._at(batch)
+        return at.seconds_per_token(way) if way in at.seconds else None
+
     def best(self, batch: int) -> str | None:
         """The way with fewer seconds per token at this batch size (None before both ran)."""
-        times = self._at(batch).seconds_per_token
-        if len(times) < 2:
+        at = self._at(batch)
+        if len(at.seconds) < 2:
             return None
-        return CHECK if times[CHECK] <= times[SPLIT] else SPLIT
+        return CHECK if at.seconds_per_token(CHECK) <= at.seconds_per_token(SPLIT) else SPLIT
 
     def choose(self, batch: int) -> str:
         """The way the next constrained step of `batch` rows should take."""
         at = self._at(batch)
-        if CHECK not in at.seconds_per_token:
+        if CHECK not in at.seconds:
             return CHECK
-        if SPLIT not in at.seconds_per_token:
+        if SPLIT not in at.seconds:
             return SPLIT
         best = self.best(batch)
         other = SPLIT if best == CHECK else CHECK
@@ -72,10 +90,10 @@ class ConstrainedWayChooser:
         if way not in (CHECK, SPLIT):
             raise ValueError(f"unknown constrained decode way {way!r}")
         at = self._at(batch)
-        retried = len(at.seconds_per_token) == 2 and way != self.best(batch)
-        rate = seconds / max(tokens, 1)
-        old = at.seconds_per_token.get(way)  # a retry's own measurement replaces a stale average
-        at.seconds_per_token[way] = rate if old is None or retried else old + self.smoothing * (rate - old)
+        retried = len(at.seconds) == 2 and way != self.best(batch)
+        keep = self.stale if retried else self.decay
+        at.seconds[way] = keep * at.seconds.get(way, 0.0) + seconds
+        at.tokens[way] = keep * at.tokens.get(way, 0.0) + tokens
         if retried:  # the slower way's retry: keep it rarer while it keeps losing
             won = self.best(batch) == way
             at.retry_after = self.retry_steps if won else min(2 * at.retry_after, self.max_retry_steps)

@@ -7,12 +7,14 @@ import pytest
 from infernix_jax.engine.constrained_way import CHECK, SPLIT, ConstrainedWayChooser
 
 
-def run(chooser: ConstrainedWayChooser, batch: int, seconds: dict[str, float], steps: int) -> list[str]:
-    """`steps` steps, each way taking its fixed seconds for one token; the ways chosen."""
+def run(
+    chooser: ConstrainedWayChooser, batch: int, seconds: dict[str, float], steps: int, tokens=None
+) -> list[str]:
+    """`steps` steps, each way taking its fixed seconds for its tokens (default 1); the ways chosen."""
     ways = []
     for _ in range(steps):
         way = chooser.choose(batch)
-        chooser.record(batch, way, seconds[way], tokens=1)
+        chooser.record(batch, way, seconds[way], tokens=(tokens or {}).get(way, 1))
         ways.append(way)
     return ways
 
@@ -38,11 +40,11 @@ def test_a_losing_retry_waits_twice_as_long_each_time():
 
 def test_a_winning_retry_takes_over_at_once():
     chooser = ConstrainedWayChooser(retry_steps=4)
-    run(chooser, 1, {CHECK: 9.0, SPLIT: 1.0}, 6)
+    run(chooser, 1, {CHECK: 9.0, SPLIT: 1.0}, 6)  # check keeps one token a step
     assert chooser.best(1) == SPLIT
-    # the workload changes: the model now keeps to its grammar
-    ways = run(chooser, 1, {CHECK: 0.5, SPLIT: 1.0}, 16)
-    first = ways.index(CHECK)  # the next retry (its measurement replaces check's stale average)
+    # the workload changes: the model now keeps to its grammar, 8 tokens a check step
+    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 16, tokens={CHECK: 8})
+    first = ways.index(CHECK)  # the next retry (check's stale sums shrink first)
     assert first <= 8 and ways[first : first + 4] == [CHECK] * 4  # then split's own retry
     assert chooser.best(1) == CHECK
 
@@ -52,6 +54,19 @@ def test_batch_sizes_are_measured_apart():
     run(chooser, 1, {CHECK: 1.0, SPLIT: 2.0}, 4)
     run(chooser, 8, {CHECK: 2.0, SPLIT: 1.0}, 4)
     assert chooser.best(1) == CHECK and chooser.best(8) == SPLIT
+
+
+def test_a_slow_step_of_few_tokens_weighs_by_its_tokens():
+    # A request's last check step: the model writes on where its grammar ends, so the dispatch
+    # yields one token for the price of eight steps. Against steps of 8 tokens at 1 s a token it
+    # moves check's rate a little, not past split's.
+    chooser = ConstrainedWayChooser()
+    chooser.record(1, SPLIT, seconds=9.6, tokens=8)
+    for _ in range(10):
+        chooser.record(1, CHECK, seconds=8.0, tokens=8)
+    chooser.record(1, CHECK, seconds=10.0, tokens=1)
+    assert 1.0 < chooser.seconds_per_token(1, CHECK) < chooser.seconds_per_token(1, SPLIT) == 1.2
+    assert chooser.best(1) == CHECK
 
 
 def test_seconds_per_token_not_per_step():
@@ -65,6 +80,6 @@ def test_bad_settings_and_ways_are_refused():
     with pytest.raises(ValueError):
         ConstrainedWayChooser(retry_steps=0)
     with pytest.raises(ValueError):
-        ConstrainedWayChooser(smoothing=0)
+        ConstrainedWayChooser(decay=1.0)
     with pytest.raises(ValueError, match="unknown constrained decode way"):
         ConstrainedWayChooser().record(1, "fused", 1.0, 1)
