@@ -321,6 +321,51 @@ def test_a_model_that_keeps_to_its_grammar_decodes_at_free_speed_with_the_check_
     assert check_counts == {"decode": -(-(kept + 1) // 4), "decode_step_masked": 1}
 
 
+def test_thinking_and_a_broken_constraint_end_as_split_ends_them_with_the_check_way(
+    llm, backend, qwen3_tokenizer
+):
+    # Free thinking, then JSON (the check way crosses </think> inside a dispatch's tokens), and a
+    # constraint that min_tokens breaks (its replacement sample is refused too): the outputs,
+    # errors included, are split's.
+    think_prompt = qwen3_tokenizer.encode(
+        "<|im_start|>user\nJSON please<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    schema = SCHEMAS["const_and_enum"]
+    after_thinking = constraint(backend, ConstraintSpec.json_schema(schema), starts_after_token=THINK_CLOSE)
+    requests = sampled_requests(
+        "think",
+        think_prompt,
+        after_thinking,
+        3,
+        max_tokens=40,
+        logit_bias=((THINK_CLOSE, 12.0),),
+        min_tokens=2,
+    ) + [
+        GenerationRequest(
+            "stuck",
+            think_prompt,
+            SamplingParams(max_tokens=12, min_tokens=8),
+            constraint(backend, ConstraintSpec.choice(["ok"])),
+        )
+    ]
+    core, outputs = llm.core, {}
+    before = dataclasses.replace(core.metrics)
+    for way in ("split", "check"):
+        saved = core.config
+        core.config = dataclasses.replace(saved, constrained_decode=way)
+        try:
+            with _always_check(core):
+                outputs[way] = generate(core, requests)
+        finally:
+            core.config = saved
+    assert outputs["check"] == outputs["split"]
+    # the thinking tokens were kept from free samples, the JSON's mostly replaced
+    assert core.metrics.check_kept_tokens > before.check_kept_tokens + 3
+    assert core.metrics.check_refusals > before.check_refusals + 3
+    assert outputs["check"]["stuck"].finish_reason == "error"
+    assert any(THINK_CLOSE in out.token_ids for name, out in outputs["check"].items() if name != "stuck")
+
+
 def test_the_check_way_splits_rows_it_cannot_check_exactly(llm, backend, prompt, monkeypatch):
     # Top-p over the allowed tokens can keep a token the free cut dropped, and the replacement's
     # program has no top alternatives: such rows decode the split way, so their tokens stay split's.
