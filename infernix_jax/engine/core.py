@@ -100,7 +100,8 @@ class EngineMetrics:
 class _ConstrainedRun:
     """What one constrained decode (`EngineCore._run_decode_constrained`) collects, step by step:
     each row's kept tokens, logprobs and alternatives, its constraint status, whether it still
-    decodes, and whether it was fed once more after it stopped (the split path)."""
+    decodes, and whether its slot was fed past its last kept token (the split path feeds a stopped
+    row once more; the check path runs on past a grammar's end)."""
 
     def __init__(self, plan: SchedulerOutput, steps: int, num_top: int, with_top: bool):
         b = plan.decode_batch
@@ -557,7 +558,7 @@ class EngineCore:
             self.way_chooser.record(b, way, time.perf_counter() - started, int(run.counts.sum()))
         sampled = Sampled(run.tokens, run.counts, run.logprobs, run.top_ids, run.top_logprobs)
         for i, row in enumerate(plan.decode):
-            if run.fed_after_stop[i]:  # its slot is one token past num_computed (split only)
+            if run.fed_after_stop[i]:  # its slot is past num_computed (split, check)
                 row.request.cacheable_state = False
             count = int(run.counts[i])
             row.request.num_computed += count
