@@ -104,6 +104,22 @@ def test_a_refused_token_puts_the_matcher_in_error(backend, qwen3_tokenizer):
     assert matcher.error
 
 
+def test_consume_allowed_stops_before_a_refused_token_and_the_matcher_stays_usable(backend, qwen3_tokenizer):
+    # The check way follows a dispatch's free samples this way; the refused one is then replaced
+    # by a masked sample, so the matcher must still give masks.
+    eos = qwen3_tokenizer.eos_token_ids[0]
+    digits = backend.compile(ConstraintSpec.regex("[0-9]+")).new_matcher()
+    ids = qwen3_tokenizer.encode("12x3")
+    refused = ids.index(qwen3_tokenizer.encode("x")[0])
+    assert digits.consume_allowed(ids) == refused and digits.error is None and not digits.finished
+    assert allowed(digits) and digits.consume_allowed([eos, 5]) == 1 and digits.finished
+    # a grammar with nothing left to match (llguidance's try_consume_tokens stops before its end
+    # token there, though the mask allows it): the end token is taken, what follows is not
+    done = backend.compile(ConstraintSpec.choice(["ok"])).new_matcher()
+    ok = qwen3_tokenizer.encode("ok")
+    assert done.consume_allowed([*ok, eos, *ok]) == len(ok) + 1 and done.finished
+
+
 def test_rollback_undoes_consumed_tokens(backend, qwen3_tokenizer):
     matcher = backend.compile(ConstraintSpec.choice(["red", "blue"])).new_matcher()
     start = allowed(matcher)
