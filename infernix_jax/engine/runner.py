@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,7 @@ from infernix_jax.engine.sampling import (
     row_keys,
     sample,
     stop_token_hit,
+    unmasked_choice,
     update_penalty_state,
 )
 from infernix_jax.jit import jit
@@ -275,23 +277,25 @@ def _forward_one(params, kv_pool, state_pool, tokens, positions, block_table, sl
 
 def _sample_packed(slot_sampling, logits, slots, active, mask, num_top, forced=None):
     """Sample one token per row under its mask, record it in the active rows' penalty state:
-    (slot_sampling, tokens i32 [b], packed i32 [b, 2 + 2 k]: token, logprob bits, k top ids,
-    k top logprob bits; read in one transfer with `unpack_step`). `forced` (tokens i32 [b, f],
-    valid bool [b, f]): outputs the grammar forced before this sample, recorded first (penalties,
-    and the token index that keys the sample)."""
+    (slot_sampling, tokens i32 [b], packed i32 [b, 3 + 2 k]: token, logprob bits, the token the row
+    would take unmasked (`unmasked_choice`), k top ids, k top logprob bits; read in one transfer
+    with `unpack_step`). `forced` (tokens i32 [b, f], valid bool [b, f]): outputs the grammar forced
+    before this sample, recorded first (penalties, and the token index that keys the sample)."""
     arrays, penalties = slot_sampling.rows(slots)
     if forced is not None:
         for tokens, valid in zip(forced[0].T, forced[1].T):
             penalties = update_penalty_state(penalties, tokens, valid)
-    out = sample(
-        logits, arrays, penalties, row_keys(arrays, penalties.num_generated), mask, num_top_logprobs=num_top
-    )
+    keys = row_keys(arrays, penalties.num_generated)
+    out = sample(logits, arrays, penalties, keys, mask, num_top_logprobs=num_top)
+    free = unmasked_choice(logits, arrays, penalties, keys)
     penalties = update_penalty_state(penalties, out.tokens, active)
     slot_sampling = slot_sampling.with_penalties(jnp.where(active, slots, SCRATCH_SLOT), penalties)
     as_int = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     packed = jnp.concatenate(
-        [out.tokens[:, None], as_int(out.logprobs)[:, None], out.top_ids, as_int(out.top_logprobs)], axis=1
-    )
+        [out.tokens[:, None], as_int(out.logprobs)[:, None], free[:, None], out.top_ids,
+         as_int(out.top_logprobs)],
+        axis=1,
+    )  # fmt: skip
     return slot_sampling, out.tokens, packed
 
 
@@ -389,19 +393,30 @@ def masked_sample_program(
     """Sample one token per row under its mask and record it in the row's penalty state.
 
     Returns the tokens (i32 [b], for the next forward; they stay on the device) and everything the
-    host reads packed into one i32 [b, 2 + 2 k] array, so reading a step is one transfer: columns
-    token, logprob (f32 bits), k top ids, k top logprobs (f32 bits). num_top 0 skips the top-k over
+    host reads packed into one i32 [b, 3 + 2 k] array, so reading a step is one transfer: columns
+    token, logprob (f32 bits), the unmasked choice, k top ids, k top logprobs (f32 bits). num_top 0 skips the top-k over
     the vocabulary (no row of the batch asked for alternatives)."""
     return _sample_packed(slot_sampling, logits, slots, active, mask, num_top)
 
 
-def unpack_step(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens [b], logprobs [b], top ids [b, k], top logprobs [b, k]) of masked_sample_program's
-    packed i32 [b, 2 + 2 k] output, read back to the host."""
+class StepRead(NamedTuple):
+    """One masked sample read back to the host (`unpack_step`)."""
+
+    tokens: np.ndarray  # i32 [b]
+    logprobs: np.ndarray  # f32 [b]
+    top_ids: np.ndarray  # i32 [b, k]
+    top_logprobs: np.ndarray  # f32 [b, k]
+    unmasked: np.ndarray  # i32 [b]: the token each row would have taken with no mask
+
+
+def unpack_step(packed: np.ndarray) -> StepRead:
+    """masked_sample_program's packed i32 [b, 3 + 2 k] output, read back to the host."""
     packed = np.asarray(packed, np.int32)
-    k = (packed.shape[1] - 2) // 2
+    k = (packed.shape[1] - 3) // 2
     as_float = lambda x: np.ascontiguousarray(x).view(np.float32)
-    return packed[:, 0], as_float(packed[:, 1]), packed[:, 2 : 2 + k], as_float(packed[:, 2 + k :])
+    return StepRead(
+        packed[:, 0], as_float(packed[:, 1]), packed[:, 3 : 3 + k], as_float(packed[:, 3 + k :]), packed[:, 2]
+    )
 
 
 @partial(jit, donate_argnames=("slot_sampling",))
@@ -714,9 +729,9 @@ class Runner:
         return program if self.config.one_step_command_buffers else program.without_command_buffers
 
     @staticmethod
-    def read_step(packed: jax.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens [b], logprobs [b], top ids [b, k], top logprobs [b, k]) of one masked sample, in
-        one device-to-host transfer (k is 0 when it ran without alternatives)."""
+    def read_step(packed: jax.Array) -> StepRead:
+        """One masked sample's tokens, logprobs, top alternatives (k is 0 when it ran without
+        them) and unmasked choices, in one device-to-host transfer."""
         return unpack_step(jax.device_get(packed))
 
     def decode(self, batch: DecodeBatch, feed: MaskFeed | None = None):

@@ -310,6 +310,27 @@ def process_logits(
     return logits
 
 
+def unmasked_choice(
+    logits: jax.Array, arrays: SamplingArrays, state: PenaltyState, step_keys: jax.Array
+) -> jax.Array:
+    """The token each row would take with no structured-output mask: i32 [b].
+
+    For a row without top-k, top-p or min-p this is `sample`'s token with mask None (the same
+    processing and the same Gumbel noise), i.e. what the check way's free decode samples; where
+    the mask allows it, it is also the masked sample. A constrained split step compares the two to
+    learn how often checking would keep its tokens (engine/constrained_way.py). Truncation is not
+    applied: rows that use it never take the check way."""
+    processed = process_logits(logits.astype(jnp.float32), arrays, state, None)
+    greedy_tokens = jnp.argmax(processed, axis=1).astype(jnp.int32)
+
+    def drawn() -> jax.Array:
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, processed.shape[1:], jnp.float32))(step_keys)
+        tokens = jnp.argmax(processed / arrays.temperature[:, None] + noise, axis=1).astype(jnp.int32)
+        return jnp.where(arrays.greedy, greedy_tokens, tokens)
+
+    return jax.lax.cond(jnp.all(arrays.greedy), lambda: greedy_tokens, drawn)
+
+
 def _order_key(x: jax.Array) -> jax.Array:
     """u32 with the same order as the float32 x (a < b  <=>  key(a) < key(b)); -0.0 is +0.0."""
     x = jnp.where(x == 0, 0.0, x).astype(jnp.float32)

@@ -17,6 +17,7 @@ from infernix_jax.engine.sampling import (
     set_penalty_rows,
     stop_token_hit,
     truncated_logits,
+    unmasked_choice,
     unpack_token_mask,
     update_penalty_state,
 )
@@ -301,6 +302,29 @@ def test_mask_restricts_greedy_and_sampled_rows_and_packed_bits_mean_the_same():
     expected_greedy = np.argmax(np.where(allowed[0], np.asarray(logits[0]), -np.inf))
     assert with_bool[0] == expected_greedy
     assert with_bool[2] == np.argmax(np.asarray(logits[2]))
+
+
+def test_the_unmasked_choice_is_the_free_sample_and_where_allowed_the_masked_one():
+    # What a constrained split step tells the check way's chooser: the token each row would take
+    # unmasked is the free sample (same keys, penalties, bias), and equals the masked sample
+    # exactly when the mask allows it (Gumbel-max: the free argmax, if allowed, is the masked one).
+    logits = jax.random.normal(jax.random.key(3), (4, VOCAB)) * 2
+    params = [SamplingParams(), SamplingParams(temperature=0.7, presence_penalty=0.5),
+              SamplingParams(temperature=1.3, logit_bias=((5, 4.0),)), SamplingParams(temperature=1.0)]  # fmt: skip
+    state = update_penalty_state(PenaltyState.zeros(4, VOCAB), jnp.array([1, 2, 3, 4]), jnp.ones(4, bool))
+    agreed = refused = 0
+    for seed in range(24):
+        arrays = _arrays(params, [seed] * 4)
+        keys = row_keys(arrays, state.num_generated)
+        free = np.asarray(_sample_step(logits, arrays, state).tokens)
+        choice = np.asarray(jax.jit(unmasked_choice)(logits, arrays, state, keys))
+        np.testing.assert_array_equal(choice, free)
+        allowed = np.asarray(jax.random.bernoulli(jax.random.key(100 + seed), 0.5, (4, VOCAB)))
+        masked = np.asarray(_sample_step(logits, arrays, state, jnp.asarray(allowed)).tokens)
+        kept = allowed[np.arange(4), choice]
+        np.testing.assert_array_equal(masked == choice, kept)
+        agreed, refused = agreed + kept.sum(), refused + (~kept).sum()
+    assert agreed > 10 and refused > 10  # both cases were seen
 
 
 # ---------------------------------------------------------------------------------------------
