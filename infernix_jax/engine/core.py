@@ -115,6 +115,9 @@ class _ConstrainedRun:
         self.logprobs = np.zeros((steps, b), np.float32)
         self.top_ids = np.zeros((steps, b, num_top), np.int32)
         self.top_logprobs = np.zeros((steps, b, num_top), np.float32)
+        # constrained tokens judged, and those whose free choice the grammar allowed (the chooser's
+        # keep share, engine/constrained_way.py)
+        self.judged = self.kept_free = 0
 
 
 class EngineCore:
@@ -194,7 +197,9 @@ class EngineCore:
             load_prefix_cache(self.prefix_cache, config.prefix_cache_file)
         self.requests: dict[str, RequestState] = {}
         self.constraints: dict[str, ConstrainedOutput] = {}  # request id -> its structured-output state
-        self.way_chooser = ConstrainedWayChooser()  # "check" or "split" per step (constrained_decode "check")
+        # "check" or "split" per step (constrained_decode "check"); a check dispatch runs at most
+        # FORCED_WINDOW steps (a refused row's window re-feeds what it kept)
+        self.way_chooser = ConstrainedWayChooser(window=min(config.decode_steps_per_dispatch, FORCED_WINDOW))
         self.metrics = EngineMetrics()
         self._arrivals = 0
         self.scorer = Scorer(self)  # score requests (engine/scoring.py)
@@ -555,7 +560,8 @@ class EngineCore:
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
         if timed:
-            self.way_chooser.record(b, way, time.perf_counter() - started, int(run.counts.sum()))
+            seconds = time.perf_counter() - started
+            self.way_chooser.record(b, way, seconds, int(run.counts.sum()), run.kept_free, run.judged)
         sampled = Sampled(run.tokens, run.counts, run.logprobs, run.top_ids, run.top_logprobs)
         for i, row in enumerate(plan.decode):
             if run.fed_after_stop[i]:  # its slot is past num_computed (split, check)
@@ -596,7 +602,8 @@ class EngineCore:
     def _record_constrained_step(self, run: _ConstrainedRun, rows: np.ndarray, read) -> None:
         """Feed one step's tokens (`read`: read_step's four arrays) of the rows that sampled to
         their constraints and stop rules; a row that stops or breaks its grammar leaves `run.live`."""
-        step_tokens, step_logprobs, step_top_ids, step_top_logprobs = read
+        step_tokens, step_logprobs = read.tokens, read.logprobs
+        step_top_ids, step_top_logprobs = read.top_ids, read.top_logprobs
         run.live = run.live.copy()
         for i in np.flatnonzero(rows):
             state = run.plan.decode[i].request
@@ -714,6 +721,7 @@ class EngineCore:
                 t0 = time.perf_counter()
                 read = self.runner.read_step(pending)
                 wait += time.perf_counter() - t0
+                self._judge_free_choices(run, sampling_rows, read)
                 self._record_constrained_step(run, sampling_rows, read)
             if logits is None:
                 break
@@ -724,6 +732,14 @@ class EngineCore:
             mask = self._constrained_masks(run, sampling_rows)  # host work overlapped with the forward
             current, pending = self.runner.sample_masked(logits, slots, active, mask, run.with_top)
         return wait
+
+    def _judge_free_choices(self, run: _ConstrainedRun, rows: np.ndarray, read) -> None:
+        """Count the constrained rows of a masked sample whose unmasked choice was the masked one,
+        i.e. one their grammar allows: what the check way would have kept."""
+        for i in np.flatnonzero(rows):
+            if run.plan.decode[i].request.request_id in self.constraints:
+                run.judged += 1
+                run.kept_free += int(read.unmasked[i] == read.tokens[i])
 
     def _checkable(self, plan: SchedulerOutput) -> bool:
         """Whether the check way gives this batch split's very tokens: each constrained row greedy
@@ -778,10 +794,13 @@ class EngineCore:
             run.counts[i], run.statuses[i] = kept, status
             if output is not None:
                 self.metrics.check_kept_tokens += kept
+                run.kept_free += kept
+                run.judged += kept
             if kept < count and status == DONE:  # the grammar ended; the slot ran on past it
                 run.fed_after_stop[i] = True
             elif kept < count:
                 refused[i] = True
+                run.judged += 1
         if refused.any():
             self.metrics.check_refusals += int(refused.sum())
             wait += self._replace_refused(run, batch, refused, saved, saved_slots)

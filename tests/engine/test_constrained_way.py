@@ -1,52 +1,100 @@
-"""`ConstrainedWayChooser`: check or split, by the seconds per token each took lately."""
+"""`ConstrainedWayChooser`: check or split, by the seconds per token each took lately and how
+often the model's free choice was one its grammar allows."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from infernix_jax.engine.constrained_way import CHECK, SPLIT, ConstrainedWayChooser
+from infernix_jax.engine.constrained_way import CHECK, SPLIT, ConstrainedWayChooser, tokens_per_check
 
 
 def run(
-    chooser: ConstrainedWayChooser, batch: int, seconds: dict[str, float], steps: int, tokens=None
+    chooser: ConstrainedWayChooser,
+    batch: int,
+    seconds: dict[str, float],
+    steps: int,
+    tokens=None,
+    judged=None,
 ) -> list[str]:
-    """`steps` steps, each way taking its fixed seconds for its tokens (default 1); the ways chosen."""
+    """`steps` steps, each way taking its fixed seconds for its tokens (default 1) and reporting
+    its (kept, judged) free choices (default: every one kept); the ways chosen."""
     ways = []
     for _ in range(steps):
         way = chooser.choose(batch)
-        chooser.record(batch, way, seconds[way], tokens=(tokens or {}).get(way, 1))
+        kept, seen = (judged or {}).get(way, (1, 1))
+        chooser.record(batch, way, seconds[way], (tokens or {}).get(way, 1), kept, seen)
         ways.append(way)
     return ways
 
 
-def test_it_tries_check_then_split_then_keeps_the_faster():
+def test_split_first_then_check_once_the_model_keeps_to_its_grammar():
     chooser = ConstrainedWayChooser(retry_steps=8)
-    ways = run(chooser, 1, {CHECK: 1.0, SPLIT: 3.0}, 10)
-    assert ways[:2] == [CHECK, SPLIT]
-    assert ways[2:10] == [CHECK] * 8  # split is retried only after 8 steps
+    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 3.0}, 10, tokens={CHECK: 8})
+    assert ways[:2] == [SPLIT, CHECK]  # split's free choice was allowed: check is worth a try
+    assert ways[2:9] == [CHECK] * 7  # split is retried only after 8 steps
     assert chooser.best(1) == CHECK
 
 
+def test_a_model_that_leaves_its_grammar_never_pays_for_a_check_dispatch():
+    # A random-weight model: its free choice is almost never allowed, which split's steps show.
+    chooser = ConstrainedWayChooser()
+    ways = run(chooser, 1, {CHECK: 9.0, SPLIT: 1.0}, 400, judged={SPLIT: (0, 1)})
+    assert ways == [SPLIT] * 400
+    assert chooser.keep_share(1) < 0.2 and chooser.chosen[CHECK] == 0
+
+
+def test_check_is_tried_when_the_keep_share_rises():
+    chooser = ConstrainedWayChooser()
+    ways = run(chooser, 4, {CHECK: 4.0, SPLIT: 1.0}, 20, judged={SPLIT: (1, 4)})
+    assert CHECK not in ways
+    ways = run(chooser, 4, {CHECK: 4.0, SPLIT: 1.0}, 20, judged={SPLIT: (4, 4)})
+    assert CHECK in ways[:6]
+
+
 def test_a_losing_retry_waits_twice_as_long_each_time():
-    # A model that leaves its grammar (random weights): check loses, and is retried after 8, 16,
-    # 32 ... steps, so it costs few steps over a long run.
+    # Split's rows keep to their grammar, so the keep share predicts that check wins, but check's
+    # steps keep nothing (a cost the share does not explain): it is retried after 8, 16, 32 ...
+    # steps.
     chooser = ConstrainedWayChooser(retry_steps=8, max_retry_steps=64)
-    ways = run(chooser, 1, {CHECK: 9.0, SPLIT: 1.0}, 400)
+    ways = run(chooser, 1, {CHECK: 3.0, SPLIT: 1.0}, 400, judged={CHECK: (0, 3)})
     checks = [i for i, way in enumerate(ways) if way == CHECK]
-    assert checks[:5] == [0, 9, 26, 59, 124]  # the gaps grow 8, 16, 32, 64 split steps
-    assert checks[5] - checks[4] == 65  # capped at max_retry_steps
-    assert chooser.chosen[CHECK] == len(checks) == 9  # of 400 steps
+    gaps = [b - a - 1 for a, b in itertools.pairwise(checks)]  # split steps between two retries
+    # 8, 16, 32, 64 (capped there); the first try's refusals hold the first retry back a step
+    assert gaps[:6] == [9, 16, 32, 64, 64, 64]
+    assert chooser.chosen[CHECK] == len(checks) <= 9  # of 400 steps
+
+
+def test_check_is_not_retried_while_its_prediction_loses():
+    # Check was measured at the keep share it would meet again: 1 token per 4 s against split's
+    # 1 token per second. The retry schedule comes due, the prediction says no.
+    chooser = ConstrainedWayChooser(retry_steps=4)
+    run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 2)  # split, then check (first try at share 2/3)
+    assert chooser.chosen == {CHECK: 1, SPLIT: 1}
+    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 200, judged={SPLIT: (1, 2), CHECK: (1, 2)})
+    assert CHECK not in ways
+    assert chooser.predicted_check(1) > chooser.seconds_per_token(1, SPLIT)
 
 
 def test_a_winning_retry_takes_over_at_once():
     chooser = ConstrainedWayChooser(retry_steps=4)
-    run(chooser, 1, {CHECK: 9.0, SPLIT: 1.0}, 6)  # check keeps one token a step
-    assert chooser.best(1) == SPLIT
+    run(chooser, 1, {CHECK: 3.0, SPLIT: 1.0}, 1)  # split: its one choice was allowed
+    # the model leaves its grammar: check (tried once) keeps nothing, split's choices are refused
+    run(chooser, 1, {CHECK: 3.0, SPLIT: 1.0}, 20, judged={CHECK: (0, 3), SPLIT: (0, 1)})
+    assert chooser.best(1) == SPLIT and chooser.chosen[CHECK] == 1
     # the workload changes: the model now keeps to its grammar, 8 tokens a check step
-    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 16, tokens={CHECK: 8})
-    first = ways.index(CHECK)  # the next retry (check's stale sums shrink first)
-    assert first <= 8 and ways[first : first + 4] == [CHECK] * 4  # then split's own retry
+    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 24, tokens={CHECK: 8})
+    first = ways.index(CHECK)  # once the keep share predicts a win
+    assert first <= 16 and ways[first : first + 4] == [CHECK] * 4  # then split's own retry
     assert chooser.best(1) == CHECK
+
+
+def test_tokens_per_check_dispatch():
+    assert tokens_per_check(0.0, 8) == 1.0  # the refused first position, sampled again
+    assert tokens_per_check(1.0, 8) == 8.0
+    assert tokens_per_check(0.5, 8) == pytest.approx(2 - 2**-7)
+    assert tokens_per_check(0.9, 8) == pytest.approx(sum(0.9**j for j in range(8)))
 
 
 def test_batch_sizes_are_measured_apart():
@@ -83,3 +131,17 @@ def test_bad_settings_and_ways_are_refused():
         ConstrainedWayChooser(decay=1.0)
     with pytest.raises(ValueError, match="unknown constrained decode way"):
         ConstrainedWayChooser().record(1, "fused", 1.0, 1)
+    with pytest.raises(ValueError, match="kept <= judged"):
+        ConstrainedWayChooser().record(1, SPLIT, 1.0, 1, kept=2, judged=1)
+
+
+def test_one_misleading_check_step_does_not_rule_check_out():
+    # Check's only step compiled its programs (a minute for one dispatch). The model keeps to its
+    # grammar, so check is tried again at the longest interval, wins, and takes over.
+    chooser = ConstrainedWayChooser(retry_steps=4, max_retry_steps=32)
+    chooser.record(1, SPLIT, 1.0, 1, kept=1, judged=1)
+    assert chooser.choose(1) == CHECK
+    chooser.record(1, CHECK, 60.0, 8, kept=8, judged=8)
+    ways = run(chooser, 1, {CHECK: 2.0, SPLIT: 1.0}, 40, tokens={CHECK: 8})
+    assert ways[:32] == [SPLIT] * 32 and ways[32:36] == [CHECK] * 4
+    assert chooser.best(1) == CHECK

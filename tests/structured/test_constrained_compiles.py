@@ -1,6 +1,6 @@
 """Constrained decode after warm-up, fused and check (`EngineConfig.constrained_decode`; check
-warms split's programs too and its chooser runs split on the second step of each batch size, so
-the default way is covered; the callback way is left out for the suite's time budget): masks are
+warms split's programs too, and here its steps alternate between the two ways, so the default way
+is covered; the callback way is left out for the suite's time budget): masks are
 obeyed and nothing compiles, with and without logprobs (the programs have variants without the
 top-k alternatives).
 
@@ -11,11 +11,13 @@ session the two share compiled programs; the grammar is a scripted token sequenc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import pytest
 
 import infernix_jax
+from infernix_jax.engine.constrained_way import CHECK, SPLIT
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_STOP, GenerationRequest, SamplingParams
 from infernix_jax.structured import RequestConstraint
@@ -33,8 +35,11 @@ def core(request):
     return EngineCore(model.config, model.params, config, model.tokenizer, model.eos_token_ids())
 
 
-def test_constrained_batches_follow_the_grammar_without_compiling(core):
+def test_constrained_batches_follow_the_grammar_without_compiling(core, monkeypatch):
     compiles = {"n": 0}
+    if core.config.constrained_decode == "check":  # its chooser keeps a random model on split
+        ways = itertools.cycle([CHECK, SPLIT])
+        monkeypatch.setattr(core.way_chooser, "choose", lambda batch: next(ways))
 
     def listen(event: str, duration: float, **kwargs) -> None:
         compiles["n"] += event == COMPILE_EVENT

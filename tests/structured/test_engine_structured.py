@@ -17,6 +17,7 @@ import re
 import jsonschema
 import pytest
 
+from infernix_jax.engine.constrained_way import CHECK, SPLIT, ConstrainedWayChooser
 from infernix_jax.engine.protocol import FINISH_LENGTH, FINISH_STOP, GenerationRequest, SamplingParams
 from infernix_jax.structured import ConstraintSpec, RequestConstraint
 from tests.structured.run import generate, sampled_requests
@@ -319,6 +320,47 @@ def test_a_model_that_keeps_to_its_grammar_decodes_at_free_speed_with_the_check_
     # the first token is a prefill's sample, or a decode's where the prefix cache held the prompt
     assert kept in (15, 16) and refusals == 1
     assert check_counts == {"decode": -(-(kept + 1) // 4), "decode_step_masked": 1}
+
+
+def test_the_chooser_checks_only_where_the_model_keeps_to_its_grammar(llm, backend, prompt, monkeypatch):
+    # With constrained_decode "check" the engine measures before it checks: split's steps say how
+    # often the model's free choice is one its grammar allows. A random model under a JSON schema
+    # leaves its grammar at once, so it never pays for a check dispatch; constrained to its own
+    # greedy text it keeps every choice, and check is tried after one split step.
+    core = llm.core
+    free = generate(core, [GenerationRequest("free", prompt, SamplingParams(max_tokens=16))])["free"]
+    constraints = {
+        "json": constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"])),
+        "own": constraint(backend, ConstraintSpec.choice([free.text])),
+    }
+    monkeypatch.setattr(core, "config", dataclasses.replace(core.config, constrained_decode="check"))
+    with _always_check(core):  # compile check's programs: a step that compiles is no measurement
+        generate(
+            core,
+            [GenerationRequest("warm", prompt, SamplingParams(max_tokens=8), constraint=constraints["own"])],
+        )
+    counts = _count_calls(monkeypatch, core.runner, "decode", "decode_forward")
+    seen = {}
+    for name, where in constraints.items():
+        chooser, ways = ConstrainedWayChooser(window=core.way_chooser.window), []
+        choose = chooser.choose
+        monkeypatch.setattr(
+            chooser, "choose", lambda batch, _c=choose, _w=ways: _w.append(_c(batch)) or _w[-1]
+        )
+        monkeypatch.setattr(core, "way_chooser", chooser)
+        counts.clear()
+        request = GenerationRequest(name, prompt, SamplingParams(max_tokens=24), constraint=where)
+        output = generate(core, [request])[name]
+        one_row = min(core.config.decode_buckets)  # the decode batch size a lone request runs at
+        seen[name] = (dict(counts), ways, chooser.keep_share(one_row), output)
+    json_counts, json_ways, json_share, _ = seen["json"]
+    assert json_ways == [SPLIT] * len(json_ways) and "decode" not in json_counts
+    assert len(json_ways) >= 3 and json_share < 0.2  # engine steps of up to 4 tokens
+    own_counts, own_ways, own_share, own_output = seen["own"]
+    assert own_output.text == free.text and own_output.finish_reason == FINISH_STOP
+    # split first, then check at once: the keep share decides, before any timing does
+    assert own_ways[:2] == [SPLIT, CHECK] and own_share > 0.8
+    assert own_counts["decode"] == own_ways.count(CHECK)
 
 
 def test_thinking_and_a_broken_constraint_end_as_split_ends_them_with_the_check_way(
