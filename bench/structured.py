@@ -2,6 +2,7 @@
 
     python -m bench.structured                       # GPU: moe shape, batch 1 and 8
     python -m bench.structured --shapes 27b --batches 1,8,32
+    python -m bench.structured --shapes 27b --batches 1 --workload own --constrained-decode check
     python -m bench.structured --quick               # tiny model, any machine (CPU)
     python -m bench.structured --mask-only           # only the mask timing (CPU, no model)
     python -m bench.structured --breakdown           # where a constrained token's time goes (GPU)
@@ -18,7 +19,12 @@ once free and once under a JSON schema that never completes within the run (an a
 with strings, integers and enums, so the mask walks every kind of JSON state). Figure: constrained
 tokens per second; ceiling: the free throughput of the same batch in the same run; fraction =
 constrained / free (1.0: no slowdown; the target is >= 0.95 at batch 1 on the GPU).
-Records go to bench/results/structured-<machine>.json.
+With `--workload own` each constrained row follows instead a grammar of the very tokens it sampled
+free (Lark token references): a random-weight model of a real shape that keeps to its grammar, as
+a trained model writing requested JSON mostly does; with `--constrained-decode check` this is the
+check way's speed on that shape (the schema workload measures split's, which check's chooser
+falls back to when the model leaves its grammar). Records go to
+bench/results/structured-<machine>.json.
 
 Breakdown (--breakdown): one engine per batch, the same rows, timed in one run (ms per decode step,
 i.e. per token of each row): (a) the free multi-step decode; (b) decode_forward_program alone,
@@ -143,13 +149,15 @@ def time_masks(backend, tokenizer: Tokenizer, repeats: int) -> dict[str, dict]:
 
 
 def admit_in_cache(core, batch: int, context: int, constraint, seed: int = 0) -> None:
-    """Admit `batch` requests of `context` random prompt tokens, all but the last marked cached."""
+    """Admit `batch` requests of `context` random prompt tokens, all but the last marked cached;
+    `constraint`: one for every row, or a list with one per row."""
     rng = np.random.default_rng(seed)
     scheduler = core.scheduler
     for i in range(batch):
         prompt = rng.integers(0, 151_000, size=context).tolist()
         sampling = SamplingParams(max_tokens=1 << 30, temperature=1.0, ignore_eos=True, seed=i)
-        core.add_request(GenerationRequest(f"bench{i}", prompt, sampling, constraint=constraint))
+        where = constraint[i] if isinstance(constraint, list) else constraint
+        core.add_request(GenerationRequest(f"bench{i}", prompt, sampling, constraint=where))
     while scheduler.waiting:
         state = scheduler.waiting.popleft()
         state.slot = scheduler.slots.allocate()
@@ -170,12 +178,17 @@ def decode_rate(
     constraint,
     mode: str = "split",
     graphs: bool = True,
+    keep_outputs: bool = False,
 ) -> dict:
     """Generated tokens per second of `batch` rows (host work included), after a warm-up step;
-    `mode`: EngineConfig.constrained_decode; `graphs`: EngineConfig.one_step_command_buffers."""
-    core = make_core(cfg, params, batch=batch, context=context + tokens + 4 * steps, steps=steps,
+    `mode`: EngineConfig.constrained_decode; `graphs`: EngineConfig.one_step_command_buffers.
+    keep_outputs: decode 4 dispatches more after the measurement and return each row's tokens
+    ("outputs"), enough for a run of the same rows to follow them (`own_token_grammars`)."""
+    # The rows skip prefill, and the two steps before the timing compile what split, fused or
+    # callback use; check's chooser would time a step that compiles, so it warms up first.
+    core = make_core(cfg, params, batch=batch, context=context + tokens + 8 * steps, steps=steps,
                      kv_dtype="bf16", prefill_chunk=256, constrained_decode=mode,
-                     one_step_command_buffers=graphs)  # fmt: skip
+                     one_step_command_buffers=graphs, warmup=mode == "check")  # fmt: skip
     admit_in_cache(core, batch, context, constraint)
     core.step()  # compile
     core.step()
@@ -188,7 +201,29 @@ def decode_rate(
         jax.block_until_ready(core.ahead.out)
     produced = core.metrics.generated_tokens - generated
     finished = batch - len(core.scheduler.running)
-    return {"tok_s": produced / wall, "ms_per_token": 1e3 * wall / (produced / batch), "finished": finished}
+    result = {"tok_s": produced / wall, "ms_per_token": 1e3 * wall / (produced / batch), "finished": finished,
+              "check_kept_tokens": core.metrics.check_kept_tokens, "check_refusals": core.metrics.check_refusals,
+              "ways_chosen": dict(core.way_chooser.chosen)}  # fmt: skip
+    if keep_outputs:
+        for _ in range(4):
+            core.step()
+        rows = sorted(core.scheduler.running, key=lambda state: int(state.request.request_id[len("bench") :]))
+        result["outputs"] = [list(state.output) for state in rows]
+    if core.ahead is not None:
+        jax.block_until_ready(core.ahead.out)
+    return result
+
+
+def own_token_grammars(backend, outputs: list[list[int]]) -> list[RequestConstraint]:
+    """Per row, a grammar of exactly the tokens it sampled free (Lark token references): rows that
+    keep to their grammar, what a trained model writing the JSON it was asked for comes close to.
+    A random-weight model leaves any grammar of text, so this is how its shape measures the
+    check way (`--workload own`)."""
+    grammars = []
+    for row in outputs:
+        lark = "start: " + " ".join(f"<[{token}]>" for token in row)
+        grammars.append(RequestConstraint(backend.compile(ConstraintSpec.grammar(lark))))
+    return grammars
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +471,14 @@ def main(argv: list[str] | None = None):
         "dispatched once per token keep XLA's command buffers on a GPU; 'both': each batch with and "
         "without (records of 'off' say 'no graphs')",
     )
+    parser.add_argument(
+        "--workload",
+        default="schema",
+        choices=("schema", "own"),
+        help="what the constrained rows follow: 'schema', a JSON schema the random model leaves at "
+        "every token (the mask decides each one); 'own', each row's own free tokens as its grammar "
+        "(a model that keeps to its grammar: what the check way is for)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -467,7 +510,11 @@ def main(argv: list[str] | None = None):
                 SHAPES[shape] = dict(SHAPES[shape], vocab_size=QWEN3_VOCAB)  # the tiny shape
             cfg, params = build_model(shape, dtype)
             for batch in (int(b) for b in args.batches.split(",")):
-                free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None)
+                own = args.workload == "own"
+                free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None,
+                                   keep_outputs=own)  # fmt: skip
+                if own:
+                    constraint = own_token_grammars(backend, free["outputs"])
                 if batch == 1 and step_ms is None:
                     step_ms = free["ms_per_token"]
                 graph_choices = {"on": (True,), "off": (False,), "both": (True, False)}[args.one_step_graphs]
@@ -476,7 +523,8 @@ def main(argv: list[str] | None = None):
                                               constraint, args.constrained_decode, graphs)  # fmt: skip
                     way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
                     way += "" if graphs else " no graphs"
-                    name = f"structured decode {shape} json_schema{way} batch{batch} {context_label(args.context)}"
+                    what = "own_tokens" if own else "json_schema"
+                    name = f"structured decode {shape} {what}{way} batch{batch} {context_label(args.context)}"
                     record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
                                          machine=machine, commit=commit, details={
                         "batch": batch, "context": args.context, "steps_per_dispatch": args.steps,
@@ -484,6 +532,8 @@ def main(argv: list[str] | None = None):
                         "constrained_ms_per_token": constrained["ms_per_token"],
                         "constrained_rows_finished": constrained["finished"],
                         "constrained_decode": args.constrained_decode, "one_step_command_buffers": graphs,
+                        "workload": args.workload, "check_kept_tokens": constrained["check_kept_tokens"],
+                        "check_refusals": constrained["check_refusals"], "ways_chosen": constrained["ways_chosen"],
                     })  # fmt: skip
                     print(f"{name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of free "
                           f"{record.ceiling:.1f}", flush=True)  # fmt: skip
