@@ -191,9 +191,11 @@ class SampleOutput:
     logprobs: jax.Array  # f32 [b]: logprob of tokens (see logprobs_mode)
     top_ids: jax.Array  # i32 [b, k]: most likely first
     top_logprobs: jax.Array  # f32 [b, k]
+    # i32 [b]: the token each row would have taken with no mask (sample's with_unmasked), else None
+    unmasked: jax.Array | None = None
 
 
-_register(SampleOutput, ["tokens", "logprobs", "top_ids", "top_logprobs"])
+_register(SampleOutput, ["tokens", "logprobs", "top_ids", "top_logprobs", "unmasked"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,9 +300,7 @@ def process_logits(
     stop_cols = jnp.where((arrays.stop_ids >= 0) & suppress[:, None], arrays.stop_ids, vocab)
     logits = logits.at[rows, stop_cols].set(-jnp.inf, mode="drop")
     if mask is not None:
-        if mask.dtype != jnp.bool_:
-            mask = unpack_token_mask(mask, vocab)
-        logits = jnp.where(mask, logits, -jnp.inf)
+        logits = jnp.where(_bool_mask(mask, vocab), logits, -jnp.inf)
     rep = arrays.repetition_penalty[:, None]
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = jnp.where(state.seen, penalised, logits)
@@ -310,25 +310,9 @@ def process_logits(
     return logits
 
 
-def unmasked_choice(
-    logits: jax.Array, arrays: SamplingArrays, state: PenaltyState, step_keys: jax.Array
-) -> jax.Array:
-    """The token each row would take with no structured-output mask: i32 [b].
-
-    For a row without top-k, top-p or min-p this is `sample`'s token with mask None (the same
-    processing and the same Gumbel noise), i.e. what the check way's free decode samples; where
-    the mask allows it, it is also the masked sample. A constrained split step compares the two to
-    learn how often checking would keep its tokens (engine/constrained_way.py). Truncation is not
-    applied: rows that use it never take the check way."""
-    processed = process_logits(logits.astype(jnp.float32), arrays, state, None)
-    greedy_tokens = jnp.argmax(processed, axis=1).astype(jnp.int32)
-
-    def drawn() -> jax.Array:
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, processed.shape[1:], jnp.float32))(step_keys)
-        tokens = jnp.argmax(processed / arrays.temperature[:, None] + noise, axis=1).astype(jnp.int32)
-        return jnp.where(arrays.greedy, greedy_tokens, tokens)
-
-    return jax.lax.cond(jnp.all(arrays.greedy), lambda: greedy_tokens, drawn)
+def _bool_mask(mask: jax.Array, vocab: int) -> jax.Array:
+    """bool [b, v] of a bool or packed-bits mask."""
+    return mask if mask.dtype == jnp.bool_ else unpack_token_mask(mask, vocab)
 
 
 def _order_key(x: jax.Array) -> jax.Array:
@@ -412,6 +396,7 @@ def sample(
     num_top_logprobs: int = 0,
     logprobs_mode: str = "raw",
     search_bits: int = DEFAULT_SEARCH_BITS,
+    with_unmasked: bool = False,
 ) -> SampleOutput:
     """Pick one token per row from logits f32 [b, v].
 
@@ -421,24 +406,39 @@ def sample(
     sampled from (greedy rows: log_softmax of the processed logits at temperature 1).
     search_bits (static) tunes the top-k / top-p threshold search (see truncated_logits).
     When every row is greedy the truncation and the random draw are skipped (lax.cond).
+    with_unmasked (static) also returns, in SampleOutput.unmasked, the token each row would take
+    with no mask: the same processing and Gumbel noise, without top-k, top-p or min-p (rows that
+    truncate never take the check way). Where the mask allows that token it is the masked sample
+    too (Gumbel-max), so a constrained split step learns at the cost of one argmax how often the
+    check way would keep its free samples (engine/constrained_way.py).
     """
     if logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, arrays, state, mask)
+    if with_unmasked:
+        # the mask's -inf passes through the penalties unchanged, so masking after them is the same
+        free = process_logits(logits, arrays, state, None)
+        processed = free if mask is None else jnp.where(_bool_mask(mask, free.shape[1]), free, -jnp.inf)
+    else:
+        free = processed = process_logits(logits, arrays, state, mask)
     greedy_tokens = jnp.argmax(processed, axis=1).astype(jnp.int32)
+    free_greedy = jnp.argmax(free, axis=1).astype(jnp.int32) if with_unmasked else greedy_tokens
 
-    def with_sampling() -> tuple[jax.Array, jax.Array]:
+    def with_sampling() -> tuple[jax.Array, jax.Array, jax.Array]:
         final = truncated_logits(processed, arrays, search_bits=search_bits)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, final.shape[1:], jnp.float32))(step_keys)
         drawn = jnp.argmax(final + noise, axis=1).astype(jnp.int32)
         tokens = jnp.where(arrays.greedy, greedy_tokens, drawn)
-        return tokens, jnp.where(arrays.greedy[:, None], processed, final)
+        unmasked = tokens
+        if with_unmasked:
+            free_drawn = jnp.argmax(free / arrays.temperature[:, None] + noise, axis=1).astype(jnp.int32)
+            unmasked = jnp.where(arrays.greedy, free_greedy, free_drawn)
+        return tokens, jnp.where(arrays.greedy[:, None], processed, final), unmasked
 
-    def greedy_only() -> tuple[jax.Array, jax.Array]:
-        return greedy_tokens, processed
+    def greedy_only() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return greedy_tokens, processed, free_greedy
 
-    tokens, distribution = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
+    tokens, distribution, unmasked = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
     source = logits if logprobs_mode == "raw" else distribution
     log_probs = jax.nn.log_softmax(source, axis=1)
     token_logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]
@@ -447,4 +447,6 @@ def sample(
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return SampleOutput(tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    return SampleOutput(
+        tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, unmasked if with_unmasked else None
+    )

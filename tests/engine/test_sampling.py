@@ -17,7 +17,6 @@ from infernix_jax.engine.sampling import (
     set_penalty_rows,
     stop_token_hit,
     truncated_logits,
-    unmasked_choice,
     unpack_token_mask,
     update_penalty_state,
 )
@@ -308,23 +307,36 @@ def test_the_unmasked_choice_is_the_free_sample_and_where_allowed_the_masked_one
     # What a constrained split step tells the check way's chooser: the token each row would take
     # unmasked is the free sample (same keys, penalties, bias), and equals the masked sample
     # exactly when the mask allows it (Gumbel-max: the free argmax, if allowed, is the masked one).
+    # Asking for it changes nothing of the masked sample.
     logits = jax.random.normal(jax.random.key(3), (4, VOCAB)) * 2
     params = [SamplingParams(), SamplingParams(temperature=0.7, presence_penalty=0.5),
               SamplingParams(temperature=1.3, logit_bias=((5, 4.0),)), SamplingParams(temperature=1.0)]  # fmt: skip
     state = update_penalty_state(PenaltyState.zeros(4, VOCAB), jnp.array([1, 2, 3, 4]), jnp.ones(4, bool))
+
+    @jax.jit
+    def with_unmasked(logits, arrays, state, mask):
+        keys = row_keys(arrays, state.num_generated)
+        return sample(logits, arrays, state, keys, mask, num_top_logprobs=4, with_unmasked=True)
+
     agreed = refused = 0
     for seed in range(24):
         arrays = _arrays(params, [seed] * 4)
-        keys = row_keys(arrays, state.num_generated)
         free = np.asarray(_sample_step(logits, arrays, state).tokens)
-        choice = np.asarray(jax.jit(unmasked_choice)(logits, arrays, state, keys))
-        np.testing.assert_array_equal(choice, free)
         allowed = np.asarray(jax.random.bernoulli(jax.random.key(100 + seed), 0.5, (4, VOCAB)))
-        masked = np.asarray(_sample_step(logits, arrays, state, jnp.asarray(allowed)).tokens)
-        kept = allowed[np.arange(4), choice]
-        np.testing.assert_array_equal(masked == choice, kept)
+        packed = jnp.asarray(np.packbits(allowed, axis=1, bitorder="little").view(np.int32))
+        masked = _sample_step(logits, arrays, state, packed)
+        out = with_unmasked(logits, arrays, state, packed)
+        np.testing.assert_array_equal(np.asarray(out.unmasked), free)
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(masked, name)))
+        kept = allowed[np.arange(4), free]
+        np.testing.assert_array_equal(np.asarray(masked.tokens) == free, kept)
         agreed, refused = agreed + kept.sum(), refused + (~kept).sum()
     assert agreed > 10 and refused > 10  # both cases were seen
+    greedy = _arrays([SamplingParams()] * 4)  # the all-greedy branch
+    out = with_unmasked(logits, greedy, state, packed)
+    expected = _sample_step(logits, greedy, state).tokens
+    np.testing.assert_array_equal(np.asarray(out.unmasked), np.asarray(expected))
 
 
 # ---------------------------------------------------------------------------------------------
