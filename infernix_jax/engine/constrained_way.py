@@ -6,8 +6,9 @@ program and check its tokens against the grammars afterwards (one dispatch per
 way (two dispatches per token, never a wasted step). Which is faster depends on how often the
 model's free choice is one its grammar allows: a trained model writing the JSON it was asked for
 keeps most of its tokens, a random-weight model almost none, and then every refusal wastes the
-rest of the dispatch's steps. The tokens are the same either way (docs/structured_output.md), so
-the choice is only about speed, and it is made from two measurements per batch size:
+rest of the dispatch's steps. The tokens are the same either way (docs/structured_output.md; on
+a GPU up to rounding), so the choice is only about speed, made from two measurements per batch
+size:
 
 - the seconds per generated token each way took lately (decayed sums of seconds over decayed sums
   of tokens);
@@ -16,12 +17,12 @@ the choice is only about speed, and it is made from two measurements per batch s
   program also returns the token each row would have taken unmasked.
 
 Split runs first, so a model that leaves its grammar never pays for a check dispatch; check is
-tried once the keep share reaches `first_try_share`. Later, the slower way is tried again after
-twice as many steps each time it loses, and check only while the keep share predicts that it
-would now win (its measured seconds per token scaled by the tokens a dispatch keeps at today's
-share against the share it was measured at) or, at the longest interval, while the share is at
-least `first_try_share` (one slow measurement, say a step that compiled, must not rule check out
-for good).
+tried once the keep share reaches `first_try_share`. Then the faster way runs, check's speed
+predicted at today's keep share: its measured seconds per token scaled by the tokens a dispatch
+keeps at the share it was measured at over those at today's. The slower way is tried again after
+twice as many steps each time it loses, check only while that prediction beats split or, at the
+longest interval, while the share is at least `first_try_share` (one slow measurement, say a step
+that compiled, must not rule check out for good).
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class _BatchTimes:
 def _share(kept: float, seen: float) -> float:
     """Keep share with one kept and one refused token of prior (Laplace): 0.5 before evidence."""
     return (kept + 1.0) / (seen + 2.0)
+
+
+def _ratio(kept: float, seen: float) -> float:
+    """Keep share as measured (the prior's 0.5 before evidence)."""
+    return kept / seen if seen > 0 else 0.5
 
 
 class ConstrainedWayChooser:
@@ -120,16 +126,18 @@ class ConstrainedWayChooser:
         at = self._at(batch)
         if CHECK not in at.seconds:
             return None
-        then = tokens_per_check(_share(at.check_kept, at.check_seen), self.window)
-        now = tokens_per_check(self.keep_share(batch), self.window)
+        # plain ratios here (the prior would pull a share of few tokens further than one of many)
+        then = tokens_per_check(_ratio(at.check_kept, at.check_seen), self.window)
+        now = tokens_per_check(_ratio(at.kept, at.seen), self.window)
         return at.seconds_per_token(CHECK) * then / now
 
     def best(self, batch: int) -> str | None:
-        """The way with fewer seconds per token at this batch size (None before both ran)."""
+        """The way with fewer seconds per token at this batch size, check's as predicted at today's
+        keep share (None before both ran)."""
         at = self._at(batch)
         if len(at.seconds) < 2:
             return None
-        return CHECK if at.seconds_per_token(CHECK) <= at.seconds_per_token(SPLIT) else SPLIT
+        return CHECK if self.predicted_check(batch) <= at.seconds_per_token(SPLIT) else SPLIT
 
     def choose(self, batch: int) -> str:
         """The way the next constrained step of `batch` rows should take."""

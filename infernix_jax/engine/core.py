@@ -600,7 +600,7 @@ class EngineCore:
         return mask
 
     def _record_constrained_step(self, run: _ConstrainedRun, rows: np.ndarray, read) -> None:
-        """Feed one step's tokens (`read`: read_step's four arrays) of the rows that sampled to
+        """Feed one step's tokens (`read`: read_step's StepRead) of the rows that sampled to
         their constraints and stop rules; a row that stops or breaks its grammar leaves `run.live`."""
         step_tokens, step_logprobs = read.tokens, read.logprobs
         step_top_ids, step_top_logprobs = read.top_ids, read.top_logprobs

@@ -19,12 +19,14 @@ def run(
     judged=None,
 ) -> list[str]:
     """`steps` steps, each way taking its fixed seconds for its tokens (default 1) and reporting
-    its (kept, judged) free choices (default: every one kept); the ways chosen."""
+    its (kept, judged) free choices (default: each of its tokens judged and kept); the ways
+    chosen."""
     ways = []
     for _ in range(steps):
         way = chooser.choose(batch)
-        kept, seen = (judged or {}).get(way, (1, 1))
-        chooser.record(batch, way, seconds[way], (tokens or {}).get(way, 1), kept, seen)
+        n = (tokens or {}).get(way, 1)
+        kept, seen = (judged or {}).get(way, (n, n))
+        chooser.record(batch, way, seconds[way], n, kept, seen)
         ways.append(way)
     return ways
 
@@ -54,16 +56,25 @@ def test_check_is_tried_when_the_keep_share_rises():
 
 
 def test_a_losing_retry_waits_twice_as_long_each_time():
-    # Split's rows keep to their grammar, so the keep share predicts that check wins, but check's
-    # steps keep nothing (a cost the share does not explain): it is retried after 8, 16, 32 ...
-    # steps.
+    # A model that keeps to its grammar: check (8 tokens for 4 s) beats split (1 token a second),
+    # whose retries come after 8, 16, 32 ... check steps, so they cost few steps over a long run.
     chooser = ConstrainedWayChooser(retry_steps=8, max_retry_steps=64)
-    ways = run(chooser, 1, {CHECK: 3.0, SPLIT: 1.0}, 400, judged={CHECK: (0, 3)})
+    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 400, tokens={CHECK: 8})
+    splits = [i for i, way in enumerate(ways) if way == SPLIT]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(splits)]  # check steps between two retries
+    assert splits[0] == 0 and gaps[:6] == [8, 16, 32, 64, 64, 64]  # capped at max_retry_steps
+    assert len(splits) <= 9  # of 400 steps
+
+
+def test_a_check_that_loses_at_the_same_keep_share_waits_for_the_longest_interval():
+    # The model keeps to its grammar, yet a check dispatch costs more than its 8 tokens save
+    # (9 s against split's 1 s a token): at an unchanged share the prediction says it loses, so it
+    # is tried again only every `max_retry_steps` steps.
+    chooser = ConstrainedWayChooser(retry_steps=8, max_retry_steps=64)
+    ways = run(chooser, 1, {CHECK: 9.0, SPLIT: 1.0}, 400, tokens={CHECK: 8})
     checks = [i for i, way in enumerate(ways) if way == CHECK]
-    gaps = [b - a - 1 for a, b in itertools.pairwise(checks)]  # split steps between two retries
-    # 8, 16, 32, 64 (capped there); the first try's refusals hold the first retry back a step
-    assert gaps[:6] == [9, 16, 32, 64, 64, 64]
-    assert chooser.chosen[CHECK] == len(checks) <= 9  # of 400 steps
+    gaps = [b - a - 1 for a, b in itertools.pairwise(checks)]
+    assert checks[0] == 1 and gaps[:5] == [64] * 5
 
 
 def test_check_is_not_retried_while_its_prediction_loses():
@@ -145,3 +156,13 @@ def test_one_misleading_check_step_does_not_rule_check_out():
     ways = run(chooser, 1, {CHECK: 2.0, SPLIT: 1.0}, 40, tokens={CHECK: 8})
     assert ways[:32] == [SPLIT] * 32 and ways[32:36] == [CHECK] * 4
     assert chooser.best(1) == CHECK
+
+
+def test_a_workload_that_leaves_its_grammar_goes_back_to_split():
+    chooser = ConstrainedWayChooser()
+    run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 40, tokens={CHECK: 8})
+    assert chooser.best(1) == CHECK
+    # the requests change: each check dispatch now keeps nothing (one token for 4 s)
+    judged = {CHECK: (0, 1), SPLIT: (0, 1)}
+    ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 20, tokens={CHECK: 1}, judged=judged)
+    assert ways[12:] == [SPLIT] * 8 and chooser.best(1) == SPLIT
