@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--constrained-decode",
         default=None,
         choices=["split", "check", "fused", "callback"],
-        help="how a batch with constrained requests decodes (default: the engine's, split); check "
-        "samples free and checks after, chosen against split by measured speed: fast for a model "
-        "that keeps to its grammar",
+        help="how a batch with constrained requests decodes (default: the engine's, check): check "
+        "samples free and checks after, chosen step by step against split (a forward and a masked "
+        "sample per token) by measured speed and how often the model keeps to its grammar",
     )
 
     tools = parser.add_argument_group("tools and reasoning")

@@ -47,12 +47,13 @@ class EngineConfig:
     # the tokens a grammar forces fed in the same dispatch; "split", a forward and a masked sample
     # per token, the mask computed while the forward runs; "check", the free multi-step program
     # with each constrained row's tokens checked against its grammar afterwards, the first refused
-    # one replaced by a masked sample (split's very tokens; chosen against split step by step by
-    # the seconds per token each took, engine/constrained_way.py; rows with top-k/top-p/min-p
-    # sampling or top logprobs split). Split is the default: on one H200 host at batch 1 it took
-    # 7.3 ms a token against fused's 9.3, and at batch 8 it ran at 84% of free speed
-    # (docs/structured_output.md)
-    constrained_decode: str = "split"
+    # one replaced by a masked sample (split's tokens; chosen against split step by step from the
+    # seconds per token each took and how often the model's free choice was allowed,
+    # engine/constrained_way.py; rows with top-k/top-p/min-p sampling or top logprobs split).
+    # Check is the default: on an H100 it ran 2.5-3.8x split's speed where the demo model kept to
+    # its grammar, and a model that leaves its grammar never pays for a check dispatch (split at
+    # batch 1 took 7.3 ms a token against fused's 9.3 on the H200; docs/structured_output.md)
+    constrained_decode: str = "check"
     # whether the programs dispatched once per constrained token (split and fused) keep XLA's
     # command buffers (CUDA graphs) on a GPU; False compiles them without, the multi-step programs
     # keep theirs (infernix_jax/jit.py). On the H200 False was slower: 27B split at 60% of free

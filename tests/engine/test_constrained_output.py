@@ -136,10 +136,11 @@ def test_a_continuation_after_thinking_is_constrained_at_once():
     assert output.slot_sampling() == SamplingParams()
 
 
-def test_constrained_decode_is_split_unless_another_way_is_asked_for():
+def test_constrained_decode_is_check_unless_another_way_is_asked_for():
     from infernix_jax.engine.config import EngineConfig
 
-    assert EngineConfig().constrained_decode == "split"
+    assert EngineConfig().constrained_decode == "check"  # which picks itself or split step by step
+    assert EngineConfig(constrained_decode="split").constrained_decode == "split"
     assert EngineConfig(constrained_decode="fused").constrained_decode == "fused"
     assert EngineConfig(constrained_decode="callback").constrained_decode == "callback"
     assert EngineConfig(constrained_decode="check").constrained_decode == "check"

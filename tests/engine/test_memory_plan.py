@@ -23,14 +23,15 @@ def test_the_check_way_reserves_its_copies_of_a_batch_of_state_slots(monkeypatch
     params = init_params(cfg, jax.random.PRNGKey(0), with_mtp=False)
     dtype = jnp.float32
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
-    split = EngineConfig(
+    check = EngineConfig(
         max_concurrency=8,
         max_context=8192,
         decode_batch_sizes=(1, 8),
         gpu_memory_utilization=1.0,
         prefix_cache=False,
     )
-    check = dataclasses.replace(split, constrained_decode="check")
+    assert check.constrained_decode == "check"  # the default
+    split = dataclasses.replace(check, constrained_decode="split")
     block = kv_bytes_per_block(cfg, split.kv_dtype, dtype)
     state = state_bytes_per_slot(cfg, dtype)
     copies = 8 * (state + cfg.vocab_size * 5 + 4)
