@@ -513,6 +513,7 @@ def main(argv: list[str] | None = None):
                 own = args.workload == "own"
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None,
                                    keep_outputs=own)  # fmt: skip
+                print(f"{shape} batch{batch}: free {free['tok_s']:.1f} tok/s", flush=True)
                 if own:
                     constraint = own_token_grammars(backend, free["outputs"])
                 if batch == 1 and step_ms is None:
