@@ -54,6 +54,10 @@ class EngineConfig:
     # its grammar, and a model that leaves its grammar never pays for a check dispatch (split at
     # batch 1 took 7.3 ms a token against fused's 9.3 on the H200; docs/structured_output.md)
     constrained_decode: str = "check"
+    # the largest decode batch the check way serves (larger ones split): its copies of a batch's
+    # state slots are reserved at start (engine/memory_plan.py), a 27B-shape slot is ~147 MiB, and
+    # a large batch spreads split's per-token launches over many rows
+    check_max_batch: int = 8
     # whether the programs dispatched once per constrained token (split and fused) keep XLA's
     # command buffers (CUDA graphs) on a GPU; False compiles them without, the multi-step programs
     # keep theirs (infernix_jax/jit.py). On the H200 False was slower: 27B split at 60% of free
@@ -163,6 +167,8 @@ class EngineConfig:
             errors.append(
                 f"constrained_decode must be callback, check, fused or split, got {self.constrained_decode!r}"
             )
+        if self.check_max_batch < 1:
+            errors.append(f"check_max_batch must be >= 1, got {self.check_max_batch}")
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         errors += _expert_budget_errors(self.gpu_expert_budget, self.host_expert_budget)
@@ -197,6 +203,13 @@ class EngineConfig:
         kept = [b for b in sorted(self.decode_batch_sizes) if b < self.max_concurrency]
         bigger = [b for b in sorted(self.decode_batch_sizes) if b >= self.max_concurrency]
         return tuple(kept + [bigger[0] if bigger else self.max_concurrency])
+
+    @property
+    def check_buckets(self) -> tuple[int, ...]:
+        """Decode batch sizes the check way serves (none unless constrained_decode is "check")."""
+        if self.constrained_decode != "check":
+            return ()
+        return tuple(b for b in self.decode_buckets if b <= self.check_max_batch)
 
     @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:

@@ -535,8 +535,9 @@ class EngineCore:
             return self._constrained_callback(plan, events)
         b = plan.decode_batch
         way, timed, started = self.config.constrained_decode, False, time.perf_counter()
-        if way == CHECK:  # timed, for the chooser; a batch the check way cannot serve exactly splits
-            timed = self._checkable(plan)
+        if way == CHECK:  # timed, for the chooser; a batch the check way cannot serve exactly, or one
+            # larger than check_max_batch, splits
+            timed = b in self.config.check_buckets and self._checkable(plan)
             way = self.way_chooser.choose(b) if timed else "split"
         batch = self.runner.empty_decode(b, 1)
         for i, row in enumerate(plan.decode):

@@ -40,9 +40,10 @@ def _reserved_bytes(cfg: ModelConfig, config: EngineConfig, dtype) -> int:
     the check way's copies of a decode batch's state slots and penalty rows (core.py)."""
     per_slot = state_bytes_per_slot(cfg, dtype)
     reserved = (config.max_concurrency + 1 + config.num_snapshot_slots) * per_slot
-    if config.structured_output and config.constrained_decode == "check":
+    checked = config.check_buckets
+    if config.structured_output and checked:
         penalty_row = cfg.vocab_size * 5 + 4  # seen (bool) and output counts (i32) per token
-        reserved += max(config.decode_buckets) * (per_slot + penalty_row)
+        reserved += max(checked) * (per_slot + penalty_row)
     if config.spec != "none":  # per-position GDN states of the largest verify dispatch
         reserved += verify_state_bytes(cfg, max(config.decode_buckets), config.spec_window, dtype)
     return reserved

@@ -919,11 +919,11 @@ class Runner:
                 empty.tokens, idle, empty.block_table, empty.slots, mask, top
             )
             out.append(self.decode_step_masked(tokens, positions, empty.block_table, empty.slots, mask, top))
-        if way in ("fused", "check"):  # forced tokens / a refused sample's replacement
+        if way == "fused" or batch in self.config.check_buckets:  # forced tokens / a refusal's replacement
             window = np.zeros((batch, FORCED_WINDOW), np.int32)
             idle_window = np.full_like(window, -1)
             out.append(self.decode_step_masked(window, idle_window, empty.block_table, empty.slots, mask))
-        if way == "check":  # the copies of the rows' states it restores after a refusal
+        if batch in self.config.check_buckets:  # the copies of the states it restores after a refusal
             self.restore_slots(empty.slots, self.save_slots(empty.slots))
             out.append(self.state_pool)
         return out

@@ -43,5 +43,10 @@ def test_the_check_way_reserves_its_copies_of_a_batch_of_state_slots(monkeypatch
 
     assert blocks(check) == 300
     assert blocks(split) - blocks(check) in (copies // block, copies // block + 1) and copies >= block
+    # batches above check_max_batch split, so only the largest bucket within it is reserved
+    capped = dataclasses.replace(check, check_max_batch=4)
+    one_row = state + cfg.vocab_size * 5 + 4  # buckets (1, 8): 1 is the largest within 4
+    assert capped.check_buckets == (1,)
+    assert blocks(split) - blocks(capped) in (one_row // block, one_row // block + 1)
     no_masks = dataclasses.replace(check, structured_output=False)  # no constrained requests at all
     assert blocks(no_masks) == blocks(split)

@@ -422,6 +422,27 @@ def test_the_check_way_splits_rows_it_cannot_check_exactly(llm, backend, prompt,
     assert calls == {} and core.way_chooser.chosen == chosen
 
 
+def test_batches_above_check_max_batch_split_without_asking_the_chooser(llm, backend, prompt, monkeypatch):
+    # The check way's copies of a batch's state slots are reserved for at most check_max_batch
+    # rows: a larger batch decodes the split way, and the chooser is not asked about it.
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+    core = llm.core
+    config = dataclasses.replace(core.config, constrained_decode="check", check_max_batch=1)
+    monkeypatch.setattr(core, "config", config)
+    asked, forward_rows = [], []
+    choose, forward = core.way_chooser.choose, core.runner.decode_forward
+    monkeypatch.setattr(core.way_chooser, "choose", lambda batch: asked.append(batch) or choose(batch))
+    monkeypatch.setattr(
+        core.runner,
+        "decode_forward",
+        lambda tokens, *args: forward_rows.append(len(tokens)) or forward(tokens, *args),
+    )
+    requests = sampled_requests("wide", prompt, json_constraint, 2, max_tokens=8)
+    assert all(out.token_ids for out in generate(core, requests).values())
+    assert max(forward_rows) > 1 and all(batch <= 1 for batch in asked)
+    assert config.check_buckets == tuple(b for b in config.decode_buckets if b <= 1)
+
+
 def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monkeypatch):
     # Qwen3 writes each digit as its own token: every token of this regex is forced. In fused mode
     # the first digit is the prefill's sample (or, when the prompt is in the prefix cache already, a
