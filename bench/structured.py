@@ -209,8 +209,8 @@ def decode_rate(
             core.step()
         rows = sorted(core.scheduler.running, key=lambda state: int(state.request.request_id[len("bench") :]))
         result["outputs"] = [list(state.output) for state in rows]
-    if core.ahead is not None:
-        jax.block_until_ready(core.ahead.out)
+        if core.ahead is not None:
+            jax.block_until_ready(core.ahead.out)
     return result
 
 

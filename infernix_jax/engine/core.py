@@ -722,7 +722,8 @@ class EngineCore:
                 t0 = time.perf_counter()
                 read = self.runner.read_step(pending)
                 wait += time.perf_counter() - t0
-                self._judge_free_choices(run, sampling_rows, read)
+                if self.config.constrained_decode == CHECK:  # evidence for the chooser
+                    self._judge_free_choices(run, sampling_rows, read)
                 self._record_constrained_step(run, sampling_rows, read)
             if logits is None:
                 break

@@ -274,24 +274,25 @@ def _forward_one(params, kv_pool, state_pool, tokens, positions, block_table, sl
     return kv_pool, state_pool, logits[:, 0].astype(jnp.float32), next_positions
 
 
-def _sample_packed(slot_sampling, logits, slots, active, mask, num_top, forced=None):
+def _sample_packed(slot_sampling, logits, slots, active, mask, num_top, forced=None, with_unmasked=False):
     """Sample one token per row under its mask, record it in the active rows' penalty state:
     (slot_sampling, tokens i32 [b], packed i32 [b, 3 + 2 k]: token, logprob bits, the token the
-    row would take unmasked (`sample`'s with_unmasked), k top ids, k top logprob bits; read in one
-    transfer with `unpack_step`). `forced` (tokens i32 [b, f], valid bool [b, f]): outputs the
-    grammar forced before this sample, recorded first (penalties, and the token index that keys
-    the sample)."""
+    row would take unmasked (`sample`'s with_unmasked; the token itself without it), k top ids,
+    k top logprob bits; read in one transfer with `unpack_step`). `forced` (tokens i32 [b, f],
+    valid bool [b, f]): outputs the grammar forced before this sample, recorded first (penalties,
+    and the token index that keys the sample)."""
     arrays, penalties = slot_sampling.rows(slots)
     if forced is not None:
         for tokens, valid in zip(forced[0].T, forced[1].T):
             penalties = update_penalty_state(penalties, tokens, valid)
     keys = row_keys(arrays, penalties.num_generated)
-    out = sample(logits, arrays, penalties, keys, mask, num_top_logprobs=num_top, with_unmasked=True)
+    out = sample(logits, arrays, penalties, keys, mask, num_top_logprobs=num_top, with_unmasked=with_unmasked)
+    unmasked = out.unmasked if with_unmasked else out.tokens
     penalties = update_penalty_state(penalties, out.tokens, active)
     slot_sampling = slot_sampling.with_penalties(jnp.where(active, slots, SCRATCH_SLOT), penalties)
     as_int = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     packed = jnp.concatenate(
-        [out.tokens[:, None], as_int(out.logprobs)[:, None], out.unmasked[:, None], out.top_ids,
+        [out.tokens[:, None], as_int(out.logprobs)[:, None], unmasked[:, None], out.top_ids,
          as_int(out.top_logprobs)],
         axis=1,
     )  # fmt: skip
@@ -393,9 +394,10 @@ def masked_sample_program(
 
     Returns the tokens (i32 [b], for the next forward; they stay on the device) and everything the
     host reads packed into one i32 [b, 3 + 2 k] array, so reading a step is one transfer: columns
-    token, logprob (f32 bits), the unmasked choice, k top ids, k top logprobs (f32 bits). num_top 0
-    skips the top-k over the vocabulary (no row of the batch asked for alternatives)."""
-    return _sample_packed(slot_sampling, logits, slots, active, mask, num_top)
+    token, logprob (f32 bits), the unmasked choice (what the check way's chooser learns from split's
+    steps), k top ids, k top logprobs (f32 bits). num_top 0 skips the top-k over the vocabulary (no
+    row of the batch asked for alternatives)."""
+    return _sample_packed(slot_sampling, logits, slots, active, mask, num_top, with_unmasked=True)
 
 
 class StepRead(NamedTuple):
@@ -405,7 +407,7 @@ class StepRead(NamedTuple):
     logprobs: np.ndarray  # f32 [b]
     top_ids: np.ndarray  # i32 [b, k]
     top_logprobs: np.ndarray  # f32 [b, k]
-    unmasked: np.ndarray  # i32 [b]: the token each row would have taken with no mask
+    unmasked: np.ndarray  # i32 [b]: the token each row would have taken with no mask (split's reads)
 
 
 def unpack_step(packed: np.ndarray) -> StepRead:

@@ -440,7 +440,6 @@ def test_batches_above_check_max_batch_split_without_asking_the_chooser(llm, bac
     requests = sampled_requests("wide", prompt, json_constraint, 2, max_tokens=8)
     assert all(out.token_ids for out in generate(core, requests).values())
     assert max(forward_rows) > 1 and all(batch <= 1 for batch in asked)
-    assert config.check_buckets == tuple(b for b in config.decode_buckets if b <= 1)
 
 
 def test_forced_tokens_take_no_dispatch_of_their_own(llm, backend, prompt, monkeypatch):
