@@ -128,6 +128,7 @@ def make_core(
     batches: tuple[int, ...] = (1, 4),
     prefetch: bool = False,
     cpu_share: float | str = "auto",
+    prefetch_blocks: int = 32,
 ) -> EngineCore:
     """The engine of one budget; it compiles a decode program for each of `batches` only."""
     batch = max(batches)
@@ -137,6 +138,7 @@ def make_core(
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
         structured_output=False, scoring=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
         expert_host_copy=host_copy, expert_prefetch=prefetch, expert_cpu_share=cpu_share,
+        expert_prefetch_blocks=prefetch_blocks,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
 
@@ -190,6 +192,10 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
             cpu_seconds=s.cpu_seconds - before.cpu_seconds,
         )
         out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
+        # the guesses copied ahead that no layer used crossed PCIe for nothing: without them, the
+        # bytes the step's own misses (and promotions) needed
+        wasted = (out["prefetched"] - out["prefetch_used"]) * experts.layout.expert_bytes
+        out["needed_bytes_per_token"] = out["moved_bytes_per_token"] - wasted / max(tokens, 1)
         counts = experts.cache.routing_counts - counts_before  # tokens routed per (MoE layer, expert)
         if hot_ids is not None and counts.sum():
             out["hot_share"] = float(np.take_along_axis(counts, hot_ids, axis=1).sum() / counts.sum())
@@ -297,6 +303,12 @@ def main(argv: list[str] | None = None):
         "'both': each budget without, then with it (an A/B on one machine and one model)",
     )
     parser.add_argument(
+        "--prefetch-blocks",
+        default="32",
+        help="blocks of the prefetch's mapped gather (EngineConfig.expert_prefetch_blocks), comma "
+        "separated: each value is a point of its own; records say 'prefetch gatherN'",
+    )
+    parser.add_argument(
         "--points",
         default="static,dynamic,resident",
         help="which points to run: static (batch 1, slots frozen), dynamic (every batch), resident "
@@ -341,20 +353,23 @@ def main(argv: list[str] | None = None):
     slug = machine_slug(machine)
     out = args.out or f"experts-{slug}{'-quick' if args.quick else ''}.json"
     records = []
-    prefetch_modes = {"off": [False], "on": [True], "both": [False, True]}[args.prefetch]
+    with_blocks = [(True, int(b)) for b in args.prefetch_blocks.split(",")]
+    prefetch_modes = {"off": [(False, 0)], "on": with_blocks, "both": [(False, 0), *with_blocks]}[
+        args.prefetch
+    ]
     offloaded = points & {"static", "dynamic"}  # without either, no budget point runs (nor is built)
     points_run = [
-        (label, budget, prefetch)
+        (label, budget, prefetch, blocks)
         for label, budget in (budgets.items() if offloaded else ())
-        for prefetch in prefetch_modes
+        for prefetch, blocks in prefetch_modes
     ]
     if "resident" in points:
-        points_run.append(("all-resident", None, False))
-    for label, budget, prefetch in points_run:
+        points_run.append(("all-resident", None, False, 0))
+    for label, budget, prefetch, blocks in points_run:
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
-            prefetch=prefetch, cpu_share=cpu_share,
+            prefetch=prefetch, cpu_share=cpu_share, prefetch_blocks=max(blocks, 1),
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
@@ -381,7 +396,8 @@ def main(argv: list[str] | None = None):
             if host_copy == "mapped" and args.gather_graphs == "off":
                 reads += " gather outside graphs"
             if prefetch:
-                reads += " prefetch"
+                reads += " prefetch" + (f" gather{blocks}" if host_copy == "mapped" else "")
+                details["prefetch_blocks"] = blocks
             share = core.experts.placement.cpu_share if core.experts is not None else 0.0
             details["cpu_share"] = share
             if share:
@@ -394,6 +410,8 @@ def main(argv: list[str] | None = None):
                 per_token = r["moved_bytes_per_token"]
                 ceiling = bandwidth / per_token if per_token else None
                 suffix = " static placement" if policy == "static" else ""
+                needed = r["needed_bytes_per_token"]
+                details["needed_bound_tok_s"] = bandwidth / needed if needed else None  # no wasted guesses
                 record = make_record(f"{name}{suffix} vs pcie bound", r["tok_s"], "tok/s", ceiling,
                                      "tok/s (pcie bound)" if ceiling else None, machine=machine, commit=commit,
                                      details=details)  # fmt: skip
@@ -406,6 +424,10 @@ def main(argv: list[str] | None = None):
                 hit += f", the CPU computed {r['cpu_computed']} misses"
             if r.get("prefetched"):
                 hit += f", prefetched {r['prefetched']} experts, {r['prefetch_used'] / r['prefetched']:.0%} of them used"
+                if details.get("needed_bound_tok_s"):
+                    hit += (
+                        f", {r['tok_s'] / details['needed_bound_tok_s']:.1%} of the bound of the needed bytes"
+                    )
             bound = (
                 f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
             )

@@ -36,19 +36,44 @@ def _union_ns(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as disjoint sorted intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _intersection_ns(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two unions of intervals."""
+    a, b = _merged(a), _merged(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 def summarize_planes(planes: Any, top: int = 25) -> dict:
     """{"devices": [...], "host_top": [...]} from ProfileData planes (see the module docstring)."""
     devices, host, marks = [], collections.Counter(), []
     for plane in planes:
         if plane.name.startswith("/device:"):
             intervals, by_name, counts = [], collections.Counter(), collections.Counter()
-            kernels = []
+            kernels, per_line = [], collections.defaultdict(list)  # per_line: stream line -> intervals
             for line in plane.lines:
                 if "stream" not in line.name.lower():
                     continue  # kernel events sit on per-stream lines; others are derived views
                 for ev in line.events:
                     intervals.append((ev.start_ns, ev.start_ns + ev.duration_ns))
                     kernels.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+                    per_line[line.name].append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
                     by_name[ev.name] += ev.duration_ns
                     counts[ev.name] += 1
             if not intervals:
@@ -63,9 +88,14 @@ def summarize_planes(planes: Any, top: int = 25) -> dict:
                 "busy_fraction": busy / span if span else None,
                 "kernels": len(intervals),
                 "top": [
-                    {"name": name[:160], "ms": ns / 1e6, "count": counts[name], "share": ns / busy}
+                    {"name": name[:160], "ms": ns / 1e6, "count": counts[name], "share": ns / busy,
+                     "beside_other_streams_ms": _beside_other_streams(per_line, name) / 1e6}
                     for name, ns in by_name.most_common(top)
                 ],
+                "streams": {
+                    name: {"kernels": len(ev), "busy_ms": _union_ns([(a, b) for a, b, _ in ev]) / 1e6}
+                    for name, ev in per_line.items()
+                },
                 "origin_ns": origin,
                 "gaps": idle_gaps(kernels, origin, top),
             })  # fmt: skip
@@ -81,6 +111,19 @@ def summarize_planes(planes: Any, top: int = 25) -> dict:
         "host_top": [{"name": n, "ms": ns / 1e6} for n, ns in host.most_common(top)],
         "marks": [{"name": n, "start_ms": (t - origin) / 1e6, "ms": d / 1e6} for t, d, n in sorted(marks)],
     }
+
+
+def _beside_other_streams(per_line: dict[str, list], name: str) -> float:
+    """ns in which a kernel called `name` ran while a kernel of another stream line ran too (a
+    copy on a second stream that overlaps the compute, or waits beside it)."""
+    total = 0.0
+    for line, events in per_line.items():
+        mine = [(a, b) for a, b, n in events if n == name]
+        if not mine:
+            continue
+        others = [(a, b) for other, ev in per_line.items() if other != line for a, b, _ in ev]
+        total += _intersection_ns(mine, others)
+    return total
 
 
 def idle_gaps(
@@ -131,8 +174,12 @@ def format_summary(summary: dict, lines: int = 15) -> str:
             f"{dev['plane']}: span {dev['span_ms']:.2f} ms, busy {dev['busy_ms']:.2f} ms "
             f"({dev['busy_fraction']:.1%}), {dev['kernels']} kernels"
         )
+        for name, line in dev.get("streams", {}).items():
+            out.append(f"  {name[:40]}: {line['kernels']} kernels, busy {line['busy_ms']:.2f} ms")
         for k in dev["top"][:lines]:
-            out.append(f"  {k['ms']:9.3f} ms {k['share']:6.1%} x{k['count']:<5d} {k['name'][:100]}")
+            beside = k.get("beside_other_streams_ms", 0.0)
+            also = f" ({beside:.3f} ms beside another stream)" if beside else ""
+            out.append(f"  {k['ms']:9.3f} ms {k['share']:6.1%} x{k['count']:<5d} {k['name'][:100]}{also}")
         if dev.get("gaps"):
             out.append("  longest idle gaps (at ms: length, after -> before):")
             for g in dev["gaps"][:lines]:

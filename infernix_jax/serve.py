@@ -207,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
         "while this layer computes, on a second GPU stream (docs/experts.md)",
     )
     experts.add_argument(
+        "--expert-prefetch-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --expert-prefetch and the mapped copy: blocks of the prefetch's gather kernel, few so "
+        "that it runs beside the layer's own kernels (default: 32)",
+    )
+    experts.add_argument(
         "--expert-cpu-share",
         type=_cpu_share,
         default=None,
@@ -335,6 +343,7 @@ def build_engine(args: argparse.Namespace):
             "expert_host_copy",
             "expert_swap_payback",
             "expert_prefetch",
+            "expert_prefetch_blocks",
             "expert_cpu_share",
         )
         if getattr(args, name, None) is not None

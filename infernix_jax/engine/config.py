@@ -111,6 +111,9 @@ class EngineConfig:
     # docs/experts.md, "Prefetching the next layer's misses"). Off: on the H200 it was 20% slower
     # (a third of the guesses unused, no overlap gained); on a GPU it needs the mapped or dma copy
     expert_prefetch: bool = False
+    # blocks of the prefetch's gather ("mapped" copy): few, so it runs beside the layer's kernels
+    # (a gather of 1024 blocks fills every SM until its rows have crossed PCIe)
+    expert_prefetch_blocks: int = 32
     # with expert_host_reads "callback": the share of each layer's missed experts the host's CPU
     # computes (those with the fewest tokens; the fetch callback returns their outputs, not their
     # weights, while it stages the rest), or "auto": balanced by a cost model measured at start
@@ -182,6 +185,8 @@ class EngineConfig:
             errors.append(
                 f"expert_cpu_share must be auto or a number in [0, 1], got {self.expert_cpu_share!r}"
             )
+        if self.expert_prefetch_blocks < 1:
+            errors.append(f"expert_prefetch_blocks must be >= 1, got {self.expert_prefetch_blocks}")
         if not self.expert_swap_payback >= 0:
             errors.append(f"expert_swap_payback must be >= 0, got {self.expert_swap_payback!r}")
         if self.expert_host_copy not in ("auto", "loop", "buckets", "dma", "mapped"):

@@ -163,6 +163,7 @@ class EngineCore:
                 host_reads=config.expert_host_reads,
                 host_copy=config.expert_host_copy,
                 prefetch=config.expert_prefetch,
+                prefetch_blocks=config.expert_prefetch_blocks,
                 cpu_share=config.expert_cpu_share,
                 payback=config.expert_swap_payback,
             )

@@ -114,6 +114,9 @@ def resolve_host_reads(host_reads: str, disk_experts: int) -> str:
     return "program" if on_gpu and not disk_experts and PINNED_HOST in memory_kinds(device) else "callback"
 
 
+# blocks of the prefetch's "mapped" gather: a quarter of an H100's / H200's 132 SMs at one block
+# each, so the layer's own kernels keep the rest (docs/experts.md, "Prefetching the next layer's misses")
+PREFETCH_GATHER_BLOCKS = 32
 PREFETCH_COPIES_CPU_ONLY = ("loop", "buckets")  # host copies with control flow (see check_prefetch_copy)
 
 
@@ -328,6 +331,7 @@ class ExpertOffload:
         host_copy: str = "auto",
         prefetch: bool = False,
         cpu_share: float | str = "auto",
+        prefetch_blocks: int = PREFETCH_GATHER_BLOCKS,
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
@@ -337,7 +341,8 @@ class ExpertOffload:
         "program" (the module docstring) or "auto" (`resolve_host_reads`); host_copy: how
         "program" copies the missed experts (`model.host_copy.HOST_COPIES`, or "auto":
         `resolve_host_copy`); prefetch: each layer copies the next one's guessed misses ahead
-        (`SlottedExperts.prefetch`; "program" only); cpu_share: the share of each layer's misses
+        (`SlottedExperts.prefetch`; "program" only) with a gather of `prefetch_blocks` blocks
+        ("mapped"; `SlottedExperts.prefetch_blocks`); cpu_share: the share of each layer's misses
         computed on the host's CPU ("auto": measured, `cpu_share_at_start`; "callback" only).
         Raises ValueError when they do not fit anywhere, when "program" is asked for with experts
         on disk, or prefetch or a CPU share without the host reads they need."""
@@ -432,6 +437,7 @@ class ExpertOffload:
                 host_copy=host_copy,
                 host_rows_ref=rows_ref,
                 prefetch=prefetch and host_stacks is not None,
+                prefetch_blocks=prefetch_blocks,
                 cpu_share=share,
             )
             new_moe = dataclasses.replace(

@@ -194,6 +194,10 @@ GATHER_WIDTHS = (16, 8, 4, 2, 1)
 MAPPED_IN_COMMAND_BUFFERS = True
 GATHER_THREADS = 256
 GATHER_BLOCKS = 1024
+# A gather meant to run beside the layer's kernels (expert prefetch on a second stream) launches
+# `blocks` blocks only, so that it leaves most SMs free; each thread then keeps this many loads in
+# flight, to keep enough bytes crossing PCIe from few blocks (`copy_rows_mapped(blocks=...)`).
+BACKGROUND_GATHER_UNROLL = 4
 CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 CU_EVENT_DISABLE_TIMING = 2
 CUDA_ERROR_NOT_READY = 600
@@ -222,17 +226,24 @@ def host_rows_address(rows: jax.Array) -> np.ndarray:
                     "them; use --expert-host-copy dma"
                 ) from e
             # load the gathers now, not inside a graph capture (where loading may be refused)
-            cuda.load_current(GATHER_PTX, [gather_kernel_name(w) for w in GATHER_WIDTHS])
+            cuda.load_current(GATHER_PTX, GATHER_NAMES)
         address = value.value
     return np.asarray([address & 0xFFFFFFFF, address >> 32], np.uint32).view(np.int32)
 
 
 def copy_rows_mapped(
-    address: jax.Array, experts: jax.Array, count: jax.Array, row_bytes: int, num_rows: int
+    address: jax.Array,
+    experts: jax.Array,
+    count: jax.Array,
+    row_bytes: int,
+    num_rows: int,
+    blocks: int = GATHER_BLOCKS,
 ) -> jax.Array:
     """Rows [M, row_bytes] on the device: the first `count` of `experts` (i32 [M], each below
     `num_rows`) read from the host rows at `address` (i32 [2], `host_rows_address`), zeros after,
-    by one buffer callback that launches the gather and waits for nothing (the module docstring)."""
+    by one buffer callback that launches the gather and waits for nothing (the module docstring).
+    `blocks`: at most this many blocks (at least one a row); below `GATHER_BLOCKS` the gather keeps
+    `BACKGROUND_GATHER_UNROLL` loads in flight a thread (a copy that shares the GPU with compute)."""
     from jax.experimental.buffer_callback import buffer_callback
 
     header = jnp.concatenate(
@@ -240,11 +251,13 @@ def copy_rows_mapped(
          experts.astype(jnp.int32)]
     )  # fmt: skip
     out = jax.ShapeDtypeStruct((experts.shape[0], row_bytes), jnp.uint8)
-    gather = functools.partial(_mapped_rows, num_rows)
+    if blocks < 1:
+        raise ValueError(f"a gather needs at least one block, got {blocks}")
+    gather = functools.partial(_mapped_rows, num_rows, blocks)
     return buffer_callback(gather, out, command_buffer_compatible=MAPPED_IN_COMMAND_BUFFERS)(header)
 
 
-def _mapped_rows(num_rows: int, ctx, out, header) -> None:
+def _mapped_rows(num_rows: int, blocks: int, ctx, out, header) -> None:
     """buffer_callback body of `copy_rows_mapped`: the gather launched on the device's stream, or
     the copies in memory."""
     from jax.experimental.buffer_callback import ExecutionStage
@@ -252,7 +265,7 @@ def _mapped_rows(num_rows: int, ctx, out, header) -> None:
     if ctx.stage != ExecutionStage.EXECUTE:
         return
     if out.__dlpack_device__()[0] != 1:  # not kDLCPU
-        _cuda_mapped_rows(ctx.stream, out, header)
+        _cuda_mapped_rows(ctx.stream, out, header, blocks)
         return
     head = np.asarray(header)
     low, high = (int(w) for w in head[:2].view(np.uint32))
@@ -274,20 +287,27 @@ def gather_width(row_bytes: int) -> int:
     return next(w for w in GATHER_WIDTHS if row_bytes % w == 0)
 
 
-def gather_launch(rows_out: int, row_bytes: int) -> tuple[str, int, int]:
-    """(kernel name, words a row, blocks per row) of the gather for an output [rows_out, row_bytes]."""
+def gather_unroll(blocks: int) -> int:
+    """Loads in flight per thread of a gather launched with at most `blocks` blocks."""
+    return 1 if blocks >= GATHER_BLOCKS else BACKGROUND_GATHER_UNROLL
+
+
+def gather_launch(rows_out: int, row_bytes: int, max_blocks: int = GATHER_BLOCKS) -> tuple[str, int, int]:
+    """(kernel name, words a row, blocks per row) of the gather for an output [rows_out, row_bytes]
+    launched with at most `max_blocks` blocks (one a row at least)."""
     width = gather_width(row_bytes)
     words = row_bytes // width
-    blocks = max(1, min(-(-words // GATHER_THREADS), GATHER_BLOCKS // max(rows_out, 1)))
-    return gather_kernel_name(width), words, blocks
+    unroll = gather_unroll(max_blocks)
+    blocks = max(1, min(-(-words // (GATHER_THREADS * unroll)), max_blocks // max(rows_out, 1)))
+    return gather_kernel_name(width, unroll), words, blocks
 
 
-def _cuda_mapped_rows(stream: int, out, header) -> None:
+def _cuda_mapped_rows(stream: int, out, header, max_blocks: int = GATHER_BLOCKS) -> None:
     """GPU side of "mapped": launch the gather on `stream`; nothing is read back or waited for."""
     rows_out, row_bytes = out.shape
     if rows_out == 0 or row_bytes == 0:
         return
-    name, words, blocks = gather_launch(rows_out, row_bytes)
+    name, words, blocks = gather_launch(rows_out, row_bytes, max_blocks)
     cuda = _cuda()
     with cuda.context_of(stream):
         fn = cuda.function(stream, name)
@@ -396,7 +416,10 @@ def gather_ptx(entries) -> str:
     return ".version 7.0\n.target sm_80\n.address_size 64\n" + "".join(gather_entry(*e) for e in entries)
 
 
-GATHER_PTX = gather_ptx([(w,) for w in GATHER_WIDTHS])
+# the kernels `copy_rows_mapped` launches: one load in flight a thread, and the background form
+_GATHER_ENTRIES = [(w, u) for u in (1, BACKGROUND_GATHER_UNROLL) for w in GATHER_WIDTHS]
+GATHER_PTX = gather_ptx(_GATHER_ENTRIES)
+GATHER_NAMES = [gather_kernel_name(w, u) for w, u in _GATHER_ENTRIES]
 
 
 class _CudaDriver:

@@ -30,6 +30,7 @@ from jax.experimental.compute_on import compute_on
 
 from infernix_jax.config import ModelConfig
 from infernix_jax.model import host_copy, host_report
+from infernix_jax.model.host_copy import GATHER_BLOCKS
 from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.weights.quant import (
     QuantizedWeight,
@@ -180,6 +181,9 @@ class SlottedExperts:
     # static: the layer before copies this layer's likely misses ahead, on a second stream
     # (`prefetching_experts`; only with host_stacks)
     prefetch: bool = False
+    # static: blocks of the "mapped" gather that prefetches (`host_copy.copy_rows_mapped`): few, so
+    # the copy runs beside the layer's kernels instead of taking every SM until it is done
+    prefetch_blocks: int = GATHER_BLOCKS
     # f32 []: the share of a step's missed experts the host computes on its CPU (the fetch callback
     # returns their pairs' outputs instead of their weights; `_split_missed`), or None: every missed
     # expert crosses to the device. Data, so a re-measured share recompiles nothing. Callbacks only.
@@ -198,7 +202,7 @@ jax.tree_util.register_dataclass(
         "host_rows_ref",
         "cpu_share",
     ],
-    meta_fields=["layer", "host_copy", "prefetch"],
+    meta_fields=["layer", "host_copy", "prefetch", "prefetch_blocks"],
 )
 
 # id -> the host object serving missed experts: fetch(layer, counts i32 [E], missed i32 [m]) -> leaves [m, ...]
@@ -312,7 +316,7 @@ def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfi
     ids, count = _first_ids(have, size, fill=-1), jnp.sum(have.astype(jnp.int32))
 
     def copy(host_stacks, ids, count, rows_ref):
-        return copy_missed_rows(se.host_copy, host_stacks, ids, count, rows_ref)
+        return copy_missed_rows(se.host_copy, host_stacks, ids, count, rows_ref, se.prefetch_blocks)
 
     rows = on_stream(copy, PREFETCH_STREAM)(se.host_stacks, ids, count, se.host_rows_ref)
     _prefetch.rows[se.layer] = (have, rows)
@@ -487,11 +491,13 @@ def copy_missed_rows(
     missed: jax.Array,
     num_missed: jax.Array,
     rows_ref: jax.Array | None = None,
+    blocks: int = GATHER_BLOCKS,
 ) -> jax.Array:
     """Rows [len(missed), row bytes] on the device: the first `num_missed` of `missed` copied
     from the `pinned_host` rows `host_rows` the way `method` names (`host_copy.HOST_COPIES`), zeros
     after. "dma" finds the rows by `rows_ref`, their id (`host_copy.register_host_rows`), and
-    "mapped" reads them at `rows_ref`, their device address (`host_copy.host_rows_address`)."""
+    "mapped" reads them at `rows_ref`, their device address (`host_copy.host_rows_address`), with
+    a gather of at most `blocks` blocks."""
     if method == "loop":
         return copy_host_rows(host_rows, missed, num_missed)
     if method == "buckets":
@@ -504,7 +510,7 @@ def copy_missed_rows(
         if rows_ref is None:
             raise ValueError('host copy "mapped" needs the host rows\' address (host_copy.host_rows_address)')
         return host_copy.copy_rows_mapped(
-            rows_ref, missed, num_missed, host_rows.shape[1], host_rows.shape[0]
+            rows_ref, missed, num_missed, host_rows.shape[1], host_rows.shape[0], blocks
         )
     raise ValueError(f"host copy must be one of {host_copy.HOST_COPIES}, got {method!r}")
 

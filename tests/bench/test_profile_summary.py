@@ -20,3 +20,28 @@ def test_idle_gaps_are_the_longest_stretches_without_a_kernel_in_time_order():
         (10.0, 2.0, "tiny gap before", "last"),
     ]
     assert [g["ms"] for g in idle_gaps(kernels, origin=0, top=1)] == [5.0], "the longest first"
+
+
+def test_a_copy_on_a_second_stream_counts_the_time_it_ran_beside_the_first():
+    """The summary says how long each kernel ran while another stream's kernels ran: whether a
+    prefetch copy on its own stream overlapped the layer's compute or only took turns with it."""
+    from types import SimpleNamespace as NS
+
+    from bench.profile_summary import summarize_planes
+
+    ms = 1_000_000
+
+    def ev(start, end, name):
+        return NS(start_ns=start * ms, duration_ns=(end - start) * ms, name=name)
+
+    compute = NS(name="Stream #1(compute)", events=[ev(0, 2, "dot"), ev(3, 6, "dot")])
+    copies = NS(name="Stream #2(copy)", events=[ev(1, 4, "gather"), ev(7, 8, "gather")])
+    derived = NS(name="XLA Ops", events=[ev(0, 8, "not a kernel")])
+    plane = NS(name="/device:GPU:0", lines=[compute, copies, derived])
+    (device,) = summarize_planes([plane])["devices"]
+    top = {k["name"]: k for k in device["top"]}
+    # gather [1,4) and [7,8) against dot [0,2) and [3,6): beside for [1,2) and [3,4)
+    assert top["gather"]["ms"] == 4.0 and top["gather"]["beside_other_streams_ms"] == 2.0
+    assert top["dot"]["beside_other_streams_ms"] == 2.0
+    assert device["busy_ms"] == 7.0  # [0,6) and [7,8)
+    assert device["streams"]["Stream #2(copy)"] == {"kernels": 2, "busy_ms": 4.0}

@@ -200,6 +200,38 @@ def test_the_gpu_mapped_path_launches_one_gather_and_waits_for_nothing(monkeypat
     assert f".entry gather_rows_w{width}(" in host_copy.GATHER_PTX
 
 
+@pytest.mark.parametrize(("rows", "blocks"), [(8, 32), (10, 32), (40, 32), (1, 8)])
+def test_a_background_gather_launches_few_blocks_with_loads_in_flight(monkeypatch, rows, blocks):
+    """The prefetch's gather (`copy_rows_mapped(blocks=...)`) shares the GPU with the layer's own
+    kernels: it launches at most `blocks` blocks (one a row at least), each thread keeping
+    `BACKGROUND_GATHER_UNROLL` loads in flight, from a kernel the module loads with the others."""
+    log = _LaunchLog()
+    monkeypatch.setattr(host_copy, "_cuda", lambda: log)
+    out = HostBackedBuffer(np.zeros((rows, 1_769_488), np.uint8))
+    header = HostBackedBuffer(np.zeros(3 + rows, np.int32))
+    host_copy._cuda_mapped_rows(7, out, header, blocks)
+    _, fn, blocks_x, blocks_y, *_ = log.calls[0]
+    unroll = host_copy.BACKGROUND_GATHER_UNROLL
+    assert fn == f"gather_rows_w16_u{unroll}_ld" and fn in host_copy.GATHER_NAMES
+    assert blocks_y == rows and blocks_x * rows <= max(blocks, rows)
+    assert f".entry {fn}(" in host_copy.GATHER_PTX
+
+
+def test_a_background_gather_brings_the_same_rows():
+    """On the CPU the callback copies in memory whatever the blocks: the bytes are the asked rows."""
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 255, (6, 64), dtype=np.uint8))
+    address = jnp.asarray(host_copy.host_rows_address(rows))
+    ids = jnp.asarray([4, 1, 0, 0], jnp.int32)
+    got = jax.jit(lambda a, i, c: host_copy.copy_rows_mapped(a, i, c, 64, 6, blocks=2))(
+        address, ids, jnp.int32(2)
+    )
+    want = np.zeros((4, 64), np.uint8)
+    want[:2] = np.asarray(rows)[[4, 1]]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(ValueError, match="at least one block"):
+        host_copy.copy_rows_mapped(address, ids, jnp.int32(2), 64, 6, blocks=0)
+
+
 def test_auto_host_copy_is_mapped_where_the_device_addresses_the_rows_else_dma(monkeypatch, caplog):
     from infernix_jax.experts import offload
 
