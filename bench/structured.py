@@ -185,10 +185,13 @@ def decode_rate(
     keep_outputs: decode 4 dispatches more after the measurement and return each row's tokens
     ("outputs"), enough for a run of the same rows to follow them (`own_token_grammars`)."""
     # The rows skip prefill, and the two steps before the timing compile what split, fused or
-    # callback use; check's chooser would time a step that compiles, so it warms up first.
+    # callback use; check's chooser would time a step that compiles, so its programs (and only
+    # those: a 27B engine's full warm-up takes minutes) are compiled first.
     core = make_core(cfg, params, batch=batch, context=context + tokens + 8 * steps, steps=steps,
                      kv_dtype="bf16", prefill_chunk=256, constrained_decode=mode,
-                     one_step_command_buffers=graphs, warmup=mode == "check")  # fmt: skip
+                     one_step_command_buffers=graphs, warmup=False)  # fmt: skip
+    if mode == "check" and constraint is not None:
+        jax.block_until_ready(core.runner.warm_constrained(batch))
     admit_in_cache(core, batch, context, constraint)
     core.step()  # compile
     core.step()

@@ -876,7 +876,7 @@ class Runner:
             if kind == "prefill":
                 out = self.prefill(self.empty_prefill(a, b))
             elif kind == "constrained decode":  # with and without top alternatives
-                out = self._warm_constrained(a)
+                out = self.warm_constrained(a)
             else:
                 empty = self.empty_decode(a, b)
                 out = self.decode(empty)
@@ -896,7 +896,7 @@ class Runner:
         bar.close()
         return time.perf_counter() - start
 
-    def _warm_constrained(self, batch: int) -> list:
+    def warm_constrained(self, batch: int) -> list:
         """Compile the constrained decode programs of one batch bucket on idle rows (position -1: no
         writes, no samples), fed as core.py feeds them: host arrays first, then the device arrays
         the step before returned."""
