@@ -130,9 +130,11 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     stacks = (p.gate_proj, p.up_proj, p.down_proj)
     slotted = isinstance(p.gate_proj, SlottedExperts)
     prefetched = _take_prefetched(p.gate_proj) if slotted else None
-    _prefetch_next_layer(xf, valid, cfg)  # the next layer's likely misses, before this layer's work
-    if slotted:
-        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid, prefetched)
+    if not slotted:
+        _prefetch_next_layer(xf, valid, cfg)  # the next layer's likely misses, before this layer's work
+    if slotted:  # ... there once this layer's own misses have been copied
+        then = functools.partial(_prefetch_next_layer, xf, valid, cfg)
+        per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid, prefetched, then)
     elif _takes_grouped_kernel(stacks):
         per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
     elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
@@ -299,14 +301,17 @@ def announce_next_moe(p: MoEParams | None) -> None:
     _prefetch.next = p if wants else None
 
 
-def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfig) -> None:
+def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfig, after: Any = None) -> None:
     """Guess the next layer's routed experts from this layer's MoE input `xf` [N, D] and start
     copying the ones without a slot, on the prefetch stream (nothing when no next layer prefetches
-    or the step is large)."""
+    or the step is large). With `after` (this layer's copied misses), the guess waits for them: the
+    copy this layer needs now has PCIe to itself, and the guessed one runs beside its compute."""
     p = getattr(_prefetch, "next", None)
     k, num_experts = cfg.num_experts_per_tok, cfg.num_experts
     if p is None or xf.shape[0] * k > PREFETCH_MAX_PAIRS:
         return
+    if after is not None:
+        xf, _ = jax.lax.optimization_barrier((xf, after))
     se = p.gate_proj
     _, guess = route(p.router, xf, k, cfg.norm_topk_prob)
     if valid is not None:
@@ -575,8 +580,11 @@ def _experts_slotted(
     num_experts: int,
     valid: jax.Array | None = None,
     prefetched: tuple[jax.Array, jax.Array] | None = None,
+    then: Callable[..., None] | None = None,
 ) -> jax.Array:
     """Per-pair outputs [N, k, D] with experts read from slots, the missing ones fetched for this step.
+    `then(after=fetched)`, if given, is called once the missed experts' copy is in the graph (the
+    next layer's prefetch, ordered after it).
 
     The weights each pair uses are the same packed bytes as in the full stacks and go through the
     same functions (`_experts_grouped` where the grouped kernel runs, else `_pair_outputs` or
@@ -625,6 +633,8 @@ def _experts_slotted(
         if collected is None:  # outside forward: report this layer's routing on its own
             receipt = report_expert_routing([entry])
         fetched = _read_missed_in_program(se, missed, num_missed, ahead)
+    if then is not None:  # the next layer's prefetch, ordered after this copy
+        then(after=fetched)
     out = _slotted_outputs(se, x, ids, num_experts, resident, fetch_pos, fetched)
     if host_out is not None:  # the host's experts' pairs take its outputs (the device's used other weights)
         out = jnp.where(on_cpu[ids][..., None], host_out.astype(out.dtype), out)
