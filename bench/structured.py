@@ -148,14 +148,14 @@ def time_masks(backend, tokenizer: Tokenizer, repeats: int) -> dict[str, dict]:
     return results
 
 
-def admit_in_cache(core, batch: int, context: int, constraint, seed: int = 0) -> None:
+def admit_in_cache(core, batch: int, context: int, constraint, seed: int = 0, temperature: float = 1.0) -> None:
     """Admit `batch` requests of `context` random prompt tokens, all but the last marked cached;
     `constraint`: one for every row, or a list with one per row."""
     rng = np.random.default_rng(seed)
     scheduler = core.scheduler
     for i in range(batch):
         prompt = rng.integers(0, 151_000, size=context).tolist()
-        sampling = SamplingParams(max_tokens=1 << 30, temperature=1.0, ignore_eos=True, seed=i)
+        sampling = SamplingParams(max_tokens=1 << 30, temperature=temperature, ignore_eos=True, seed=i)
         where = constraint[i] if isinstance(constraint, list) else constraint
         core.add_request(GenerationRequest(f"bench{i}", prompt, sampling, constraint=where))
     while scheduler.waiting:
@@ -179,6 +179,7 @@ def decode_rate(
     mode: str = "split",
     graphs: bool = True,
     keep_outputs: bool = False,
+    temperature: float = 1.0,
 ) -> dict:
     """Generated tokens per second of `batch` rows (host work included), after a warm-up step;
     `mode`: EngineConfig.constrained_decode; `graphs`: EngineConfig.one_step_command_buffers.
@@ -192,7 +193,7 @@ def decode_rate(
                      one_step_command_buffers=graphs, warmup=False)  # fmt: skip
     if mode == "check" and constraint is not None:
         jax.block_until_ready(core.runner.warm_constrained(batch))
-    admit_in_cache(core, batch, context, constraint)
+    admit_in_cache(core, batch, context, constraint, temperature=temperature)
     core.step()  # compile
     core.step()
     generated = core.metrics.generated_tokens
@@ -482,6 +483,13 @@ def main(argv: list[str] | None = None):
         "every token (the mask decides each one); 'own', each row's own free tokens as its grammar "
         "(a model that keeps to its grammar: what the check way is for)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature of every row (0: greedy; with --workload own, a model that keeps to "
+        "its grammar unless the constrained programs round differently from the free one)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
@@ -509,13 +517,15 @@ def main(argv: list[str] | None = None):
         constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(LONG_SCHEMA)))
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
         for shape in args.shapes.split(","):
-            if SHAPES[shape]["vocab_size"] < tokenizer.vocab_size:
+            if args.workload == "own":  # grammars of the model's samples: they must be the tokenizer's ids
+                SHAPES[shape] = dict(SHAPES[shape], vocab_size=tokenizer.vocab_size)
+            elif SHAPES[shape]["vocab_size"] < tokenizer.vocab_size:
                 SHAPES[shape] = dict(SHAPES[shape], vocab_size=QWEN3_VOCAB)  # the tiny shape
             cfg, params = build_model(shape, dtype)
             for batch in (int(b) for b in args.batches.split(",")):
                 own = args.workload == "own"
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None,
-                                   keep_outputs=own)  # fmt: skip
+                                   keep_outputs=own, temperature=args.temperature)  # fmt: skip
                 print(f"{shape} batch{batch}: free {free['tok_s']:.1f} tok/s", flush=True)
                 if own:
                     constraint = own_token_grammars(backend, free["outputs"])
@@ -524,10 +534,12 @@ def main(argv: list[str] | None = None):
                 graph_choices = {"on": (True,), "off": (False,), "both": (True, False)}[args.one_step_graphs]
                 for graphs in graph_choices:
                     constrained = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens,
-                                              constraint, args.constrained_decode, graphs)  # fmt: skip
+                                              constraint, args.constrained_decode, graphs,
+                                              temperature=args.temperature)  # fmt: skip
                     way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
                     way += "" if graphs else " no graphs"
                     what = "own_tokens" if own else "json_schema"
+                    what += "" if args.temperature == 1.0 else f" t{args.temperature:g}"
                     name = f"structured decode {shape} {what}{way} batch{batch} {context_label(args.context)}"
                     record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
                                          machine=machine, commit=commit, details={
@@ -536,7 +548,7 @@ def main(argv: list[str] | None = None):
                         "constrained_ms_per_token": constrained["ms_per_token"],
                         "constrained_rows_finished": constrained["finished"],
                         "constrained_decode": args.constrained_decode, "one_step_command_buffers": graphs,
-                        "workload": args.workload, "check_kept_tokens": constrained["check_kept_tokens"],
+                        "workload": args.workload, "temperature": args.temperature, "check_kept_tokens": constrained["check_kept_tokens"],
                         "check_refusals": constrained["check_refusals"], "ways_chosen": constrained["ways_chosen"],
                     })  # fmt: skip
                     print(f"{name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of free "
