@@ -108,8 +108,9 @@ class EngineConfig:
     # with expert_host_reads "program": each MoE layer of a decode step guesses the next layer's
     # experts (its router applied to this layer's input) and copies the guessed misses ahead on a
     # second GPU stream, so the copies overlap this layer's compute (model.mlp.prefetching_experts;
-    # docs/experts.md, "Prefetching the next layer's misses"). Off: on the H200 it was 20% slower
-    # (a third of the guesses unused, no overlap gained); on a GPU it needs the mapped or dma copy
+    # docs/experts.md, "Prefetching the next layer's misses"). Off: 20-22% slower on an H200 and
+    # an H100 (a third of the guesses unused; with XLA's command buffers on, the copy stayed on the
+    # program's one stream); on a GPU it needs the mapped or dma copy
     expert_prefetch: bool = False
     # blocks of the prefetch's gather ("mapped" copy): few, so it runs beside the layer's kernels
     # (a gather of 1024 blocks fills every SM until its rows have crossed PCIe)
