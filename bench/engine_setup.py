@@ -78,6 +78,45 @@ def build_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, weights: str = "b
     return cfg, quantized_params(cfg, jax.random.key(seed), dtype, weights)
 
 
+def chain_params(
+    cfg: ModelConfig, params, seed: int = 0, embed_scale: float = 1000.0, sharpness: float = 10.0
+):
+    """(params, successor): the same random model made to keep to a fixed chain of tokens, the
+    next token after t being successor[t] by a wide margin, greedy or sampled; for workloads that
+    need a model that keeps to its grammar (as a trained one mostly does) at a real shape's cost.
+
+    The layers are untouched, so a step costs what the random model's does. The input embedding
+    is scaled up by `embed_scale`, so the residual stream stays the token's own embedding whatever
+    the layers add (each layer reads it through a norm, so the layers compute as before), and the
+    output embedding's row successor[t] is t's embedding at unit RMS times sharpness / sqrt(D):
+    that logit is ~ sharpness * sqrt(D), any other ~ sharpness * N(0, 1) (715 against at most ~50
+    for D = 5120 over 151k tokens). With tied embeddings the successor is the token itself."""
+    vocab, dim = params.embed.shape
+    final_norm = jnp.full_like(params.final_norm, 0.0 if cfg.zero_centered_norm else 1.0)
+    new_embed = _scaled(params.embed, embed_scale)
+    if params.lm_head is None:
+        return dataclasses.replace(params, embed=new_embed, final_norm=final_norm), np.arange(vocab)
+    successor = np.random.default_rng(seed).permutation(vocab)
+    predecessor = jnp.asarray(np.argsort(successor), jnp.int32)  # predecessor[successor[t]] = t
+    head = _chain_head(params.embed, predecessor, sharpness / math.sqrt(dim))
+    chained = dataclasses.replace(params, embed=new_embed, final_norm=final_norm, lm_head=head)
+    return chained, successor
+
+
+@jax.jit
+def _scaled(x: jax.Array, scale: float) -> jax.Array:
+    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+@jax.jit
+def _chain_head(embed: jax.Array, predecessor: jax.Array, scale: float) -> jax.Array:
+    """Row j: the embedding of predecessor[j] at unit RMS times `scale` (one fused pass: a 27B
+    shape's float32 copies of the embedding would not fit beside its weights)."""
+    e = embed.astype(jnp.float32)
+    unit = e * jax.lax.rsqrt(jnp.mean(jnp.square(e), axis=1, keepdims=True))
+    return (unit[predecessor] * scale).astype(embed.dtype)
+
+
 def quantized_params(cfg: ModelConfig, key: jax.Array, dtype, fmt: str):
     """Random weights (the same values as `init_params` with this key) with every leaf that the
     conversion recipe `fmt` quantizes stored in that format.

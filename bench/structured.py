@@ -2,7 +2,7 @@
 
     python -m bench.structured                       # GPU: moe shape, batch 1 and 8
     python -m bench.structured --shapes 27b --batches 1,8,32
-    python -m bench.structured --shapes 27b --batches 1 --workload own --constrained-decode check
+    python -m bench.structured --shapes 27b --batches 1 --workload chain --constrained-decode check
     python -m bench.structured --quick               # tiny model, any machine (CPU)
     python -m bench.structured --mask-only           # only the mask timing (CPU, no model)
     python -m bench.structured --breakdown           # where a constrained token's time goes (GPU)
@@ -23,7 +23,10 @@ With `--workload own` each constrained row follows instead a grammar of the very
 free (Lark token references): a random-weight model of a real shape that keeps to its grammar, as
 a trained model writing requested JSON mostly does; with `--constrained-decode check` this is the
 check way's speed on that shape (the schema workload measures split's, which check's chooser
-falls back to when the model leaves its grammar). Records go to
+falls back to when the model leaves its grammar). On a GPU a random model's near-tie logits let the
+constrained programs' bfloat16 rounding part from the free tokens within a few steps; `--workload
+chain` makes the same model follow a fixed token chain by a wide margin first
+(`engine_setup.chain_params`), so it keeps to its grammar there too. Records go to
 bench/results/structured-<machine>.json.
 
 Breakdown (--breakdown): one engine per batch, the same rows, timed in one run (ms per decode step,
@@ -54,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.engine_setup import SHAPES, build_model, make_core
+from bench.engine_setup import SHAPES, build_model, chain_params, make_core
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import BLOCK_SIZE
 from infernix_jax.chat.tokenizer import Tokenizer
@@ -478,10 +481,13 @@ def main(argv: list[str] | None = None):
     parser.add_argument(
         "--workload",
         default="schema",
-        choices=("schema", "own"),
+        choices=("schema", "own", "chain"),
         help="what the constrained rows follow: 'schema', a JSON schema the random model leaves at "
         "every token (the mask decides each one); 'own', each row's own free tokens as its grammar "
-        "(a model that keeps to its grammar: what the check way is for)",
+        "(a model that keeps to its grammar: what the check way is for, as long as the constrained "
+        "programs round as the free one did); 'chain', the same on the random model made to follow a "
+        "fixed token chain by a wide margin (engine_setup.chain_params), which keeps to it whatever "
+        "the rounding",
     )
     parser.add_argument(
         "--temperature",
@@ -517,13 +523,15 @@ def main(argv: list[str] | None = None):
         constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(LONG_SCHEMA)))
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
         for shape in args.shapes.split(","):
-            if args.workload == "own":  # grammars of the model's samples: they must be the tokenizer's ids
+            own = args.workload in ("own", "chain")
+            if own:  # grammars of the model's samples: they must be the tokenizer's ids
                 SHAPES[shape] = dict(SHAPES[shape], vocab_size=tokenizer.vocab_size)
             elif SHAPES[shape]["vocab_size"] < tokenizer.vocab_size:
                 SHAPES[shape] = dict(SHAPES[shape], vocab_size=QWEN3_VOCAB)  # the tiny shape
             cfg, params = build_model(shape, dtype)
+            if args.workload == "chain":
+                params, _ = chain_params(cfg, params)
             for batch in (int(b) for b in args.batches.split(",")):
-                own = args.workload == "own"
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None,
                                    keep_outputs=own, temperature=args.temperature)  # fmt: skip
                 print(f"{shape} batch{batch}: free {free['tok_s']:.1f} tok/s", flush=True)
@@ -538,7 +546,7 @@ def main(argv: list[str] | None = None):
                                               temperature=args.temperature)  # fmt: skip
                     way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
                     way += "" if graphs else " no graphs"
-                    what = "own_tokens" if own else "json_schema"
+                    what = {"own": "own_tokens", "chain": "chain_tokens"}.get(args.workload, "json_schema")
                     what += "" if args.temperature == 1.0 else f" t{args.temperature:g}"
                     name = f"structured decode {shape} {what}{way} batch{batch} {context_label(args.context)}"
                     record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
