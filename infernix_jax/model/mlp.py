@@ -115,6 +115,15 @@ def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks)
 
 
+def _experts_resident(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+    """Per-pair outputs [N, k, D] of experts whose stacks are all on the device."""
+    if _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj)):
+        return _experts_grouped(p, x, ids, num_experts)
+    if ids.size <= max(GATHER_MIN_PAIRS, num_experts // 2):
+        return _experts_gathered(p, x, ids)
+    return _experts_grouped(p, x, ids, num_experts)
+
+
 def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> [..., D]: sum_k w_k E_k(x) + sigmoid(shared_gate(x)) * shared(x).
 
@@ -127,20 +136,14 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     if valid is not None:
         valid = valid.reshape(-1)
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
-    stacks = (p.gate_proj, p.up_proj, p.down_proj)
     slotted = isinstance(p.gate_proj, SlottedExperts)
     prefetched = _take_prefetched(p.gate_proj) if slotted else None
-    if not slotted:
-        _prefetch_next_layer(xf, valid, cfg)  # the next layer's likely misses, before this layer's work
-    if slotted:  # ... there once this layer's own misses have been copied
+    if slotted:  # the next layer's likely misses are copied after this layer's own (`then`)
         then = functools.partial(_prefetch_next_layer, xf, valid, cfg)
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid, prefetched, then)
-    elif _takes_grouped_kernel(stacks):
-        per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
-    elif ids.size <= max(GATHER_MIN_PAIRS, cfg.num_experts // 2):
-        per_pair = _experts_gathered(p, xf, ids)
     else:
-        per_pair = _experts_grouped(p, xf, ids, cfg.num_experts)
+        _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
+        per_pair = _experts_resident(p, xf, ids, cfg.num_experts)
     out = jnp.einsum("nk,nkd->nd", weights, per_pair)
     if p.shared is not None:
         gate = jax.nn.sigmoid(matmul(xf, p.shared_gate))
