@@ -86,6 +86,9 @@ def summarize_planes(planes: Any, top: int = 25) -> dict:
                 "span_ms": span / 1e6,
                 "busy_ms": busy / 1e6,
                 "busy_fraction": busy / span if span else None,
+                # kernel time beyond the busy time ran beside other kernels, on another stream
+                # or inside one CUDA graph (whose kernels the trace lists on the launching stream)
+                "kernel_ms": sum(e - s for s, e in intervals) / 1e6,
                 "kernels": len(intervals),
                 "top": [
                     {"name": name[:160], "ms": ns / 1e6, "count": counts[name], "share": ns / busy,
@@ -173,6 +176,7 @@ def format_summary(summary: dict, lines: int = 15) -> str:
         out.append(
             f"{dev['plane']}: span {dev['span_ms']:.2f} ms, busy {dev['busy_ms']:.2f} ms "
             f"({dev['busy_fraction']:.1%}), {dev['kernels']} kernels"
+            f", {dev['kernel_ms'] - dev['busy_ms']:.2f} ms of kernel time beside other kernels"
         )
         for name, line in dev.get("streams", {}).items():
             out.append(f"  {name[:40]}: {line['kernels']} kernels, busy {line['busy_ms']:.2f} ms")

@@ -44,4 +44,5 @@ def test_a_copy_on_a_second_stream_counts_the_time_it_ran_beside_the_first():
     assert top["gather"]["ms"] == 4.0 and top["gather"]["beside_other_streams_ms"] == 2.0
     assert top["dot"]["beside_other_streams_ms"] == 2.0
     assert device["busy_ms"] == 7.0  # [0,6) and [7,8)
+    assert device["kernel_ms"] - device["busy_ms"] == 2.0  # the time two kernels ran at once
     assert device["streams"]["Stream #2(copy)"] == {"kernels": 2, "busy_ms": 4.0}
