@@ -128,7 +128,7 @@ def make_core(
     batches: tuple[int, ...] = (1, 4),
     prefetch: bool = False,
     cpu_share: float | str = "auto",
-    prefetch_blocks: int = 32,
+    prefetch_blocks: int = EngineConfig.expert_prefetch_blocks,
 ) -> EngineCore:
     """The engine of one budget; it compiles a decode program for each of `batches` only."""
     batch = max(batches)
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None):
         core = make_core(
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
-            prefetch=prefetch, cpu_share=cpu_share, prefetch_blocks=max(blocks, 1),
+            prefetch=prefetch, cpu_share=cpu_share, prefetch_blocks=blocks or EngineConfig.expert_prefetch_blocks,
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
