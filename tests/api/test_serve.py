@@ -107,6 +107,21 @@ def test_constrained_decode_reaches_the_engine_only_when_given(tmp_path, monkeyp
         serve.build_parser().parse_args(["--constrained-decode", "fast"])
 
 
+def test_expert_prefetch_flags_reach_the_engine_only_when_given(tmp_path, monkeypatch):
+    import infernix_jax.engine as engine_package
+
+    calls = []
+    monkeypatch.setattr(
+        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
+    )
+    serve.build_engine(
+        serve.build_parser().parse_args(["--expert-prefetch", "--expert-prefetch-blocks", "16"])
+    )
+    serve.build_engine(serve.build_parser().parse_args([]))
+    assert calls[0]["expert_prefetch"] is True and calls[0]["expert_prefetch_blocks"] == 16
+    assert "expert_prefetch_blocks" not in calls[1]
+
+
 def test_memory_is_logged_from_the_engine(caplog, tokenizer):
     import logging
 

@@ -462,6 +462,8 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
         CONFIG.replace(expert_host_copy="gather")
     with pytest.raises(ValueError, match="expert_swap_payback must be >= 0"):
         CONFIG.replace(expert_swap_payback=-1.0)
+    with pytest.raises(ValueError, match="expert_prefetch_blocks must be >= 1"):
+        CONFIG.replace(expert_prefetch_blocks=0)
 
 
 @pytest.mark.parametrize("host_copy", ["mapped", "loop"])
