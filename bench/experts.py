@@ -129,6 +129,7 @@ def make_core(
     prefetch: bool = False,
     cpu_share: float | str = "auto",
     prefetch_blocks: int = EngineConfig.expert_prefetch_blocks,
+    prefetch_guesses: int = 0,
 ) -> EngineCore:
     """The engine of one budget; it compiles a decode program for each of `batches` only."""
     batch = max(batches)
@@ -138,7 +139,7 @@ def make_core(
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, prefix_cache=False,
         structured_output=False, scoring=False, gpu_expert_budget=gpu_budget, expert_host_reads=host_reads,
         expert_host_copy=host_copy, expert_prefetch=prefetch, expert_cpu_share=cpu_share,
-        expert_prefetch_blocks=prefetch_blocks,
+        expert_prefetch_blocks=prefetch_blocks, expert_prefetch_guesses=prefetch_guesses,
     )  # fmt: skip
     return EngineCore(cfg, params, config)
 
@@ -309,6 +310,13 @@ def main(argv: list[str] | None = None):
         "separated: each value is a point of its own; records say 'prefetch gatherN'",
     )
     parser.add_argument(
+        "--prefetch-guesses",
+        type=int,
+        default=0,
+        help="experts each token guesses for the next layer, the router's likeliest first "
+        "(EngineConfig.expert_prefetch_guesses; 0: its top-k); records of a limit say 'guessesN'",
+    )
+    parser.add_argument(
         "--points",
         default="static,dynamic,resident",
         help="which points to run: static (batch 1, slots frozen), dynamic (every batch), resident "
@@ -370,6 +378,7 @@ def main(argv: list[str] | None = None):
             cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
             host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
             prefetch=prefetch, cpu_share=cpu_share, prefetch_blocks=blocks or EngineConfig.expert_prefetch_blocks,
+            prefetch_guesses=args.prefetch_guesses,
         )  # fmt: skip
         # static placement first, while the slots still hold the placement at start (a dynamic
         # point before it would hand it the slots it learned); then the cache may swap
@@ -398,6 +407,9 @@ def main(argv: list[str] | None = None):
             if prefetch:
                 reads += " prefetch" + (f" gather{blocks}" if host_copy == "mapped" else "")
                 details["prefetch_blocks"] = blocks
+                if args.prefetch_guesses:
+                    reads += f" guesses{args.prefetch_guesses}"
+                details["prefetch_guesses"] = args.prefetch_guesses
             share = core.experts.placement.cpu_share if core.experts is not None else 0.0
             details["cpu_share"] = share
             if share:

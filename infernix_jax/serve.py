@@ -215,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
         "that it runs beside the layer's own kernels (default: 32)",
     )
     experts.add_argument(
+        "--expert-prefetch-guesses",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --expert-prefetch: experts guessed per token, the router's likeliest first "
+        "(default: 0, all of its top-k)",
+    )
+    experts.add_argument(
         "--expert-cpu-share",
         type=_cpu_share,
         default=None,
@@ -344,6 +352,7 @@ def build_engine(args: argparse.Namespace):
             "expert_swap_payback",
             "expert_prefetch",
             "expert_prefetch_blocks",
+            "expert_prefetch_guesses",
             "expert_cpu_share",
         )
         if getattr(args, name, None) is not None

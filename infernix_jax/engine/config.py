@@ -115,6 +115,9 @@ class EngineConfig:
     # blocks of the prefetch's gather ("mapped" copy): few, so it runs beside the layer's kernels
     # (a gather of 1024 blocks fills every SM until its rows have crossed PCIe)
     expert_prefetch_blocks: int = 32
+    # experts the prefetch guesses per token, the router's likeliest first (0: all its top-k): fewer
+    # copies wasted on wrong guesses, fewer misses caught
+    expert_prefetch_guesses: int = 0
     # with expert_host_reads "callback": the share of each layer's missed experts the host's CPU
     # computes (those with the fewest tokens; the fetch callback returns their outputs, not their
     # weights, while it stages the rest), or "auto": balanced by a cost model measured at start
@@ -186,6 +189,8 @@ class EngineConfig:
             errors.append(
                 f"expert_cpu_share must be auto or a number in [0, 1], got {self.expert_cpu_share!r}"
             )
+        if self.expert_prefetch_guesses < 0:
+            errors.append(f"expert_prefetch_guesses must be >= 0, got {self.expert_prefetch_guesses}")
         if self.expert_prefetch_blocks < 1:
             errors.append(f"expert_prefetch_blocks must be >= 1, got {self.expert_prefetch_blocks}")
         if not self.expert_swap_payback >= 0:

@@ -164,6 +164,7 @@ class EngineCore:
                 host_copy=config.expert_host_copy,
                 prefetch=config.expert_prefetch,
                 prefetch_blocks=config.expert_prefetch_blocks,
+                prefetch_guesses=config.expert_prefetch_guesses,
                 cpu_share=config.expert_cpu_share,
                 payback=config.expert_swap_payback,
             )

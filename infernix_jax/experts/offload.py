@@ -332,6 +332,7 @@ class ExpertOffload:
         prefetch: bool = False,
         cpu_share: float | str = "auto",
         prefetch_blocks: int = PREFETCH_GATHER_BLOCKS,
+        prefetch_guesses: int = 0,
         **cache_options: Any,
     ) -> ExpertOffload:
         """Replace every MoE layer's expert stacks by slots; see the module docstring.
@@ -342,7 +343,8 @@ class ExpertOffload:
         "program" copies the missed experts (`model.host_copy.HOST_COPIES`, or "auto":
         `resolve_host_copy`); prefetch: each layer copies the next one's guessed misses ahead
         (`SlottedExperts.prefetch`; "program" only) with a gather of `prefetch_blocks` blocks
-        ("mapped"; `SlottedExperts.prefetch_blocks`); cpu_share: the share of each layer's misses
+        ("mapped"; `SlottedExperts.prefetch_blocks`), `prefetch_guesses` experts guessed a token
+        (0: the router's top-k); cpu_share: the share of each layer's misses
         computed on the host's CPU ("auto": measured, `cpu_share_at_start`; "callback" only).
         Raises ValueError when they do not fit anywhere, when "program" is asked for with experts
         on disk, or prefetch or a CPU share without the host reads they need."""
@@ -438,6 +440,7 @@ class ExpertOffload:
                 host_rows_ref=rows_ref,
                 prefetch=prefetch and host_stacks is not None,
                 prefetch_blocks=prefetch_blocks,
+                prefetch_guesses=prefetch_guesses,
                 cpu_share=share,
             )
             new_moe = dataclasses.replace(

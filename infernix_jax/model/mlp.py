@@ -189,6 +189,9 @@ class SlottedExperts:
     # static: blocks of the "mapped" gather that prefetches (`host_copy.copy_rows_mapped`): few, so
     # the copy runs beside the layer's kernels instead of taking every SM until it is done
     prefetch_blocks: int = GATHER_BLOCKS
+    # static: experts guessed per token for this layer, the router's likeliest first (0: its top-k);
+    # fewer guesses waste fewer bytes on experts the layer does not route to, and catch fewer misses
+    prefetch_guesses: int = 0
     # f32 []: the share of a step's missed experts the host computes on its CPU (the fetch callback
     # returns their pairs' outputs instead of their weights; `_split_missed`), or None: every missed
     # expert crosses to the device. Data, so a re-measured share recompiles nothing. Callbacks only.
@@ -207,7 +210,7 @@ jax.tree_util.register_dataclass(
         "host_rows_ref",
         "cpu_share",
     ],
-    meta_fields=["layer", "host_copy", "prefetch", "prefetch_blocks"],
+    meta_fields=["layer", "host_copy", "prefetch", "prefetch_blocks", "prefetch_guesses"],
 )
 
 # id -> the host object serving missed experts: fetch(layer, counts i32 [E], missed i32 [m]) -> leaves [m, ...]
@@ -316,7 +319,7 @@ def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfi
     if after is not None:
         xf, _ = jax.lax.optimization_barrier((xf, after))
     se = p.gate_proj
-    _, guess = route(p.router, xf, k, cfg.norm_topk_prob)
+    _, guess = route(p.router, xf, min(se.prefetch_guesses or k, k), cfg.norm_topk_prob)
     if valid is not None:
         guess = jnp.where(valid[:, None], guess, guess[jnp.argmax(valid)])
     have = (jnp.bincount(guess.reshape(-1), length=num_experts) > 0) & (se.slot_map < 0)  # [E]

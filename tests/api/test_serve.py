@@ -115,10 +115,13 @@ def test_expert_prefetch_flags_reach_the_engine_only_when_given(tmp_path, monkey
         engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
     )
     serve.build_engine(
-        serve.build_parser().parse_args(["--expert-prefetch", "--expert-prefetch-blocks", "16"])
+        serve.build_parser().parse_args(
+            ["--expert-prefetch", "--expert-prefetch-blocks", "16", "--expert-prefetch-guesses", "5"]
+        )
     )
     serve.build_engine(serve.build_parser().parse_args([]))
     assert calls[0]["expert_prefetch"] is True and calls[0]["expert_prefetch_blocks"] == 16
+    assert calls[0]["expert_prefetch_guesses"] == 5
     assert "expert_prefetch_blocks" not in calls[1]
 
 

@@ -492,6 +492,30 @@ def test_prefetching_the_next_layers_misses_gives_the_resident_output(model, res
     assert stats.gpu_hits + stats.host_hits == stats.lookups
 
 
+def test_fewer_prefetch_guesses_copy_fewer_experts_ahead_and_keep_the_output(model, resident):
+    """expert_prefetch_guesses: each token guesses only the router's likeliest experts of the next
+    layer. Fewer experts cross ahead (fewer bytes on wrong guesses), some guesses are still used,
+    and the output stays the all-resident model's."""
+    cfg, params = model
+    config = CONFIG.replace(
+        gpu_expert_budget=budget(params, SLOTS),
+        expert_host_reads="program",
+        expert_host_copy="mapped",
+        expert_prefetch=True,
+    )
+    prefetched = {}
+    for guesses in (0, 1):
+        core = EngineCore(cfg, params, config.replace(expert_prefetch_guesses=guesses))
+        out = drive(core, requests())
+        assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
+        stats = core.experts.stats
+        assert stats.prefetch_used > 0
+        prefetched[guesses] = stats.prefetched
+    assert prefetched[1] < prefetched[0]
+    with pytest.raises(ValueError, match="expert_prefetch_guesses must be >= 0"):
+        config.replace(expert_prefetch_guesses=-1)
+
+
 def test_prefetch_on_a_gpu_refuses_the_host_copies_with_control_flow():
     """XLA does not place a while loop or a switch on the prefetch stream of a GPU (measured on
     the H200): the engine says so at start instead of failing its first decode step."""
