@@ -31,6 +31,7 @@ import numpy as np
 
 from infernix_jax.cache.prefix_host import PINNED_HOST, HostMemory, memory_kinds
 from infernix_jax.config import ModelConfig
+from infernix_jax.engine.config import EngineConfig
 from infernix_jax.experts.cache import ExpertCache
 from infernix_jax.experts.host_compute import HostExpertCompute, host_cpu_device
 from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget, layout_of, projections
@@ -114,9 +115,6 @@ def resolve_host_reads(host_reads: str, disk_experts: int) -> str:
     return "program" if on_gpu and not disk_experts and PINNED_HOST in memory_kinds(device) else "callback"
 
 
-# blocks of the prefetch's "mapped" gather: a quarter of an H100's / H200's 132 SMs at one block
-# each, so the layer's own kernels keep the rest (docs/experts.md, "Prefetching the next layer's misses")
-PREFETCH_GATHER_BLOCKS = 32
 PREFETCH_COPIES_CPU_ONLY = ("loop", "buckets")  # host copies with control flow (see check_prefetch_copy)
 
 
@@ -331,7 +329,7 @@ class ExpertOffload:
         host_copy: str = "auto",
         prefetch: bool = False,
         cpu_share: float | str = "auto",
-        prefetch_blocks: int = PREFETCH_GATHER_BLOCKS,
+        prefetch_blocks: int = EngineConfig.expert_prefetch_blocks,
         prefetch_guesses: int = 0,
         **cache_options: Any,
     ) -> ExpertOffload:
