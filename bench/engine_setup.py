@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,11 +80,18 @@ def build_model(shape: str, dtype=jnp.bfloat16, seed: int = 0, weights: str = "b
 
 
 def chain_params(
-    cfg: ModelConfig, params, seed: int = 0, embed_scale: float = 1000.0, sharpness: float = 10.0
+    cfg: ModelConfig,
+    params,
+    seed: int = 0,
+    embed_scale: float = 1000.0,
+    sharpness: float = 10.0,
+    path: Sequence[int] = (),
 ):
     """(params, successor): the same random model made to keep to a fixed chain of tokens, the
     next token after t being successor[t] by a wide margin, greedy or sampled; for workloads that
     need a model that keeps to its grammar (as a trained one mostly does) at a real shape's cost.
+    `path` (distinct token ids): successor[path[i]] = path[i + 1], so a row whose last token is
+    path[0] writes the rest of it (a document of a given grammar); the other successors are random.
 
     The layers are untouched, so a step costs what the random model's does. The input embedding
     is scaled up by `embed_scale`, so the residual stream stays the token's own embedding whatever
@@ -95,12 +103,27 @@ def chain_params(
     final_norm = jnp.full_like(params.final_norm, 0.0 if cfg.zero_centered_norm else 1.0)
     new_embed = _scaled(params.embed, embed_scale)
     if params.lm_head is None:
+        if path:
+            raise ValueError("with tied embeddings every token is its own successor: no path")
         return dataclasses.replace(params, embed=new_embed, final_norm=final_norm), np.arange(vocab)
-    successor = np.random.default_rng(seed).permutation(vocab)
+    successor = _successors(vocab, list(path), np.random.default_rng(seed))
     predecessor = jnp.asarray(np.argsort(successor), jnp.int32)  # predecessor[successor[t]] = t
     head = _chain_head(params.embed, predecessor, sharpness / math.sqrt(dim))
     chained = dataclasses.replace(params, embed=new_embed, final_norm=final_norm, lm_head=head)
     return chained, successor
+
+
+def _successors(vocab: int, path: list[int], rng: np.random.Generator) -> np.ndarray:
+    """A random permutation of range(vocab) that maps path[i] to path[i + 1]."""
+    if len(set(path)) != len(path) or any(not 0 <= t < vocab for t in path):
+        raise ValueError("a chain's path must be distinct token ids of the vocabulary")
+    successor = np.full(vocab, -1, np.int64)
+    successor[path[:-1]] = path[1:]
+    sources = np.flatnonzero(successor < 0)  # every token but path[:-1]
+    taken = np.zeros(vocab, bool)
+    taken[path[1:]] = True
+    successor[sources] = rng.permutation(np.flatnonzero(~taken))  # every token but path[1:]
+    return successor
 
 
 @jax.jit

@@ -24,10 +24,11 @@ free (Lark token references): a random-weight model of a real shape that keeps t
 a trained model writing requested JSON mostly does; with `--constrained-decode check` this is the
 check way's speed on that shape (the schema workload measures split's, which check's chooser
 falls back to when the model leaves its grammar). On a GPU a random model's near-tie logits let the
-constrained programs' bfloat16 rounding part from the free tokens within a few steps; `--workload
-chain` makes the same model follow a fixed token chain by a wide margin first
-(`engine_setup.chain_params`), so it keeps to its grammar there too. Records go to
-bench/results/structured-<machine>.json.
+constrained programs' bfloat16 rounding part from the free tokens within a few steps. `--workload
+chain` is the issue's comparison on a model that keeps to a JSON schema: the same model is made to
+write a fixed JSON document of 400 distinct words by a wide margin (`engine_setup.chain_params`,
+`chain_document`), whatever the rounding, and the constrained rows run under that document's
+schema. Records go to bench/results/structured-<machine>.json.
 
 Breakdown (--breakdown): one engine per batch, the same rows, timed in one run (ms per decode step,
 i.e. per token of each row): (a) the free multi-step decode; (b) decode_forward_program alone,
@@ -49,6 +50,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import statistics
 import time
 from pathlib import Path
@@ -151,13 +153,24 @@ def time_masks(backend, tokenizer: Tokenizer, repeats: int) -> dict[str, dict]:
     return results
 
 
-def admit_in_cache(core, batch: int, context: int, constraint, seed: int = 0, temperature: float = 1.0) -> None:
+def admit_in_cache(
+    core,
+    batch: int,
+    context: int,
+    constraint,
+    seed: int = 0,
+    temperature: float = 1.0,
+    last_token: int | None = None,
+) -> None:
     """Admit `batch` requests of `context` random prompt tokens, all but the last marked cached;
-    `constraint`: one for every row, or a list with one per row."""
+    `constraint`: one for every row, or a list with one per row; `last_token`: every prompt's last
+    token (a chained model's start, `chain_document`)."""
     rng = np.random.default_rng(seed)
     scheduler = core.scheduler
     for i in range(batch):
         prompt = rng.integers(0, 151_000, size=context).tolist()
+        if last_token is not None:
+            prompt[-1] = last_token
         sampling = SamplingParams(max_tokens=1 << 30, temperature=temperature, ignore_eos=True, seed=i)
         where = constraint[i] if isinstance(constraint, list) else constraint
         core.add_request(GenerationRequest(f"bench{i}", prompt, sampling, constraint=where))
@@ -183,6 +196,7 @@ def decode_rate(
     graphs: bool = True,
     keep_outputs: bool = False,
     temperature: float = 1.0,
+    last_token: int | None = None,
 ) -> dict:
     """Generated tokens per second of `batch` rows (host work included), after a warm-up step;
     `mode`: EngineConfig.constrained_decode; `graphs`: EngineConfig.one_step_command_buffers.
@@ -196,7 +210,7 @@ def decode_rate(
                      one_step_command_buffers=graphs, warmup=False)  # fmt: skip
     if mode == "check" and constraint is not None:
         jax.block_until_ready(core.runner.warm_constrained(batch))
-    admit_in_cache(core, batch, context, constraint, temperature=temperature)
+    admit_in_cache(core, batch, context, constraint, temperature=temperature, last_token=last_token)
     core.step()  # compile
     core.step()
     generated = core.metrics.generated_tokens
@@ -231,6 +245,33 @@ def own_token_grammars(backend, outputs: list[list[int]]) -> list[RequestConstra
         lark = "start: " + " ".join(f"<[{token}]>" for token in row)
         grammars.append(RequestConstraint(backend.compile(ConstraintSpec.grammar(lark))))
     return grammars
+
+
+CHAIN_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+def chain_document(tokenizer: Tokenizer, words: int = 400) -> list[int]:
+    """The token path a chained model writes (`--workload chain`): a start token (every prompt's
+    last), then the JSON document {"text": " w1 w2 ... wN"} valid under CHAIN_SCHEMA, each word a
+    distinct single token, so that one successor per token (`engine_setup.chain_params`) writes it.
+    N words outlast any run of up to ~N - 100 tokens a row."""
+    prefix, end = tokenizer.encode('{"text": "'), tokenizer.encode('"}')
+    singles = []
+    for token in range(tokenizer.vocab_size):
+        text = tokenizer.decode([token])
+        if re.fullmatch(r" [a-z]{4,12}", text) and tokenizer.encode(text) == [token]:
+            singles.append(token)
+            if len(singles) > words:
+                break
+    path = singles[words:] + prefix + singles[:words] + end
+    if len(singles) <= words or len(set(path)) != len(path):
+        raise ValueError("this tokenizer has no document of distinct tokens for the chain workload")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,9 +526,9 @@ def main(argv: list[str] | None = None):
         help="what the constrained rows follow: 'schema', a JSON schema the random model leaves at "
         "every token (the mask decides each one); 'own', each row's own free tokens as its grammar "
         "(a model that keeps to its grammar: what the check way is for, as long as the constrained "
-        "programs round as the free one did); 'chain', the same on the random model made to follow a "
-        "fixed token chain by a wide margin (engine_setup.chain_params), which keeps to it whatever "
-        "the rounding",
+        "programs round as the free one did); 'chain', a JSON schema the model keeps to: the random "
+        "model made to write a fixed JSON document by a wide margin (engine_setup.chain_params, "
+        "chain_document), whatever the rounding",
     )
     parser.add_argument(
         "--temperature",
@@ -523,17 +564,20 @@ def main(argv: list[str] | None = None):
         constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(LONG_SCHEMA)))
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
         for shape in args.shapes.split(","):
-            own = args.workload in ("own", "chain")
-            if own:  # grammars of the model's samples: they must be the tokenizer's ids
+            own, start = args.workload == "own", None
+            if args.workload != "schema":  # the model's samples must be the tokenizer's ids
                 SHAPES[shape] = dict(SHAPES[shape], vocab_size=tokenizer.vocab_size)
             elif SHAPES[shape]["vocab_size"] < tokenizer.vocab_size:
                 SHAPES[shape] = dict(SHAPES[shape], vocab_size=QWEN3_VOCAB)  # the tiny shape
             cfg, params = build_model(shape, dtype)
             if args.workload == "chain":
-                params, _ = chain_params(cfg, params)
+                path = chain_document(tokenizer)
+                params, _ = chain_params(cfg, params, path=path)
+                constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(CHAIN_SCHEMA)))
+                start = path[0]
             for batch in (int(b) for b in args.batches.split(",")):
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None,
-                                   keep_outputs=own, temperature=args.temperature)  # fmt: skip
+                                   keep_outputs=own, temperature=args.temperature, last_token=start)  # fmt: skip
                 print(f"{shape} batch{batch}: free {free['tok_s']:.1f} tok/s", flush=True)
                 if own:
                     constraint = own_token_grammars(backend, free["outputs"])
@@ -543,10 +587,10 @@ def main(argv: list[str] | None = None):
                 for graphs in graph_choices:
                     constrained = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens,
                                               constraint, args.constrained_decode, graphs,
-                                              temperature=args.temperature)  # fmt: skip
+                                              temperature=args.temperature, last_token=start)  # fmt: skip
                     way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
                     way += "" if graphs else " no graphs"
-                    what = {"own": "own_tokens", "chain": "chain_tokens"}.get(args.workload, "json_schema")
+                    what = {"own": "own_tokens", "chain": "chain_json"}.get(args.workload, "json_schema")
                     what += "" if args.temperature == 1.0 else f" t{args.temperature:g}"
                     name = f"structured decode {shape} {what}{way} batch{batch} {context_label(args.context)}"
                     record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
