@@ -52,9 +52,13 @@ def make_record(
     fraction: float | None = None,
     details: dict[str, Any] | None = None,
 ) -> BenchRecord:
-    """A record whose fraction is figure / ceiling unless given (overheads pass their own)."""
+    """A record whose fraction is figure / ceiling unless given (overheads pass their own); the
+    run's XLA_FLAGS, when set, go into its details (they can change any figure)."""
     if fraction is None and ceiling:
         fraction = figure / ceiling
+    details = dict(details or {})
+    if os.environ.get("XLA_FLAGS"):
+        details.setdefault("xla_flags", os.environ["XLA_FLAGS"])
     return BenchRecord(
         name=name,
         machine=machine if machine is not None else machine_name(),
@@ -64,7 +68,7 @@ def make_record(
         ceiling=None if ceiling is None else float(ceiling),
         ceiling_unit=ceiling_unit,
         fraction=None if fraction is None else float(fraction),
-        details=dict(details or {}),
+        details=details,
     )
 
 

@@ -590,6 +590,7 @@ def main(argv: list[str] | None = None):
                                               temperature=args.temperature, last_token=start)  # fmt: skip
                     way = "" if args.constrained_decode == "split" else f" {args.constrained_decode}"
                     way += "" if graphs else " no graphs"
+                    way += "" if args.steps == 8 else f" steps{args.steps}"
                     what = {"own": "own_tokens", "chain": "chain_json"}.get(args.workload, "json_schema")
                     what += "" if args.temperature == 1.0 else f" t{args.temperature:g}"
                     name = f"structured decode {shape} {what}{way} batch{batch} {context_label(args.context)}"

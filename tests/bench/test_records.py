@@ -46,6 +46,14 @@ def test_make_record_derives_the_fraction_unless_given():
     assert overhead.fraction == 0.9
 
 
+def test_a_run_under_xla_flags_names_them_in_its_records(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    record = make_record("decode tiny batch1", 50.0, "tok/s", 200.0, "tok/s", machine="m", commit="c")
+    assert record.details["xla_flags"] == "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert "xla_flags" not in make_record("d", 1.0, "tok/s", None, None, machine="m", commit="c").details
+
+
 def test_bare_file_names_go_under_bench_results(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.record, "RESULTS_DIR", tmp_path / "results")
     path = write_records([make_record("x", 1.0, "GB/s", 2.0, "GB/s", machine="m", commit="c")], "x.json")
