@@ -22,6 +22,14 @@ What keeps this exact:
 - the scheduler runs only when nothing is in flight, so admission, preemption and the prefix
   cache's copies see settled state. A new request waits at most one dispatch for it.
 Sampling is unchanged: each row's random keys and penalties live in its slot on the device.
+
+The check way of constrained decoding ("sample free, check after", core.py) runs the same program
+and follows the same way: each of its dispatches carries device copies of its constrained rows'
+states (`CheckCopies`, taken just before it), so whichever dispatch's tokens a grammar refuses, its
+rows can be put back as they were before it. When the dispatch read back had a refusal, the one
+already enqueued after it ran those rows on tokens that are dropped: its outputs for them are
+void (`InFlight.void`: the restore and the masked window run after it on the device, so their state
+is right), and it is not followed in turn.
 """
 
 from __future__ import annotations
@@ -35,10 +43,19 @@ import numpy as np
 from infernix_jax.cache.allocators import BLOCK_SIZE
 from infernix_jax.engine.mask_feed import MaskFeed
 from infernix_jax.engine.request_state import Status
-from infernix_jax.engine.runner import DecodeBatch, next_decode_inputs
+from infernix_jax.engine.runner import FORCED_WINDOW, DecodeBatch, next_decode_inputs
 
 if TYPE_CHECKING:
     from infernix_jax.engine.scheduler import DecodeRow
+
+
+@dataclass
+class CheckCopies:
+    """A check-way dispatch's device copies of its constrained rows' recurrent states and penalty
+    rows, taken just before it (`Runner.save_slots`), and the slots they came from (0: none)."""
+
+    saved: Any
+    slots: np.ndarray
 
 
 @dataclass
@@ -52,6 +69,9 @@ class InFlight:
     budget: Any  # i32 [b]: tokens each row could generate when the dispatch started (host or device)
     budget_bound: np.ndarray  # i32 [b]: the same on the host, or an upper bound of it
     mask_feed: MaskFeed | None = None  # constrained rows: the host side of the dispatch's masks
+    check: CheckCopies | None = None  # a check-way dispatch (core._read_check)
+    void: np.ndarray | None = None  # bool [b]: rows whose outputs are dropped (see the module doc)
+    followable: bool = True  # False: read it back before anything else is enqueued
 
 
 class AsyncDecode:
@@ -77,9 +97,13 @@ class AsyncDecode:
     def follow(self, flight: InFlight) -> InFlight | None:
         """Enqueue the dispatch after `flight` from its device outputs; None when the batch is not
         steady or the blocks for it are not free."""
-        if not self.enabled or not self._steady(flight):
+        if not self.enabled or not flight.followable or not self._steady(flight):
             return None
+        # a check dispatch's rows generate at most FORCED_WINDOW tokens (a refused row's window
+        # re-feeds the ones it kept), whatever the program's steps
         steps = flight.batch.steps
+        if flight.check is not None:
+            steps = min(steps, FORCED_WINDOW)
         bound = np.maximum(flight.budget_bound - steps, 0)  # exact unless a row stops early
         if not bound.any():  # every row ends in this dispatch (max_tokens, max_context)
             return None
@@ -96,11 +120,15 @@ class AsyncDecode:
         batch = dataclasses.replace(
             flight.batch, tokens=tokens, positions=positions, max_steps=max_steps, block_table=block_table
         )
-        out = self.core.runner.decode(batch)
-        return InFlight(flight.rows, batch, out, self.core.runner.last_feed, budget, bound)
+        runner, check = self.core.runner, None
+        if flight.check is not None:  # the states this dispatch starts from, before it moves them
+            check = CheckCopies(runner.save_slots(flight.check.slots), flight.check.slots)
+        out = runner.decode(batch)
+        return InFlight(flight.rows, batch, out, runner.last_feed, budget, bound, check=check)
 
     def _steady(self, flight: InFlight) -> bool:
-        """Every running request is decoding in this batch, none waits, nothing needs the host."""
+        """Every running request is decoding in this batch, none waits, nothing needs the host (a
+        check dispatch: its constrained rows may go on being checked, core._checks_on)."""
         core = self.core
         scheduler = core.scheduler
         if scheduler.waiting or core.scorer.jobs or len(flight.rows) != len(scheduler.running):
@@ -109,9 +137,11 @@ class AsyncDecode:
         for state in scheduler.running:
             if id(state) not in members or state.status != Status.RUNNING:
                 return False
-            if core._needs_host_each_token(state) or state.request_id in core.constraints:
+            if flight.check is None and (
+                core._needs_host_each_token(state) or state.request_id in core.constraints
+            ):
                 return False
-        return True
+        return flight.check is None or core._checks_on(flight.rows, len(flight.batch.slots))
 
     def _reserve(self, rows: list[DecodeRow], tokens_ahead: int) -> bool:
         """Blocks for `tokens_ahead` more tokens per row (both dispatches), from the free list only."""

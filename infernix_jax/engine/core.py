@@ -21,7 +21,7 @@ import numpy as np
 
 from infernix_jax.cache import BLOCK_SIZE, SCRATCH_SLOT, BlockAllocator, SlotAllocator
 from infernix_jax.config import ModelConfig
-from infernix_jax.engine.async_decode import AsyncDecode, InFlight, runs_on
+from infernix_jax.engine.async_decode import AsyncDecode, CheckCopies, InFlight, runs_on
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.constrained import DONE, FAILED, OK, ConstrainedOutput, allow_all
 from infernix_jax.engine.constrained_way import CHECK, ConstrainedWayChooser
@@ -48,7 +48,7 @@ from infernix_jax.engine.protocol import (
 from infernix_jax.engine.request_state import OutputTracker, RequestState, Status
 from infernix_jax.engine.runner import FORCED_WINDOW, Runner, Sampled, enable_compilation_cache
 from infernix_jax.engine.sampling import resolve_seed
-from infernix_jax.engine.scheduler import Scheduler, SchedulerOutput
+from infernix_jax.engine.scheduler import DecodeRow, Scheduler, SchedulerOutput
 from infernix_jax.engine.scoring import Scorer
 from infernix_jax.engine.speculative.step import Speculation
 from infernix_jax.model.params import Params
@@ -443,7 +443,10 @@ class EngineCore:
         events: list[TokenEvent] = []
         flight, self.ahead = self.ahead, None
         self.metrics.steps += 1
-        wait = self._read_decode(flight, events)
+        if flight.check is not None:
+            wait = self._read_check_ahead(flight, events, start)
+        else:
+            wait = self._read_decode(flight, events)
         self.metrics.decode_dispatches += 1
         self.metrics.decode_wall_s += time.perf_counter() - start
         self.metrics.decode_device_wait_s += wait
@@ -539,7 +542,7 @@ class EngineCore:
         way, timed, started = self.config.constrained_decode, False, time.perf_counter()
         if way == CHECK:  # timed, for the chooser; a batch the check way cannot serve exactly, or one
             # larger than check_max_batch, splits
-            timed = b in self.config.check_buckets and self._checkable(plan)
+            timed = b in self.config.check_buckets and self._checkable(plan.decode)
             way = self.way_chooser.choose(b) if timed else "split"
         batch = self.runner.empty_decode(b, 1)
         for i, row in enumerate(plan.decode):
@@ -560,20 +563,34 @@ class EngineCore:
             else:
                 wait = self._constrained_fused(run, batch)
         except Exception as exc:  # noqa: BLE001 - as in _run_decode
+            self.ahead = None  # a check dispatch enqueued after the failed one runs inert
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
         if timed:
             seconds = time.perf_counter() - started
             self.way_chooser.record(b, way, seconds, int(run.counts.sum()), run.kept_free, run.judged)
-        sampled = Sampled(run.tokens, run.counts, run.logprobs, run.top_ids, run.top_logprobs)
-        for i, row in enumerate(plan.decode):
-            if run.fed_after_stop[i]:  # its slot is past num_computed (split, check)
-                row.request.cacheable_state = False
-            count = int(run.counts[i])
-            row.request.num_computed += count
-            self._accept(row.request, sampled, i, count, events)
-            self._settle_constraint(row.request, run.statuses[i], events)
+        self._accept_run(run, events)
         return wait
+
+    def _accept_run(self, run: _ConstrainedRun, events: list[TokenEvent]) -> None:
+        """Take a constrained decode's kept tokens into its requests. A row whose slot was fed past
+        its last kept token (split, check), or that the check dispatch in flight runs on, keeps no
+        state snapshot if it ends here."""
+        sampled = Sampled(run.tokens, run.counts, run.logprobs, run.top_ids, run.top_logprobs)
+        runs = runs_on(self.ahead)
+        for i, row in enumerate(run.plan.decode):
+            state = row.request
+            ahead_runs = runs is not None and bool(runs[i])
+            if run.fed_after_stop[i] or ahead_runs:  # its slot is past num_computed
+                state.cacheable_state = False
+            count = int(run.counts[i])
+            state.num_computed += count
+            self._accept(state, sampled, i, count, events)
+            self._settle_constraint(state, run.statuses[i], events)
+            if ahead_runs and not run.fed_after_stop[i] and state.status == Status.RUNNING:
+                state.cacheable_state = True  # the next read settles it again
+        if self.ahead is not None and all(row.request.status != Status.RUNNING for row in self.ahead.rows):
+            self.ahead = None  # all its rows ended: nothing to read; it runs inert
 
     def _constrained_callback(self, plan: SchedulerOutput, events: list[TokenEvent]) -> float:
         """The plain multi-step decode under masks: after each sample the program calls the host,
@@ -745,14 +762,14 @@ class EngineCore:
                 run.judged += 1
                 run.kept_free += int(read.unmasked[i] == read.tokens[i])
 
-    def _checkable(self, plan: SchedulerOutput) -> bool:
+    def _checkable(self, rows: Sequence[DecodeRow]) -> bool:
         """Whether the check way gives this batch split's very tokens: each constrained row greedy
         or sampling from the whole distribution (top-k, top-p or min-p over the allowed tokens can
         keep tokens the free cut dropped), without top alternatives (the replacement's program has
         none), and no n-gram memory (docs/structured_output.md)."""
         if self.ngram is not None:
             return False
-        for row in plan.decode:
+        for row in rows:
             if row.request.request_id not in self.constraints:
                 continue
             sampling = row.request.request.sampling
@@ -773,28 +790,77 @@ class EngineCore:
         token is the one split samples (greedy or Gumbel-max: when the free argmax is allowed it
         is the masked argmax), so the output is split's while the model keeps to its grammar at
         the cost of free decoding. The KV written past the kept tokens is never read: the row's
-        next tokens overwrite it."""
+        next tokens overwrite it. While the batch is steady the next check dispatch is enqueued
+        before this one is read (asynchronous decode, engine/async_decode.py)."""
         runner, b = self.runner, len(run.live)
         rows = run.plan.decode
         constrained = np.zeros(b, bool)
         constrained[: len(rows)] = [row.request.request_id in self.constraints for row in rows]
         saved_slots = np.where(constrained, batch.slots, SCRATCH_SLOT).astype(np.int32)
-        saved = runner.save_slots(saved_slots)
+        copies = CheckCopies(runner.save_slots(saved_slots), saved_slots)
         # a refused row's window re-feeds its pending token and the kept ones: at most FORCED_WINDOW
         steps = np.minimum(batch.max_steps, FORCED_WINDOW)
-        out = runner.decode(
-            dataclasses.replace(batch, max_steps=steps, steps=self.config.decode_steps_per_dispatch)
+        batch = dataclasses.replace(batch, max_steps=steps, steps=self.config.decode_steps_per_dispatch)
+        budget = np.zeros(b, np.int32)  # tokens each row may still generate
+        budget[: len(rows)] = [row.request.remaining for row in rows]
+        out = runner.decode(batch)
+        flight = InFlight(rows, batch, out, runner.last_feed, budget, budget, check=copies)
+        return self._read_check(flight, run)
+
+    def _checks_on(self, rows: Sequence[DecodeRow], batch: int) -> bool:
+        """Whether the check dispatch after one of these rows may be enqueued before that one is
+        read (asynchronous decode): the way is check, the batch checkable, and the chooser would
+        pick check for the next step."""
+        return (
+            self.config.constrained_decode == CHECK
+            and batch in self.config.check_buckets
+            and self._checkable(rows)
+            and self.way_chooser.choose(batch) == CHECK
         )
+
+    def _read_check_ahead(self, flight: InFlight, events: list[TokenEvent], start: float) -> float:
+        """A step that reads the check dispatch enqueued by the step before (`_step_ahead`)."""
+        b = len(flight.batch.slots)
+        plan = SchedulerOutput(decode=flight.rows, decode_batch=b)
+        with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in flight.rows)
+        run = _ConstrainedRun(plan, FORCED_WINDOW, self.runner.num_top, with_top)
+        try:
+            wait = self._read_check(flight, run)
+        except Exception as exc:  # noqa: BLE001 - as in _run_decode
+            self.ahead = None
+            self._fail_step([row.request for row in flight.rows], exc, events)
+            return 0.0
+        seconds = time.perf_counter() - start  # from the last read: the device's pace
+        self.way_chooser.record(b, CHECK, seconds, int(run.counts.sum()), run.kept_free, run.judged)
+        self._accept_run(run, events)
+        return wait
+
+    def _read_check(self, flight: InFlight, run: _ConstrainedRun) -> float:
+        """Enqueue the check dispatch after `flight` when the batch is steady, then read `flight`,
+        keep each row's tokens up to the first its grammar refuses and replace that one
+        (`_replace_refused`). Returns the device wait."""
+        runner, b = self.runner, len(run.live)
         t0 = time.perf_counter()
-        sampled = runner.read_decode(out)
+        ahead = self.async_decode.follow(flight)
+        self.metrics.decode_enqueue_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sampled = runner.read_decode(flight.out)
         wait = time.perf_counter() - t0
+        self.ahead = ahead
+        self.metrics.async_dispatches += ahead is not None
         refused = np.zeros(b, bool)
-        for i, row in enumerate(rows):
+        for i, row in enumerate(flight.rows):
+            if row.request.status != Status.RUNNING or (flight.void is not None and flight.void[i]):
+                run.live[i] = False  # ended while it ran, or fed on tokens a refusal dropped
+                continue
             count = int(sampled.counts[i])
             output = self.constraints.get(row.request.request_id)
             kept, status = (count, OK) if output is None else output.follow_allowed(sampled.tokens[:count, i])
             run.tokens[:kept, i] = sampled.tokens[:kept, i]
             run.logprobs[:kept, i] = sampled.logprobs[:kept, i]
+            if run.with_top:
+                run.top_ids[:kept, i] = sampled.top_ids[:kept, i]
+                run.top_logprobs[:kept, i] = sampled.top_logprobs[:kept, i]
             run.counts[i], run.statuses[i] = kept, status
             if output is not None:
                 self.metrics.check_kept_tokens += kept
@@ -807,20 +873,24 @@ class EngineCore:
                 run.judged += 1
         if refused.any():
             self.metrics.check_refusals += int(refused.sum())
-            wait += self._replace_refused(run, batch, refused, saved, saved_slots)
+            wait += self._replace_refused(run, flight.batch, refused, flight.check)
+            if self.ahead is not None:  # it ran the refused rows on dropped tokens
+                self.ahead = dataclasses.replace(self.ahead, void=refused, followable=False)
         return wait
 
-    def _replace_refused(self, run: _ConstrainedRun, batch, refused, saved, saved_slots) -> float:
+    def _replace_refused(self, run: _ConstrainedRun, batch, refused, copies: CheckCopies) -> float:
         """The check way's second dispatch: restore the refused rows' slots, feed each its pending
         token and kept tokens, and sample its next token under its grammar's mask."""
         b = len(run.live)
-        self.runner.restore_slots(np.where(refused, saved_slots, SCRATCH_SLOT).astype(np.int32), saved)
+        restored = np.where(refused, copies.slots, SCRATCH_SLOT).astype(np.int32)
+        self.runner.restore_slots(restored, copies.saved)
         window = np.zeros((b, FORCED_WINDOW), np.int32)
         positions = np.full((b, FORCED_WINDOW), -1, np.int32)
+        pending, start = np.asarray(batch.tokens), np.asarray(batch.positions)  # device after a follow
         for i in np.flatnonzero(refused):
-            fed = [int(batch.tokens[i]), *run.tokens[: run.counts[i], i]]
+            fed = [int(pending[i]), *run.tokens[: run.counts[i], i]]
             window[i, : len(fed)] = fed
-            positions[i, : len(fed)] = batch.positions[i] + np.arange(len(fed))
+            positions[i, : len(fed)] = start[i] + np.arange(len(fed))
         mask = self._constrained_masks(run, refused)
         _, _, packed = self.runner.decode_step_masked(window, positions, batch.block_table, batch.slots, mask)
         t0 = time.perf_counter()

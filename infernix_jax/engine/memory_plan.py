@@ -37,13 +37,15 @@ def device_memory() -> tuple[int, int] | None:
 
 def _reserved_bytes(cfg: ModelConfig, config: EngineConfig, dtype) -> int:
     """State slots (every sequence, the null slot, snapshots), speculation's verify states, and
-    the check way's copies of a decode batch's state slots and penalty rows (core.py)."""
+    the check way's copies of a decode batch's state slots and penalty rows (core.py; two sets
+    with asynchronous decode: the dispatch read back and the one enqueued after it)."""
     per_slot = state_bytes_per_slot(cfg, dtype)
     reserved = (config.max_concurrency + 1 + config.num_snapshot_slots) * per_slot
     checked = config.check_buckets
     if config.structured_output and checked:
         penalty_row = cfg.vocab_size * 5 + 4  # seen (bool) and output counts (i32) per token
-        reserved += max(checked) * (per_slot + penalty_row)
+        copies = 2 if config.async_decode else 1
+        reserved += copies * max(checked) * (per_slot + penalty_row)
     if config.spec != "none":  # per-position GDN states of the largest verify dispatch
         reserved += verify_state_bytes(cfg, max(config.decode_buckets), config.spec_window, dtype)
     return reserved

@@ -293,7 +293,11 @@ def test_a_model_that_keeps_to_its_grammar_decodes_at_free_speed_with_the_check_
     # free sample: 4 tokens a dispatch (the engine's steps), where split takes a forward and a
     # sample per token. The one refusal is where the free model writes on and the grammar ends;
     # the end token is then sampled under the mask in one window dispatch. The tokens are split's.
+    # Each check dispatch is enqueued before the one before it is read (asynchronous decode), so
+    # the device never waits for the host's checking; the one enqueued after the refused dispatch
+    # ran on dropped tokens and its outputs are void.
     core = llm.core
+    assert core.async_decode.enabled
     free = generate(core, [GenerationRequest("free", prompt, SamplingParams(max_tokens=16))])["free"]
     assert len(free.token_ids) == 16 and free.finish_reason == FINISH_LENGTH
     own = constraint(backend, ConstraintSpec.choice([free.text]))
@@ -312,14 +316,57 @@ def test_a_model_that_keeps_to_its_grammar_decodes_at_free_speed_with_the_check_
             core.config = saved
         kept = core.metrics.check_kept_tokens - before.check_kept_tokens
         seen[way] = (dict(counts), kept, core.metrics.check_refusals - before.check_refusals)
+        seen[way] += (core.metrics.async_dispatches - before.async_dispatches,)
     assert outputs["check"] == outputs["split"]
     assert outputs["check"].text == free.text and outputs["check"].finish_reason == FINISH_STOP
-    split_counts, _, _ = seen["split"]  # a forward per token (and one after the last)
+    split_counts, _, _, _ = seen["split"]  # a forward per token (and one after the last)
     assert list(split_counts) == ["decode_forward"] and split_counts["decode_forward"] >= 17
-    check_counts, kept, refusals = seen["check"]
+    check_counts, kept, refusals, ahead = seen["check"]
     # the first token is a prefill's sample, or a decode's where the prefix cache held the prompt
     assert kept in (15, 16) and refusals == 1
-    assert check_counts == {"decode": -(-(kept + 1) // 4), "decode_step_masked": 1}
+    dispatches = -(-(kept + 1) // 4)
+    assert check_counts == {"decode": dispatches + 1, "decode_step_masked": 1}  # + the void one
+    assert ahead == dispatches  # every dispatch but the first was enqueued ahead, and the void one
+
+
+def test_a_refusal_while_the_next_check_dispatch_runs_drops_only_the_refused_rows_tokens(
+    llm, backend, prompt
+):
+    # One batch, checked dispatch after dispatch with the next one enqueued before the last is
+    # read: a row that keeps to its grammar (its own greedy text), one that leaves it at once (a JSON
+    # schema on a random model) and a free row. The dispatch enqueued after a refusal ran the
+    # refused row on tokens that were dropped: its outputs for that row are void, the others'
+    # are kept. Every row ends as it does under split.
+    core = llm.core
+    free = generate(core, [GenerationRequest("free", prompt, SamplingParams(max_tokens=14))])["free"]
+    own = constraint(backend, ConstraintSpec.choice([free.text]))
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+
+    def batch():
+        return [
+            GenerationRequest("own", prompt, SamplingParams(max_tokens=20), constraint=own),
+            GenerationRequest("free", prompt, SamplingParams(max_tokens=18, temperature=1.0, seed=3)),
+            *sampled_requests("person", prompt, json_constraint, 1, max_tokens=20),
+        ]
+
+    outputs, seen = {}, {}
+    for way in ("split", "check"):
+        saved, before = core.config, dataclasses.replace(core.metrics)
+        core.config = dataclasses.replace(saved, constrained_decode=way)
+        try:
+            with _always_check(core):
+                outputs[way] = generate(core, batch())
+        finally:
+            core.config = saved
+        seen[way] = (
+            core.metrics.check_kept_tokens - before.check_kept_tokens,
+            core.metrics.check_refusals - before.check_refusals,
+            core.metrics.async_dispatches - before.async_dispatches,
+        )
+    assert outputs["check"] == outputs["split"]
+    assert outputs["check"]["own"].text == free.text
+    kept, refusals, ahead = seen["check"]
+    assert refusals >= 3 and kept >= 13 and ahead >= 2
 
 
 def test_the_chooser_checks_only_where_the_model_keeps_to_its_grammar(llm, backend, prompt, monkeypatch):
