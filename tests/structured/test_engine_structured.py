@@ -369,6 +369,38 @@ def test_a_refusal_while_the_next_check_dispatch_runs_drops_only_the_refused_row
     assert refusals >= 3 and kept >= 13 and ahead >= 2
 
 
+def test_an_abort_while_the_next_check_dispatch_runs_ends_only_that_request(llm, backend, prompt):
+    # A constrained request checked with its next dispatch in flight is aborted between steps:
+    # the dispatch is read back without it, its neighbour goes on to split's tokens, and a later
+    # request runs as usual.
+    core = llm.core
+    free = generate(core, [GenerationRequest("free", prompt, SamplingParams(max_tokens=14))])["free"]
+    own = constraint(backend, ConstraintSpec.choice([free.text]))
+
+    def request(name):
+        return GenerationRequest(name, prompt, SamplingParams(max_tokens=20), constraint=own)
+
+    saved = core.config
+    core.config = dataclasses.replace(saved, constrained_decode="check")
+    try:
+        with _always_check(core):
+            for r in (request("kept"), request("aborted")):
+                core.add_request(r)
+            while core.ahead is None:  # a check dispatch enqueued before the last was read
+                core.step()
+            assert core.ahead.check is not None
+            finished = core.abort("aborted")
+            assert [event.finish_reason for event in finished] == ["abort"]
+            texts = []
+            while core.has_work():
+                texts += [event.text for event in core.step() if event.request_id == "kept"]
+            later = generate(core, [request("later")])["later"]
+    finally:
+        core.config = saved
+    assert later.text == free.text and later.finish_reason == FINISH_STOP
+    assert free.text.endswith("".join(texts)) and texts
+
+
 def test_the_chooser_checks_only_where_the_model_keeps_to_its_grammar(llm, backend, prompt, monkeypatch):
     # With constrained_decode "check" the engine measures before it checks: split's steps say how
     # often the model's free choice is one its grammar allows. A random model under a JSON schema
