@@ -97,7 +97,7 @@ class AsyncDecode:
     def follow(self, flight: InFlight) -> InFlight | None:
         """Enqueue the dispatch after `flight` from its device outputs; None when the batch is not
         steady or the blocks for it are not free."""
-        if not self.enabled or not flight.followable or not self._steady(flight):
+        if not self.enabled or not flight.followable:
             return None
         # a check dispatch's rows generate at most FORCED_WINDOW tokens (a refused row's window
         # re-feeds the ones it kept), whatever the program's steps
@@ -107,7 +107,7 @@ class AsyncDecode:
         bound = np.maximum(flight.budget_bound - steps, 0)  # exact unless a row stops early
         if not bound.any():  # every row ends in this dispatch (max_tokens, max_context)
             return None
-        if not self._reserve(flight.rows, 2 * steps):
+        if not self._steady(flight) or not self._reserve(flight.rows, 2 * steps):
             return None
         count = flight.out[0]
         tokens, positions, max_steps, budget = next_decode_inputs(

@@ -58,6 +58,13 @@ class EngineConfig:
     # state slots are reserved at start (engine/memory_plan.py), a 27B-shape slot is ~147 MiB, and
     # a large batch spreads split's per-token launches over many rows
     check_max_batch: int = 8
+    # with asynchronous decode, the next check dispatch is enqueued before the last is read only
+    # while a constrained row keeps a whole dispatch's tokens with at least this chance (the keep
+    # share measured lately, to the power of the dispatch's steps): the dispatch behind a refusal
+    # runs the refused rows on dropped tokens, at batch 1 a whole dispatch of device time, against
+    # the host's time between dispatches that following saves (~20 ms of a 27B's ~170 ms dispatch
+    # on an H100; docs/structured_output.md)
+    check_ahead_min_keep: float = 0.9
     # whether the programs dispatched once per constrained token (split and fused) keep XLA's
     # command buffers (CUDA graphs) on a GPU; False compiles them without, the multi-step programs
     # keep theirs (infernix_jax/jit.py). On the H200 False was slower: 27B split at 60% of free
@@ -177,6 +184,8 @@ class EngineConfig:
             )
         if self.check_max_batch < 1:
             errors.append(f"check_max_batch must be >= 1, got {self.check_max_batch}")
+        if not 0.0 <= self.check_ahead_min_keep <= 1.0:
+            errors.append(f"check_ahead_min_keep must be in [0, 1], got {self.check_ahead_min_keep}")
         if self.ngram_min_match < 1:
             errors.append(f"ngram_min_match must be >= 1, got {self.ngram_min_match}")
         errors += _expert_budget_errors(self.gpu_expert_budget, self.host_expert_budget)

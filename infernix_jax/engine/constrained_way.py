@@ -119,6 +119,15 @@ class ConstrainedWayChooser:
         at = self._at(batch)
         return _share(at.kept, at.seen)
 
+    def dispatch_keep_chance(self, batch: int) -> float:
+        """The chance a constrained row keeps every token of one check dispatch at this batch size:
+        the keep share as measured lately, to the power of `window` (0 before a dispatch's worth of
+        tokens was judged)."""
+        at = self._at(batch)
+        if at.seen < self.window:
+            return 0.0
+        return _ratio(at.kept, at.seen) ** self.window
+
     def predicted_check(self, batch: int) -> float | None:
         """Check's seconds per token at today's keep share: its measured rate scaled by the tokens
         a dispatch keeps at the share it was measured at over those at today's (None before it

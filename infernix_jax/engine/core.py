@@ -809,12 +809,14 @@ class EngineCore:
 
     def _checks_on(self, rows: Sequence[DecodeRow], batch: int) -> bool:
         """Whether the check dispatch after one of these rows may be enqueued before that one is
-        read (asynchronous decode): the way is check, the batch checkable, and the chooser would
-        pick check for the next step."""
+        read (asynchronous decode): the way is check, the batch checkable, the chooser would pick
+        check for the next step, and a row keeps a whole dispatch often enough that the work a
+        refusal voids costs less than the host's time it saves (`check_ahead_min_keep`)."""
         return (
             self.config.constrained_decode == CHECK
             and batch in self.config.check_buckets
             and self._checkable(rows)
+            and self.way_chooser.dispatch_keep_chance(batch) >= self.config.check_ahead_min_keep
             and self.way_chooser.choose(batch) == CHECK
         )
 

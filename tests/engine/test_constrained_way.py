@@ -166,3 +166,17 @@ def test_a_workload_that_leaves_its_grammar_goes_back_to_split():
     judged = {CHECK: (0, 1), SPLIT: (0, 1)}
     ways = run(chooser, 1, {CHECK: 4.0, SPLIT: 1.0}, 20, tokens={CHECK: 1}, judged=judged)
     assert ways[12:] == [SPLIT] * 8 and chooser.best(1) == SPLIT
+
+
+def test_the_chance_a_row_keeps_a_whole_dispatch_comes_from_measured_evidence_only():
+    # Asynchronous check dispatches (core._checks_on) need a row to keep whole dispatches: no
+    # evidence is no chance; 8 of 8 kept is certainty; a share of 0.95 over 8 steps is ~0.66.
+    chooser = ConstrainedWayChooser(window=8)
+    assert chooser.dispatch_keep_chance(1) == 0.0
+    chooser.record(1, SPLIT, 1.0, 4, kept=4, judged=4)  # half a dispatch's worth
+    assert chooser.dispatch_keep_chance(1) == 0.0
+    chooser.record(1, CHECK, 1.0, 8, kept=8, judged=8)
+    assert chooser.dispatch_keep_chance(1) == 1.0
+    assert chooser.dispatch_keep_chance(4) == 0.0  # batch sizes apart
+    chooser.record(4, CHECK, 1.0, 200, kept=190, judged=200)
+    assert chooser.dispatch_keep_chance(4) == pytest.approx(0.95**8)
