@@ -3,6 +3,7 @@
     python -m bench.structured                       # GPU: moe shape, batch 1 and 8
     python -m bench.structured --shapes 27b --batches 1,8,32
     python -m bench.structured --shapes 27b --batches 1 --workload chain --constrained-decode check
+    python -m bench.structured --shapes 27b --batches 1 --workload chain --leave-every 32 --constrained-decode check
     python -m bench.structured --quick               # tiny model, any machine (CPU)
     python -m bench.structured --mask-only           # only the mask timing (CPU, no model)
     python -m bench.structured --breakdown           # where a constrained token's time goes (GPU)
@@ -28,7 +29,9 @@ constrained programs' bfloat16 rounding part from the free tokens within a few s
 chain` is the issue's comparison on a model that keeps to a JSON schema: the same model is made to
 write a fixed JSON document of 400 distinct words by a wide margin (`engine_setup.chain_params`,
 `chain_document`), whatever the rounding, and the constrained rows run under that document's
-schema. Records go to bench/results/structured-<machine>.json.
+schema. With `--leave-every K` the chain rows' grammar is instead the chain's own tokens with
+every K-th replaced (`leaving_chain`): a model that keeps to its grammar with a share of 1 - 1/K,
+for the check way at realistic keep shares. Records go to bench/results/structured-<machine>.json.
 
 Breakdown (--breakdown): one engine per batch, the same rows, timed in one run (ms per decode step,
 i.e. per token of each row): (a) the free multi-step decode; (b) decode_forward_program alone,
@@ -272,6 +275,24 @@ def chain_document(tokenizer: Tokenizer, words: int = 400) -> list[int]:
     if len(singles) <= words or len(set(path)) != len(path):
         raise ValueError("this tokenizer has no document of distinct tokens for the chain workload")
     return path
+
+
+def leaving_chain(
+    successor: np.ndarray, start: int, length: int, every: int, candidates: np.ndarray, seed: int = 0
+) -> list[int]:
+    """`length` tokens that a chained model (`engine_setup.chain_params`) whose last token is
+    `start` writes, except that every `every`-th is another token (drawn from `candidates`), after
+    which the chain goes on from it: a grammar of these tokens refuses the model's free choice
+    once every `every` tokens and allows it everywhere else."""
+    rng = np.random.default_rng(seed)
+    tokens, last = [], start
+    for i in range(length):
+        token = int(successor[last])
+        while (i + 1) % every == 0 and token == int(successor[last]):
+            token = int(rng.choice(candidates))  # any token but the chain's
+        tokens.append(token)
+        last = token
+    return tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,8 +558,18 @@ def main(argv: list[str] | None = None):
         help="sampling temperature of every row (0: greedy; with --workload own, a model that keeps to "
         "its grammar unless the constrained programs round differently from the free one)",
     )
+    parser.add_argument(
+        "--leave-every",
+        type=int,
+        default=0,
+        help="with --workload chain: the rows' grammar is the chain's own tokens except every K-th, "
+        "which it replaces by another token (leaving_chain): a model that keeps to its grammar with "
+        "a share of 1 - 1/K, for the check way at realistic keep shares (0: the JSON schema)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.leave_every and args.workload != "chain":
+        parser.error("--leave-every needs --workload chain")
     if args.quick:
         args.shapes, args.context, args.batches, args.tokens, args.steps = "tiny", 64, "1,4", 8, 4
     machine, commit = machine_name(), git_commit()
@@ -572,9 +603,14 @@ def main(argv: list[str] | None = None):
             cfg, params = build_model(shape, dtype)
             if args.workload == "chain":
                 path = chain_document(tokenizer)
-                params, _ = chain_params(cfg, params, path=path)
+                params, successor = chain_params(cfg, params, path=path)
                 constraint = RequestConstraint(backend.compile(ConstraintSpec.json_schema(CHAIN_SCHEMA)))
                 start = path[0]
+                if args.leave_every:  # a grammar the model leaves once every K tokens
+                    length = 4 * args.tokens + 16 * args.steps
+                    plain = np.setdiff1d(np.arange(tokenizer.vocab_size), list(tokenizer.special_token_ids))
+                    leaving = leaving_chain(successor, start, length, args.leave_every, plain)
+                    constraint = own_token_grammars(backend, [leaving])[0]
             for batch in (int(b) for b in args.batches.split(",")):
                 free = decode_rate(cfg, params, batch, args.context, args.steps, args.tokens, None,
                                    keep_outputs=own, temperature=args.temperature, last_token=start)  # fmt: skip
@@ -592,6 +628,7 @@ def main(argv: list[str] | None = None):
                     way += "" if graphs else " no graphs"
                     way += "" if args.steps == 8 else f" steps{args.steps}"
                     what = {"own": "own_tokens", "chain": "chain_json"}.get(args.workload, "json_schema")
+                    what = f"chain_leave{args.leave_every}" if args.leave_every else what
                     what += "" if args.temperature == 1.0 else f" t{args.temperature:g}"
                     name = f"structured decode {shape} {what}{way} batch{batch} {context_label(args.context)}"
                     record = make_record(name, constrained["tok_s"], "tok/s", free["tok_s"], "tok/s",
@@ -601,7 +638,7 @@ def main(argv: list[str] | None = None):
                         "constrained_ms_per_token": constrained["ms_per_token"],
                         "constrained_rows_finished": constrained["finished"],
                         "constrained_decode": args.constrained_decode, "one_step_command_buffers": graphs,
-                        "workload": args.workload, "temperature": args.temperature, "check_kept_tokens": constrained["check_kept_tokens"],
+                        "workload": args.workload, "leave_every": args.leave_every, "temperature": args.temperature, "check_kept_tokens": constrained["check_kept_tokens"],
                         "check_refusals": constrained["check_refusals"], "ways_chosen": constrained["ways_chosen"],
                     })  # fmt: skip
                     print(f"{name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of free "

@@ -71,3 +71,15 @@ def test_the_chain_document_is_valid_json_under_its_schema_token_by_token():
     assert all(matcher.consume(token) for token in path[1:]), matcher.error  # path[0]: the prompt's
     document = json.loads(tokenizer.decode(path[1:]))
     assert len(document["text"].split()) == 50
+
+
+def test_a_leaving_chain_parts_from_the_models_choice_once_every_k_tokens():
+    from bench.structured import leaving_chain
+
+    successor = np.random.default_rng(0).permutation(1000)
+    candidates = np.arange(10, 900)
+    tokens = leaving_chain(successor, start=5, length=64, every=8, candidates=candidates)
+    previous = [5, *tokens[:-1]]
+    parted = [i for i, (last, token) in enumerate(zip(previous, tokens)) if successor[last] != token]
+    assert parted == list(range(7, 64, 8))  # the model's free choice is refused there only
+    assert all(tokens[i] in candidates for i in parted)
