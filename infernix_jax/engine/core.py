@@ -631,7 +631,7 @@ class EngineCore:
             if kept:
                 n = run.counts[i]
                 run.tokens[n, i], run.logprobs[n, i] = step_tokens[i], step_logprobs[i]
-                if run.with_top:
+                if run.with_top and step_top_ids.shape[-1]:  # the window program has no top-k
                     run.top_ids[n, i], run.top_logprobs[n, i] = step_top_ids[i], step_top_logprobs[i]
                 run.counts[i] += 1
             run.statuses[i] = status

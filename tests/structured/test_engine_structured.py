@@ -211,6 +211,32 @@ def test_logprobs_come_back_from_constrained_batches(llm, backend, prompt):
         assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
 
 
+def test_a_free_row_asking_for_alternatives_gets_them_in_a_checked_batch(llm, backend, prompt):
+    # The check way serves a batch whose constrained row samples from the whole distribution; a
+    # free row of that batch asking for top alternatives gets the ones it gets alone, also when the
+    # constrained row's refused token is replaced by the window program (which has no top-k).
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=3)
+    alone = _tokens_and_logprobs(llm.core, [GenerationRequest("free", prompt, sampling)])["free"][1]
+    json_constraint = constraint(backend, ConstraintSpec.json_schema(SCHEMAS["person"]))
+    mixed = [GenerationRequest("free-mixed", prompt, sampling)] + sampled_requests(
+        "person", prompt, json_constraint, 1, max_tokens=8
+    )
+    core = llm.core
+    saved, refusals = core.config, core.metrics.check_refusals
+    core.config = dataclasses.replace(saved, constrained_decode="check")
+    try:
+        with _always_check(core):
+            together = _tokens_and_logprobs(core, mixed)
+    finally:
+        core.config = saved
+    assert core.metrics.check_refusals > refusals  # checked (and replaced), not split
+    assert len(together["free-mixed"][1]) == 8
+    for a, b in zip(alone, together["free-mixed"][1]):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(b.top) == 3
+        assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-5)
+
+
 def test_the_constrained_decode_ways_give_the_same_tokens(llm, backend, prompt):
     # The three ways of decoding a constrained batch (one masked forward+sample program per token,
     # with the tokens a grammar forces fed in one window; a forward and a masked sample per token; the
