@@ -70,8 +70,9 @@ class InFlight:
     budget_bound: np.ndarray  # i32 [b]: the same on the host, or an upper bound of it
     mask_feed: MaskFeed | None = None  # constrained rows: the host side of the dispatch's masks
     check: CheckCopies | None = None  # a check-way dispatch (core._read_check)
-    void: np.ndarray | None = None  # bool [b]: rows whose outputs are dropped (see the module doc)
-    followable: bool = True  # False: read it back before anything else is enqueued
+    # bool [b]: rows whose outputs are dropped (see the module doc); a dispatch with void rows is
+    # read back before anything else is enqueued
+    void: np.ndarray | None = None
 
 
 class AsyncDecode:
@@ -97,7 +98,7 @@ class AsyncDecode:
     def follow(self, flight: InFlight) -> InFlight | None:
         """Enqueue the dispatch after `flight` from its device outputs; None when the batch is not
         steady or the blocks for it are not free."""
-        if not self.enabled or not flight.followable:
+        if not self.enabled or flight.void is not None:
             return None
         # a check dispatch's rows generate at most FORCED_WINDOW tokens (a refused row's window
         # re-feeds the ones it kept), whatever the program's steps

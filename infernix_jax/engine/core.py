@@ -877,7 +877,7 @@ class EngineCore:
             self.metrics.check_refusals += int(refused.sum())
             wait += self._replace_refused(run, flight.batch, refused, flight.check)
             if self.ahead is not None:  # it ran the refused rows on dropped tokens
-                self.ahead = dataclasses.replace(self.ahead, void=refused, followable=False)
+                self.ahead = dataclasses.replace(self.ahead, void=refused)
         return wait
 
     def _replace_refused(self, run: _ConstrainedRun, batch, refused, copies: CheckCopies) -> float:
