@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -119,7 +120,9 @@ def resolve_config(
     if cfg.programs < 0:
         raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
     if is_streamed(cfg.variant) and cfg.split_k != 1:
-        raise ValueError(f"variant={cfg.variant!r} spreads K over its programs itself; got split_k={cfg.split_k}")
+        raise ValueError(
+            f"variant={cfg.variant!r} spreads K over its programs itself; got split_k={cfg.split_k}"
+        )
     return cfg
 
 
@@ -296,6 +299,58 @@ class StreamedPlan:
         # at most floor((s - 2) / p) + 2, as r <= p - 1
         slots = 1 if steps == 1 else (steps - 2) // per_program + 2
         return cls(steps, per_program, compat.cdiv(units, per_program), slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Weights that share one activation, laid end to end on a streamed kernel's N axis so that
+    one launch serves them all (a layer's q / k / v, or its GDN input projections). Segment s
+    starts at tile `first_tiles[s]` (each starts on a tile boundary; the tail of its last tile
+    is padding, neither read nor used); the last one ends at `n_size` exactly, so one segment is
+    a plain [N, K] weight."""
+
+    sizes: tuple[int, ...]  # N of each weight
+    block_n: int
+
+    @property
+    def first_tiles(self) -> tuple[int, ...]:
+        firsts, t = [], 0
+        for n in self.sizes:
+            firsts.append(t)
+            t += compat.cdiv(n, self.block_n)
+        return tuple(firsts)
+
+    @property
+    def n_size(self) -> int:
+        """Columns of the kernel's output: every segment but the last padded to whole tiles."""
+        return self.first_tiles[-1] * self.block_n + self.sizes[-1]
+
+    def columns(self, s: int) -> slice:
+        """Segment s's columns of the kernel's output."""
+        start = self.first_tiles[s] * self.block_n
+        return slice(start, start + self.sizes[s])
+
+    def loads(self, per_segment):
+        """One `loads(col0, ks, valid)` over all segments from `per_segment(s)`, segment s's own
+        (called with col0 relative to the segment and its N): a unit reads from the segment its
+        tile lies in, picked by a branch (`lax.switch`, uniform over the program), so a unit
+        issues the loads of one segment only (masked loads of the others would still cost their
+        address arithmetic, and these kernels are bound by instruction issue)."""
+        if len(self.sizes) == 1:
+            return per_segment(0)
+        firsts, bn = self.first_tiles, self.block_n
+        parts = [per_segment(s) for s in range(len(self.sizes))]
+        branches = [
+            functools.partial(lambda part, first, col0, ks, valid: part(col0 - first * bn, ks, valid), part, first)
+            for part, first in zip(parts, firsts, strict=True)
+        ]
+
+        def loads(col0, ks, valid):
+            tile = jax.lax.div(col0, bn)
+            index = sum((tile >= first).astype(jnp.int32) for first in firsts[1:])
+            return jax.lax.switch(index, branches, col0, ks, valid)
+
+        return loads
 
 
 def streamed_loop(loads, products, *, plan: StreamedPlan, n_size, bn, init, store):

@@ -39,6 +39,14 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              units in one loop, its loads one unit ahead across tile boundaries; partial sums of a
              tile shared by several programs go to separate slots, summed after the kernel;
   "dot_ws"   dot_w's float16 dots on the same streamed plan (M in tiles of block_m);
+  "gemv_h2_ws"
+             gemv_ws with each 16-element scale block's products done in packed half2 PTX
+             (`_e2m1_half2`): 8 `fma.rn.f16x2` a block instead of 16 float16 operations and one
+             conversion to float32 a block instead of two, the block scale applied to the block
+             sum (no broadcast of the scales over words); the words are read as two stride-2
+             tiles, even and odd, aligned with the scale tile (an [N, K/16, 2] view). Inline
+             PTX runs only compiled on a GPU; the interpreter computes the same sums with
+             float16 jnp operations;
   "dot_w", "dot_t_w", "tiled_w"
              the dot formulations on float16 tensor cores with the weight decoded from whole 32-bit
              words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
@@ -59,16 +67,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _e2m1_half2 as h2
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 
 # The 16 E2M1 values indexed by their 4-bit code (bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 16  # elements of K per block scale
-DECODE_VARIANTS = ("gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws")
+DECODE_VARIANTS = (
+    "gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws",
+)  # fmt: skip
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
-WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws")
+WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws")
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -367,6 +378,7 @@ def _nvfp4_word_kernel(
                                    even_k=even_k, rows=rows)  # fmt: skip
 
     if variant == "gemv_wp":  # the next step's words are loaded before this step's products
+
         def prefetching_step(t, carry):
             acc, words, bits = carry[:rows], carry[rows], carry[rows + 1]
             ahead = loads(jnp.minimum(t + 1, steps - 1))  # the last step reloads itself
@@ -408,51 +420,98 @@ def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_
 
 def _nvfp4_streamed_kernel(
     x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
-    words_ref,  # [N, K/8] uint32
-    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
-    out_ref,  # [slots, M, N] float32 partial sums
-    *,
+    *refs,  # per segment: words [N_s, K/8] uint32, scale bits [N_s, K/16] uint8; then out_ref
     plan: qc.StreamedPlan,
+    segments: qc.Segments,
     rows: int,
-    n_size: int,
     words_k: int,
-    block_n: int,
     block_w: int,
     even_k: bool,
 ):
-    """"gemv_ws": gemv_w's loads and products over a streamed plan (`_quant_common.streamed_gemv`)."""
-    bn, bw = block_n, block_w
-    loads = _streamed_word_loads(words_ref, scale_ref, bn=bn, bw=bw, n_size=n_size, words_k=words_k, even_k=even_k)
+    """The "gemv_ws" formulation: gemv_w's loads and products over a streamed plan
+    (`_quant_common.streamed_gemv`); out_ref [slots, M, segments.n_size] float32 partial sums."""
+    bn, bw, out_ref = segments.block_n, block_w, refs[-1]
+
+    def per_segment(s):
+        return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
+                                    words_k=words_k, even_k=even_k)  # fmt: skip
 
     def products(acc, ks, loaded):
         return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
                                    even_k=even_k, rows=rows)  # fmt: skip
 
-    qc.streamed_gemv(loads, products, plan=plan, n_size=n_size, rows=rows, bn=bn, width=bw, out_ref=out_ref)
+    qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
+                     width=bw, out_ref=out_ref)  # fmt: skip
+
+
+def _nvfp4_streamed_half2_kernel(
+    pairs_ref,  # [M, 8, K/16] uint32: half2 activation pairs (`_e2m1_half2.half2_x_pairs`)
+    *refs,  # per segment: words [N_s, K/16, 2] uint32 (a block's even and odd word), scale bits
+    # [N_s, K/16] uint8; then out_ref [slots, M, segments.n_size] float32 partial sums
+    plan: qc.StreamedPlan,
+    segments: qc.Segments,
+    rows: int,
+    words_k: int,
+    block_w: int,
+    even_k: bool,
+    interpret: bool,
+):
+    """The "gemv_h2_ws" formulation: the streamed plan of gemv_ws with [bn, block_w / 2]
+    accumulators, one column per scale block, fed by `_e2m1_half2.block_dots` (module docstring)."""
+    bn, bs, out_ref = segments.block_n, block_w // 2, refs[-1]
+    blocks_k = words_k // 2
+
+    def per_segment(s):
+        words_ref, scale_ref, n_size = refs[2 * s], refs[2 * s + 1], segments.sizes[s]
+
+        def loads(col0, ks, valid):
+            n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
+            k_mask = None if even_k else (ks * bs + jnp.arange(bs)) < blocks_k
+            mask = _mask2(n_mask, k_mask, (bn, bs))
+            rows_view, blocks_view = compat.ds(col0, bn), compat.ds(ks * bs, bs)
+            even = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(0)], mask)
+            odd = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(1)], mask)
+            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask)
+            return even, odd, bits
+
+        return loads
+
+    def products(acc, ks, loaded):
+        even, odd, bits = loaded
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        k_mask = None if even_k else (ks * bs + jnp.arange(bs)) < blocks_k
+        pairs = [
+            [jnp.broadcast_to(p[None, :], (bn, bs)) for p in h2.pairs_view(pairs_ref, r, ks * bs, bs, k_mask)]
+            for r in range(rows)
+        ]
+        sums = h2.block_dots(even, odd, pairs, interpret=interpret)
+        return tuple(a + s * scale for a, s in zip(acc, sums, strict=True))
+
+    qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
+                     width=bs, out_ref=out_ref)  # fmt: skip
 
 
 def _nvfp4_streamed_dot_kernel(
     x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
-    words_ref,  # [N, K/8] uint32
-    scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
-    out_ref,  # [slots, Mp, N] float32 partial sums
-    *,
+    *refs,  # per segment: words [N_s, K/8] uint32, scale bits [N_s, K/16] uint8; then out_ref
     plan: qc.StreamedPlan,
+    segments: qc.Segments,
     rows: int,  # block_m
     m_size: int,
-    n_size: int,
     words_k: int,
-    block_n: int,
     block_w: int,
     even_k: bool,
 ):
-    """"dot_ws": dot_w's float16 dots over a streamed plan (`_quant_common.streamed_loop`), one
-    [block_m, block_n] accumulator per tile; grid axis 1 walks the M tiles."""
-    bn, bw = block_n, block_w
+    """The "dot_ws" formulation: dot_w's float16 dots over a streamed plan (`_quant_common.streamed_loop`), one
+    [block_m, block_n] accumulator per tile; grid axis 1 walks the M tiles; out_ref
+    [slots, Mp, segments.n_size] float32 partial sums."""
+    bn, bw, out_ref = segments.block_n, block_w, refs[-1]
     row0 = compat.program_id(1) * rows
     m_mask = None if m_size % rows == 0 else (row0 + jnp.arange(rows)) < m_size
 
-    loads = _streamed_word_loads(words_ref, scale_ref, bn=bn, bw=bw, n_size=n_size, words_k=words_k, even_k=even_k)
+    def per_segment(s):
+        return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
+                                    words_k=words_k, even_k=even_k)  # fmt: skip
 
     def products(acc, ks, loaded):
         return (_word_dots(acc[0], x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
@@ -466,7 +525,8 @@ def _nvfp4_streamed_dot_kernel(
         view = out_ref.at[slot, compat.ds(row0, rows), compat.ds(col0, bn)]
         compat.store(view, value, mask=jnp.broadcast_to(mask[None, :], (rows, bn)))
 
-    qc.streamed_loop(loads, products, plan=plan, n_size=n_size, bn=bn, init=init, store=store)
+    qc.streamed_loop(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, bn=bn, init=init,
+                     store=store)  # fmt: skip
 
 
 def _nvfp4_word_tiled_kernel(
@@ -657,6 +717,51 @@ def nvfp4_matmul(
     return y.astype(out_dtype)
 
 
+STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_h2_ws", "dot_ws")  # the formulations `nvfp4_matmuls` takes
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("variant", "block_m", "block_n", "block_k", "num_warps", "num_stages", "programs", "out_dtype",
+                     "interpret"),
+)  # fmt: skip
+def nvfp4_matmuls(
+    x: jax.Array,
+    weights: tuple[tuple[jax.Array, jax.Array, jax.Array], ...],
+    *,
+    variant: str = "gemv_ws",
+    block_m: int | None = None,
+    block_n: int = 32,
+    block_k: int = 512,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    programs: int | None = None,
+    out_dtype=None,
+    interpret: bool = False,
+) -> list[jax.Array]:
+    """x [M, K] times each of several NVFP4 weights (packed, block_scale, tensor_scale) of that K
+    -> one [M, N_s] result per weight, in one launch of a streamed formulation ("gemv_ws",
+    "gemv_h2_ws" or "dot_ws"): the weights lie end to end on the kernel's N axis
+    (`_quant_common.Segments`), so the projections of one input (a layer's q / k / v) cost one
+    launch and one pass over x's preparation, and small weights ride along with large ones
+    instead of paying a launch each. Equal, weight by weight, to `nvfp4_matmul` with the same
+    formulation and tiles."""
+    if variant not in STREAMED_WORD_VARIANTS:
+        raise ValueError(f"variant={variant!r} must be one of {STREAMED_WORD_VARIANTS}")
+    if not weights:
+        raise ValueError("nvfp4_matmuls needs at least one weight")
+    m = x.shape[0] if x.ndim == 2 else 0
+    block_m = default_block_m(m) if block_m is None else block_m
+    cfg = qc.resolve_config(
+        DEFAULT_CONFIGS, m, variants=VARIANTS, variant=variant, block_n=block_n, block_k=block_k, split_k=1,
+        num_warps=num_warps, num_stages=num_stages, block_m=block_m, programs=programs,
+    )  # fmt: skip
+    for packed, block_scale, tensor_scale in weights:
+        validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, 1, variant)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return _streamed_call(x, list(weights), cfg, block_m, out_dtype, interpret)
+
+
 def _tiled_call(
     x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret
 ):
@@ -703,7 +808,7 @@ def _word_call(
     m = x.shape[0]
     n, half_k = packed.shape
     words_k = half_k // 4
-    words = jax.lax.bitcast_convert_type(packed.reshape(n, words_k, 4), jnp.uint32)  # little-endian
+    words = _words(packed)
     scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8)
     block_w = cfg.block_k // 8
     x16, inv = qc.f16_rows(x)
@@ -725,25 +830,7 @@ def _word_call(
             name="nvfp4_matmul_tiled_w",
         )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
     if qc.is_streamed(cfg.variant):
-        steps = compat.cdiv(words_k, block_w)
-        plan = qc.StreamedPlan.make(n, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
-        common = dict(plan=plan, n_size=n, words_k=words_k, block_n=cfg.block_n, block_w=block_w,  # noqa: C408
-                      even_k=words_k % block_w == 0)  # fmt: skip
-        if cfg.variant == "gemv_ws":  # all M rows in one program
-            kernel, m_pad, m_tiles = functools.partial(_nvfp4_streamed_kernel, rows=m, **common), m, 1
-        else:  # dot_ws: M in tiles of block_m on grid axis 1
-            m_tiles = compat.cdiv(m, block_m)
-            m_pad = m_tiles * block_m
-            kernel = functools.partial(_nvfp4_streamed_dot_kernel, rows=block_m, m_size=m, **common)
-        partial = compat.pallas_call(
-            kernel,
-            out_shape=jax.ShapeDtypeStruct((plan.slots, m_pad, n), jnp.float32),
-            grid=(plan.grid, m_tiles),
-            compiler_params=params,
-            interpret=interpret,
-            name=f"nvfp4_matmul_{cfg.variant}",
-        )(qc.word_columns(x16), words, scale_bits)
-        return (qc.split_sum(partial)[:m] * row_scale[:, None]).astype(out_dtype)
+        return _streamed_call(x, [(packed, block_scale, tensor_scale)], cfg, block_m, out_dtype, interpret)[0]
     if qc.is_gemv(cfg.variant):  # all M rows in one program, unpadded
         block_m = m
     m_pad = compat.cdiv(m, block_m) * block_m
@@ -766,3 +853,55 @@ def _word_call(
     y = qc.split_sum(partial)
     y = y.T[:m] if transposed else y[:m]
     return (y * row_scale[:, None]).astype(out_dtype)
+
+
+def _words(packed: jax.Array) -> jax.Array:
+    """uint8 [N, K/2] -> uint32 [N, K/8] (bytes 4j .. 4j+3 of a row, little-endian)."""
+    n, half_k = packed.shape
+    return jax.lax.bitcast_convert_type(packed.reshape(n, half_k // 4, 4), jnp.uint32)
+
+
+def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret) -> list[jax.Array]:
+    """The streamed formulations for x [M, K] and one or more NVFP4 weights (packed, block scale,
+    tensor scale) of that K, all in one launch (`_quant_common.Segments`): one XLA op before the
+    kernel (x scaled per row to float16, its columns regrouped for the formulation), the slot sum
+    and the scales after it; one [M, N_s] result per weight."""
+    m = x.shape[0]
+    words_k = weights[0][0].shape[1] // 4
+    block_w = cfg.block_k // 8
+    segments = qc.Segments(tuple(w[0].shape[0] for w in weights), cfg.block_n)
+    steps = compat.cdiv(words_k, block_w)
+    plan = qc.StreamedPlan.make(segments.n_size, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
+    common = dict(
+        plan=plan, segments=segments, words_k=words_k, block_w=block_w, even_k=words_k % block_w == 0
+    )  # noqa: C408
+    x16, inv = qc.f16_rows(x)
+    x_in = qc.word_columns(x16)
+    operands = []
+    for packed, block_scale, _ in weights:
+        words = _words(packed)
+        if cfg.variant == "gemv_h2_ws":  # a scale block's even and odd word side by side
+            words = words.reshape(words.shape[0], words_k // 2, 2)
+        operands += [words, jax.lax.bitcast_convert_type(block_scale, jnp.uint8)]
+    if cfg.variant == "gemv_ws":  # all M rows in one program
+        kernel, m_pad, m_tiles = functools.partial(_nvfp4_streamed_kernel, rows=m, **common), m, 1
+    elif cfg.variant == "gemv_h2_ws":
+        kernel = functools.partial(_nvfp4_streamed_half2_kernel, rows=m, interpret=interpret, **common)
+        m_pad, m_tiles, x_in = m, 1, h2.half2_x_pairs(x16)
+    else:  # dot_ws: M in tiles of block_m on grid axis 1
+        m_tiles = compat.cdiv(m, block_m)
+        m_pad = m_tiles * block_m
+        kernel = functools.partial(_nvfp4_streamed_dot_kernel, rows=block_m, m_size=m, **common)
+    partial = compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((plan.slots, m_pad, segments.n_size), jnp.float32),
+        grid=(plan.grid, m_tiles),
+        compiler_params=qc.compiler_params(cfg),
+        interpret=interpret,
+        name=f"nvfp4_matmul_{cfg.variant}",
+    )(x_in, *operands)
+    y = qc.split_sum(partial)[:m] * (inv * qc.E2M1_F16_SCALE)[:, None]
+    return [
+        (y[:, segments.columns(s)] * jnp.asarray(w[2], jnp.float32).reshape(())).astype(out_dtype)
+        for s, w in enumerate(weights)
+    ]

@@ -19,8 +19,12 @@ from pallas_kernels.nvfp4_matmul import (
     WORD_VARIANTS,
     decode_e2m1,
     nvfp4_matmul,
+    nvfp4_matmuls,
     reference_nvfp4_matmul,
 )
+
+# Formulations that sum products in float16 (exact products, rounded sums): GEMV_W_TOLERANCE.
+F16_SUM_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "gemv_h2_ws")
 
 
 def _random_nvfp4(rng, m, n, k, x_dtype=jnp.bfloat16):
@@ -82,7 +86,7 @@ def test_word_variants_keep_rows_of_any_size_exact(variant):
                        out_dtype=jnp.float32, interpret=True, **tiles)  # fmt: skip
     want = reference_nvfp4_matmul(x, packed, block_scale, tensor_scale)
     assert np.isfinite(np.asarray(got)).all()
-    tol = GEMV_W_TOLERANCE if variant.startswith("gemv_w") else 1e-5  # gemv_w rounds its float16 sums
+    tol = GEMV_W_TOLERANCE if variant in F16_SUM_VARIANTS else 1e-5  # gemv_w rounds its float16 sums
     for row in range(3):  # each row against its own scale
         np.testing.assert_allclose(
             np.asarray(got[row]), np.asarray(want[row]), rtol=tol, atol=tol * float(jnp.abs(want[row]).max())
@@ -126,8 +130,10 @@ def test_kernel_matches_reference(variant, m, n, k, tiles):
     assert got.shape == (m, n)
     # Weight tiles are exact in bf16 and accumulation is float32: only summation order differs
     # (gemv_w also rounds its 8-product float16 sums: GEMV_W_TOLERANCE of max |y|).
-    rtol, atol = (GEMV_W_TOLERANCE, GEMV_W_TOLERANCE) if variant.startswith("gemv_w") else (1e-5, 1e-4)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol * float(jnp.abs(want).max()))
+    rtol, atol = (GEMV_W_TOLERANCE, GEMV_W_TOLERANCE) if variant in F16_SUM_VARIANTS else (1e-5, 1e-4)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=rtol, atol=atol * float(jnp.abs(want).max())
+    )
 
 
 @pytest.mark.parametrize(
@@ -196,7 +202,12 @@ STREAMED_CASES = [  # m, n, k, block_n, block_k, programs
 
 @pytest.mark.parametrize(
     "variant,m,n,k,block_n,block_k,programs",
-    [(v, *case) for v in ("gemv_ws", "dot_ws") for case in STREAMED_CASES if v == "dot_ws" or case[0] <= 8],
+    [
+        (v, *c)
+        for v in ("gemv_ws", "gemv_h2_ws", "dot_ws")
+        for c in STREAMED_CASES
+        if v == "dot_ws" or c[0] <= 8
+    ],
 )
 def test_streamed_formulations_match_reference_for_any_number_of_programs(
     variant, m, n, k, block_n, block_k, programs
@@ -207,8 +218,10 @@ def test_streamed_formulations_match_reference_for_any_number_of_programs(
     got = nvfp4_matmul(*args, variant=variant, block_n=block_n, block_k=block_k, programs=programs,
                        out_dtype=jnp.float32, interpret=True)  # fmt: skip
     want = reference_nvfp4_matmul(*args)
-    tol = GEMV_W_TOLERANCE if variant == "gemv_ws" else 1e-5  # gemv_ws rounds its 8-product float16 sums
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max()))
+    tol = GEMV_W_TOLERANCE if variant in F16_SUM_VARIANTS else 1e-5  # float16 sums of exact products
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max())
+    )
 
 
 @pytest.mark.parametrize("n_tiles,steps", [(1, 1), (5, 1), (3, 2), (7, 10), (80, 34), (1088, 10)])
@@ -216,7 +229,10 @@ def test_streamed_plan_covers_every_unit_once_within_its_slots(n_tiles, steps):
     for programs in (1, 2, 3, 7, 64, 264, 10_000):
         plan = qc.StreamedPlan.make(n_tiles * 16, 16, steps, programs)
         units = n_tiles * steps
-        assert plan.grid <= programs and (plan.grid - 1) * plan.per_program < units <= plan.grid * plan.per_program
+        assert (
+            plan.grid <= programs
+            and (plan.grid - 1) * plan.per_program < units <= plan.grid * plan.per_program
+        )
         owners = np.arange(units) // plan.per_program  # the program of each unit
         spans = [len(set(owners[t * steps : (t + 1) * steps])) for t in range(n_tiles)]
         assert max(spans) <= plan.slots
@@ -353,3 +369,42 @@ def test_grouped_program_order_visits_every_tile_once(m_tiles, n_tiles, group_m)
     first = min(group_m, m_tiles)
     assert np.asarray(i)[:first].tolist() == list(range(first))
     assert np.asarray(j)[:first].tolist() == [0] * first
+
+
+@pytest.mark.parametrize("variant", ["gemv_ws", "gemv_h2_ws", "dot_ws"])
+@pytest.mark.parametrize("m,sizes,programs", [(1, (96, 40, 8, 8), 7), (3, (64, 130), 3), (2, (50,), 5)])
+def test_several_weights_in_one_launch_equal_each_alone(variant, m, sizes, programs):
+    """Weights of one input laid end to end (ragged sizes: segments start on tile boundaries,
+    their padding is neither read nor returned) give each weight's own result, tensor scale
+    included, whatever the programs' runs cut across segments."""
+    rng = np.random.default_rng(sum(sizes) + m)
+    x, *_ = _random_nvfp4(rng, m, 8, 512)
+    weights = tuple(_random_nvfp4(rng, m, n, 512)[1:] for n in sizes)
+    tiles = {
+        "variant": variant,
+        "block_n": 16 if variant == "dot_ws" else 32,
+        "block_k": 256,
+        "programs": programs,
+    }
+    got = nvfp4_matmuls(x, weights, out_dtype=jnp.float32, interpret=True, **tiles)
+    assert [g.shape for g in got] == [(m, n) for n in sizes]
+    for g, w in zip(got, weights, strict=True):
+        alone = nvfp4_matmul(x, *w, out_dtype=jnp.float32, interpret=True, **tiles)
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(alone), rtol=1e-6, atol=1e-6 * float(jnp.abs(alone).max())
+        )
+        want = reference_nvfp4_matmul(x, *w)
+        tol = GEMV_W_TOLERANCE if variant in F16_SUM_VARIANTS else 1e-5
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max())
+        )
+
+
+def test_several_weights_refuse_other_formulations_and_mixed_k():
+    rng = np.random.default_rng(5)
+    x, *w1 = _random_nvfp4(rng, 1, 64, 256)
+    with pytest.raises(ValueError, match="must be one of"):
+        nvfp4_matmuls(x, (tuple(w1),), variant="dot", interpret=True)
+    w2 = _random_nvfp4(rng, 1, 64, 512)[1:]
+    with pytest.raises(ValueError, match="implies K=512"):
+        nvfp4_matmuls(x, (tuple(w1), w2), block_k=128, interpret=True)
