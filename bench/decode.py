@@ -41,7 +41,7 @@ from bench.engine_setup import (
 )
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
-from infernix_jax.weights.quant import fp8_decode_mode
+from infernix_jax.weights.quant import fp8_decode_mode, fused_projections
 
 
 def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--fp8-decode", default="auto",
                         help="FP8 weights: comma-separated ways of their decode matmuls to measure in turn "
                              "(auto, kernel, xla; weights.quant.fp8_decode_mode)")  # fmt: skip
+    parser.add_argument("--fused-projections", default="on",
+                        help="on, off or on,off: one launch for a layer's NVFP4 projections of one input "
+                             "(weights.quant.matmuls), measured in turn")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="also trace two device-only dispatches: busy share and top kernels in the record")  # fmt: skip
     args = parser.parse_args(argv)
@@ -147,16 +150,19 @@ def main(argv: list[str] | None = None):
         cfg, params = build_model(shape, dtype, weights=args.weights)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                modes = args.fp8_decode.split(",")
-                for mode in modes:
+                modes = [(m, f) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")]
+                for mode, fused in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
-                    with fp8_decode_mode(mode):  # read while the engine traces its programs
+                    with fp8_decode_mode(mode), fused_projections(fused == "on"):  # read while programs trace
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile)  # fmt: skip
                     if mode != "auto":
                         record.name += f" fp8-decode-{mode}"
+                    if fused != "on":
+                        record.name += f" fused-projections-{fused}"
                     record.details["fp8_decode"] = mode
+                    record.details["fused_projections"] = fused
                     print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
                           f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
                     records.append(record)

@@ -15,7 +15,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import rms_norm
 from infernix_jax.model.params import AttentionParams
 from infernix_jax.model.rope import apply_rope, rope_cos_sin
-from infernix_jax.weights.quant import matmul
+from infernix_jax.weights.quant import matmul, matmuls
 
 
 def _linear(x: jax.Array, w, bias) -> jax.Array:
@@ -90,7 +90,12 @@ def attention(
     """
     b, t, _ = x.shape
     h, hk, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = _linear(x, p.q_proj, p.q_bias)
+    q, k, v = (  # one launch where the weights allow it (`matmuls`)
+        y if bias is None else y + bias.astype(y.dtype)
+        for y, bias in zip(
+            matmuls(x, (p.q_proj, p.k_proj, p.v_proj)), (p.q_bias, p.k_bias, p.v_bias), strict=True
+        )
+    )
     if cfg.attn_output_gate:
         q = q.reshape(b, t, h, 2 * dh)
         q, gate = q[..., :dh], q[..., dh:]
@@ -98,8 +103,8 @@ def attention(
     else:
         q = q.reshape(b, t, h, dh)
         gate = None
-    k = _linear(x, p.k_proj, p.k_bias).reshape(b, t, hk, dh)
-    v = _linear(x, p.v_proj, p.v_bias).reshape(b, t, hk, dh)
+    k = k.reshape(b, t, hk, dh)
+    v = v.reshape(b, t, hk, dh)
     q = rms_norm(q, p.q_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     k = rms_norm(k, p.k_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
     cos, sin = rope_cos_sin(cfg.rope, positions)

@@ -21,7 +21,7 @@ from infernix_jax.cache.sequence import GDNState
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import gated_rms_norm
 from infernix_jax.model.params import GDNParams
-from infernix_jax.weights.quant import matmul
+from infernix_jax.weights.quant import matmul, matmuls
 
 CHUNK = 64
 # Windows up to this length run the per-token recurrence (decode, draft verification); longer
@@ -284,10 +284,8 @@ def gated_deltanet(
     conv_state = jnp.where(fresh[:, None, None], 0, state.conv)
     rec_state = jnp.where(fresh[:, None, None, None], 0, state.recurrent)
 
-    mixed = matmul(x, p.in_proj_qkv)
-    z = matmul(x, p.in_proj_z).reshape(b, t, hv, dv)
-    b_in = matmul(x, p.in_proj_b)
-    a_in = matmul(x, p.in_proj_a)
+    mixed, z, b_in, a_in = matmuls(x, (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a))  # one launch
+    z = z.reshape(b, t, hv, dv)
 
     raw = mixed
     if tree_parents is None:

@@ -38,6 +38,7 @@ from infernix_jax.weights.quant import (
     grouped_expert_matmul,
     grouped_kernel_ready,
     matmul,
+    matmuls,
     take,
 )
 
@@ -51,7 +52,8 @@ GATHER_MIN_PAIRS = 64
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
-    return matmul(jax.nn.silu(matmul(x, p.gate_proj)) * matmul(x, p.up_proj), p.down_proj)
+    gate, up = matmuls(x, (p.gate_proj, p.up_proj))  # one launch where the weights allow it
+    return matmul(jax.nn.silu(gate) * up, p.down_proj)
 
 
 def route(router: jax.Array, x: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:

@@ -32,6 +32,11 @@ kernel (`pallas_kernels/moe_matmul.py`) on a GPU for any token count: `grouped_k
 says whether it runs, `grouped_expert_matmul` runs it on rows sorted by expert.
 `kernel_mode(...)` overrides all of these. The mode is read when a function is traced, so a
 jitted function keeps the choice it was traced with.
+
+`matmuls(x, ws)` runs one input through several weights (a layer's q / k / v, its GDN input
+projections, an MLP's gate and up): NVFP4 weights served by a streamed decode kernel run as one
+launch (`nvfp4_matmuls`), everything else as separate `matmul`s. `fused_projections(False)` (or
+INFERNIX_FUSED_PROJECTIONS=off) keeps them separate, for measuring.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import numpy as np
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, resolve_config
-from pallas_kernels.nvfp4_matmul import E2M1_VALUES, nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import E2M1_VALUES, STREAMED_WORD_VARIANTS, nvfp4_matmul, nvfp4_matmuls
 
 Array = jax.Array
 KernelMode = Literal["auto", "reference", "kernel", "interpret"]
@@ -328,7 +333,12 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     block_n = 32 if words and n >= 32 * 4 * 132 else 64
     n_tiles = -(-n // block_n)
     split_k = max(1, min(k_steps // 4, -(-264 // n_tiles)))
-    return {"variant": "dot_w" if words else "dot", "block_n": block_n, "block_k": block_k, "split_k": split_k}
+    return {
+        "variant": "dot_w" if words else "dot",
+        "block_n": block_n,
+        "block_k": block_k,
+        "split_k": split_k,
+    }
 
 
 def _cast_e2m1(scaled: Array) -> Array:
@@ -434,7 +444,9 @@ _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
 FP8_DECODE_MODES = ("auto", "kernel", "xla")
 _fp8_decode_mode = os.environ.get("INFERNIX_FP8_DECODE", "auto")
 if _fp8_decode_mode not in FP8_DECODE_MODES:
-    raise ValueError(f"INFERNIX_FP8_DECODE must be one of {', '.join(FP8_DECODE_MODES)}; got {_fp8_decode_mode!r}")
+    raise ValueError(
+        f"INFERNIX_FP8_DECODE must be one of {', '.join(FP8_DECODE_MODES)}; got {_fp8_decode_mode!r}"
+    )
 
 
 @contextlib.contextmanager
@@ -453,7 +465,7 @@ def fp8_decode_mode(mode: str) -> Iterator[None]:
 
 
 def fp8_decode_way(m: int, k: int, n: int) -> str:
-    """"xla" or "kernel": which runs x [m, k] @ W [n, k].T for per-tensor FP8 W on a GPU.
+    """ "xla" or "kernel": which runs x [m, k] @ W [n, k].T for per-tensor FP8 W on a GPU.
 
     From the H200 (`python -m bench.xla_quant`, bench/results/xla-quant-nvidia-h200.json, HBM probe
     3558 GB/s): XLA's fused dot read more bytes per second than the tuned kernel at 8 rows on every
@@ -509,7 +521,14 @@ def fp8_tiles(m: int, k: int, n: int) -> dict:
     GB/s at split 8, q_gated 2199 at 4, o_proj 1786 at 8). 2-8 rows with K >= 8192 (the 27B down)
     split K 8 ways (2251 GB/s)."""
     if m == 1 and n * k >= 1 << 27:
-        return {"variant": "gemv", "block_n": 16, "block_k": 512, "split_k": 1, "num_warps": 8, "num_stages": 4}
+        return {
+            "variant": "gemv",
+            "block_n": 16,
+            "block_k": 512,
+            "split_k": 1,
+            "num_warps": 8,
+            "num_stages": 4,
+        }
     if m == 1 and k >= 4096 and n >= 4096:
         n_tiles, k_steps = -(-n // 64), -(-k // 128)
         split_k = 1
@@ -572,7 +591,7 @@ _register(Int8Weight, ("data", "scale"))
 
 
 def int8_decode_way(m: int, k: int) -> str:
-    """"xla" (`int8_xla_matmul`) or "reference" (the float32 path): which runs x [m, k] @ W.T for
+    """ "xla" (`int8_xla_matmul`) or "reference" (the float32 path): which runs x [m, k] @ W.T for
     INT8 W on a GPU. From the H200 (`bench.xla_quant --formats int8`, 5332098): the dot won at 8
     rows (2194-3303 against 425-502 GB/s) and at M = 4096 (609-652 against ~50 TFLOP/s); at one
     row the float32 path, which XLA turns into one reduction reading the int8 bytes, won every
@@ -697,6 +716,69 @@ def matmul(x: Array, w: Any) -> Array:
     )
 
 
+_fused_projections = os.environ.get("INFERNIX_FUSED_PROJECTIONS", "on")
+if _fused_projections not in ("on", "off"):
+    raise ValueError(f"INFERNIX_FUSED_PROJECTIONS must be on or off; got {_fused_projections!r}")
+
+
+@contextlib.contextmanager
+def fused_projections(enabled: bool) -> Iterator[None]:
+    """Whether `matmuls` may run several NVFP4 weights in one launch while tracing inside this
+    block (default: the environment variable INFERNIX_FUSED_PROJECTIONS, "on")."""
+    global _fused_projections
+    previous, _fused_projections = _fused_projections, "on" if enabled else "off"
+    try:
+        yield
+    finally:
+        _fused_projections = previous
+
+
+def _fusable(x: Array, w: Any) -> bool:
+    """Whether w may share a launch with other weights of x (a 2-D NVFP4 weight of x's K)."""
+    return isinstance(w, NVFP4Weight) and w.ndim == 2 and w.shape[1] == x.shape[-1]
+
+
+def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
+    """The streamed kernel tiles that run x through all of `ws` (>= 2 NVFP4 weights of its K) in
+    one launch, or None where they run apart: float32 rows, no kernel here, or more than one row
+    where the combined shape's own choice is not streamed (the tensor-core dots serve 2-8 rows
+    better than a fused CUDA-core pass). One row on a combined shape that the table gives to a
+    split-K formulation (K < 4096: the 80B's layers) takes "gemv_ws" 32 x 512: one launch instead
+    of several weighs more there than the formulation."""
+    if _fused_projections != "on" or len(ws) < 2:
+        return None
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return None
+    rows = math.prod(x.shape[:-1])
+    use_kernel, interpret = _kernel_choice(rows, 2)
+    if not use_kernel:
+        return None
+    tiles = nvfp4_tiles(rows, x.shape[-1], sum(w.shape[0] for w in ws), x.dtype)
+    if tiles["variant"] not in STREAMED_WORD_VARIANTS:
+        if rows != 1:
+            return None
+        tiles = {"variant": "gemv_ws", "block_n": 32, "block_k": 512, "num_warps": 8}
+    tiles = {key: v for key, v in tiles.items() if key != "split_k"}
+    return {**tiles, "interpret": interpret}
+
+
+def matmuls(x: Array, ws: tuple[Any, ...] | list[Any]) -> list[Array]:
+    """x [..., K] times each weight of `ws` -> one [..., N_i] per weight, in x's dtype: its NVFP4
+    weights in one kernel launch at decode rows on a GPU (`_fused_tiles`), every other weight (and
+    all of them where the launch does not apply) through `matmul`."""
+    ws = tuple(ws)
+    picked = [i for i, w in enumerate(ws) if _fusable(x, w)]
+    tiles = _fused_tiles(x, tuple(ws[i] for i in picked))
+    if tiles is None:
+        return [matmul(x, w) for w in ws]
+    rows = math.prod(x.shape[:-1])
+    weights = tuple((ws[i].packed, ws[i].block_scale, ws[i].tensor_scale) for i in picked)
+    fused = dict(zip(picked, nvfp4_matmuls(x.reshape(rows, x.shape[-1]), weights, **tiles), strict=True))
+    return [
+        fused[i].reshape(*x.shape[:-1], w.shape[0]) if i in fused else matmul(x, w) for i, w in enumerate(ws)
+    ]
+
+
 def take(w: Any, expert_ids: Array) -> Any:
     """Gather experts from a stacked [E, N, K] weight (plain or quantized) -> [*ids.shape, N, K]."""
     if len(w.shape) != 3:
@@ -777,7 +859,10 @@ def grouped_tiles(
     "dot_t" (it won every batch 2-8 point before the word variants). More tokens (prefill): "dot"
     with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block.
     """
-    sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    )
     if tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:

@@ -19,6 +19,7 @@ from infernix_jax.weights.quant import (
     quantize_q4,
     quantize_q8,
 )
+from pallas_kernels import compat
 
 QUANTIZERS = {
     "nvfp4": quantize_nvfp4,
@@ -343,3 +344,56 @@ def test_prefill_rows_on_a_gpu_take_the_xla_dot_instead_of_a_float32_matmul(monk
     # INT8 decode rows: no kernel, the same dot; one row of a narrow layer: the float32 reduction
     assert "HIGHEST" not in lowered(quant.quantize_int8(w), jnp.bfloat16, rows=2)
     assert "HIGHEST" in lowered(quant.quantize_int8(w), jnp.bfloat16, rows=1)
+
+
+def _count_fused_launches(monkeypatch):
+    launches = []
+    real = quant.nvfp4_matmuls
+    monkeypatch.setattr(
+        quant, "nvfp4_matmuls", lambda x, ws, **kw: launches.append(len(ws)) or real(x, ws, **kw)
+    )
+    return launches
+
+
+def test_matmuls_run_the_nvfp4_weights_of_one_row_in_one_launch_and_the_rest_apart(monkeypatch):
+    """A decode row through q / k / v-like weights: the NVFP4 ones share one launch, a bf16 one
+    among them runs alone, and every result equals its own matmul (the reference path)."""
+    rng = np.random.default_rng(21)
+    ws = (quantize_nvfp4(_weight(rng, 96, 512)), _weight(rng, 24, 512), quantize_nvfp4(_weight(rng, 40, 512)))
+    x = jnp.asarray(rng.standard_normal((1, 1, 512)), jnp.bfloat16)
+    launches = _count_fused_launches(monkeypatch)
+    with kernel_mode("interpret"):
+        got = jax.jit(quant.matmuls)(x, ws)
+    assert launches == [2]
+    with kernel_mode("reference"):
+        want = [matmul(x, w) for w in ws]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_matmuls_keep_weights_apart_for_several_rows_switched_off_or_on_the_reference_path(monkeypatch):
+    """Rows past one on shapes whose table entry is a tensor-core dot, `fused_projections(False)`
+    and the reference path (no kernel) all run one matmul per weight."""
+    rng = np.random.default_rng(22)
+    ws = (quantize_nvfp4(_weight(rng, 64, 256)), quantize_nvfp4(_weight(rng, 32, 256)))
+    launches = _count_fused_launches(monkeypatch)
+    with kernel_mode("interpret"):
+        quant.matmuls(jnp.ones((4, 256), jnp.bfloat16), ws)
+        with quant.fused_projections(False):
+            quant.matmuls(jnp.ones((1, 256), jnp.bfloat16), ws)
+        quant.matmuls(jnp.ones((1, 256), jnp.float32), ws)  # float32 rows would round to float16
+    with kernel_mode("reference"):
+        quant.matmuls(jnp.ones((1, 256), jnp.bfloat16), ws)
+    assert launches == []
+
+
+def test_fused_projections_lower_to_one_triton_call_for_cuda():
+    rng = np.random.default_rng(23)
+    ws = tuple(quantize_nvfp4(_weight(rng, n, 5120)) for n in (6144, 1024, 1024))
+    with kernel_mode("kernel"):
+        text = compat.lower_for_cuda(
+            jax.jit(quant.matmuls), jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16), ws
+        )
+    assert text.count("xla.gpu.triton") == 1 and "nvfp4_matmul_gemv_ws" in text
+

@@ -1,0 +1,72 @@
+"""One input through several NVFP4 projections in one kernel launch leaves the forward unchanged."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infernix_jax.cache.sequence import init_cache
+from infernix_jax.config import ModelConfig
+from infernix_jax.model.forward import forward
+from infernix_jax.weights import quant
+from infernix_jax.weights.hf import load_params
+from infernix_jax.weights.quant import NVFP4Weight, fused_projections, kernel_mode, quantize_nvfp4
+from pallas_kernels import compat
+from tests.conftest import HF_FIXTURES
+
+_PROJECTION = ("proj", "in_proj")  # the layers' 2-D projections; embeddings, norms and the head stay
+
+
+def _nvfp4_projections(params):
+    def convert(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if (
+            ".layers" in name
+            and any(p in name for p in _PROJECTION)
+            and leaf.ndim == 2
+            and leaf.shape[1] % 16 == 0
+        ):
+            return quantize_nvfp4(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def test_a_decode_step_gives_the_same_logits_with_projections_fused(monkeypatch):
+    """qwen3_5 fixture (GDN + gated attention + MLP) with NVFP4 projections, one decode step
+    after a short prompt: the GDN input projections, q / k / v and gate / up each run as one
+    launch (on a GPU compiled, elsewhere through the interpreter), against one launch a weight."""
+    path = HF_FIXTURES / "qwen3_5"
+    cfg = ModelConfig.from_hf_config(path)
+    params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
+    assert (
+        sum(
+            isinstance(w, NVFP4Weight)
+            for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, NVFP4Weight))
+        )
+        >= 20
+    )
+    ids = np.load(path / "reference.npz")["input_ids"][:9]
+    fn = jax.jit(forward, static_argnums=(4,))
+    _, _, cache = fn(params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg)
+    mode = "auto" if compat.on_gpu() else "interpret"
+    launches = []
+    real = quant.nvfp4_matmuls
+    monkeypatch.setattr(
+        quant, "nvfp4_matmuls", lambda x, ws, **kw: launches.append(len(ws)) or real(x, ws, **kw)
+    )
+    out = {}
+    for fused in (True, False):
+        with kernel_mode(mode), fused_projections(fused):
+            step = jax.jit(forward, static_argnums=(4,))
+            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache, cfg)
+        out[fused] = np.asarray(logits[0, 0], np.float32)
+    # per layer: 4 GDN input projections or q / k / v, then gate / up (traced once, fused only)
+    gdn = sum(t == "linear_attention" for t in cfg.layer_types)
+    assert sorted(launches) == sorted(
+        [4] * gdn + [3] * (len(cfg.layer_types) - gdn) + [2] * len(cfg.layer_types)
+    )
+    scale = np.abs(out[False]).max()
+    assert np.abs(out[True] - out[False]).max() <= 2e-2 * scale
+    assert np.argmax(out[True]) == np.argmax(out[False])
