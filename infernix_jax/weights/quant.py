@@ -738,14 +738,24 @@ def _fusable(x: Array, w: Any) -> bool:
     return isinstance(w, NVFP4Weight) and w.ndim == 2 and w.shape[1] == x.shape[-1]
 
 
+FUSE_BELOW_WEIGHTS = 1 << 26  # a group fuses only if one of its weights is smaller (elements)
+
+
 def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     """The streamed kernel tiles that run x through all of `ws` (>= 2 NVFP4 weights of its K) in
-    one launch, or None where they run apart: float32 rows, no kernel here, or more than one row
+    one launch, or None where they run apart: float32 rows, no kernel here, more than one row
     where the combined shape's own choice is not streamed (the tensor-core dots serve 2-8 rows
-    better than a fused CUDA-core pass). One row on a combined shape that the table gives to a
-    split-K formulation (K < 4096: the 80B's layers) takes "gemv_ws" 32 x 512: one launch instead
-    of several weighs more there than the formulation."""
+    better than a fused CUDA-core pass), or only weights of >= FUSE_BELOW_WEIGHTS elements. One
+    row on a combined shape that the table gives to a split-K formulation (K < 4096: the 80B's
+    layers) takes "gemv_ws" 32 x 512: one launch instead of several weighs more there.
+
+    Measured on an H100 (`python -m bench.fused_projections`, one row): fused against apart, the
+    27B GDN input projections x1.52, q / k / v x1.29, the 80B's x1.65 / x1.62, its shared
+    expert's gate / up x1.32; the 27B gate / up (two 17408 x 5120 weights) x0.96, so two large
+    weights stay apart (a launch is small next to reading either)."""
     if _fused_projections != "on" or len(ws) < 2:
+        return None
+    if min(math.prod(w.shape) for w in ws) >= FUSE_BELOW_WEIGHTS:
         return None
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return None
