@@ -25,7 +25,9 @@ Records go to bench/results/decode-<machine>.json (`-<weights>` added for quanti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import time
 
 import jax
@@ -41,7 +43,7 @@ from bench.engine_setup import (
 )
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
-from infernix_jax.weights.quant import fp8_decode_mode, fused_projections
+from infernix_jax.weights.quant import fp8_decode_mode, fused_experts, fused_projections
 
 
 def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--fused-projections", default="on",
                         help="on, off or on,off: one launch for a layer's NVFP4 projections of one input "
                              "(weights.quant.matmuls), measured in turn")  # fmt: skip
+    parser.add_argument("--fused-experts", default=None,
+                        help="on, off or on,off: an expert's gate and up stacks in one grouped launch "
+                             "(weights.quant.fused_experts; default: INFERNIX_FUSED_EXPERTS), measured in turn")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="also trace two device-only dispatches: busy share and top kernels in the record")  # fmt: skip
     args = parser.parse_args(argv)
@@ -150,19 +155,27 @@ def main(argv: list[str] | None = None):
         cfg, params = build_model(shape, dtype, weights=args.weights)
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                modes = [(m, f) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")]
-                for mode, fused in modes:
+                experts = args.fused_experts.split(",") if args.fused_experts else [None]
+                modes = [
+                    (m, f, x) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
+                    for x in experts
+                ]  # fmt: skip
+                for mode, fused, fused_x in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
-                    with fp8_decode_mode(mode), fused_projections(fused == "on"):  # read while programs trace
+                    experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
+                    with fp8_decode_mode(mode), fused_projections(fused == "on"), experts_ctx:  # read at trace
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile)  # fmt: skip
                     if mode != "auto":
                         record.name += f" fp8-decode-{mode}"
                     if fused != "on":
                         record.name += f" fused-projections-{fused}"
+                    if fused_x == "on":
+                        record.name += " fused-experts"
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused
+                    record.details["fused_experts"] = fused_x or os.environ.get("INFERNIX_FUSED_EXPERTS", "off")
                     print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
                           f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
                     records.append(record)

@@ -57,6 +57,11 @@ multiply each K step's partial product (block_n and block_k divide the block siz
 
 The output is [M, N] in the sorted row order (the caller un-sorts), accumulated in float32; rows
 past M are never read or written (masked), so nothing is padded.
+
+`grouped_matmuls` runs the same rows through several stacks of one format and shape (an expert's
+gate and up) in one launch: the grid's N axis walks the stacks' tiles one stack after the other,
+and each program runs the tile body for its stack in a `lax.switch` branch (uniform over the
+program, so only that stack's loads are issued); the output [M, stacks * N] is sliced per stack.
 """
 
 from __future__ import annotations
@@ -223,14 +228,19 @@ def work_items(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array,
 
 def _grouped_kernel(
     group_sizes_ref,  # [E] int32
-    expert_scale_ref,  # [E] float32: per-expert scale multiplying the float32 sum (1 for FP8 blocks)
     *refs,
-    # nvfp4: x_even [M, K/2], x_odd [M, K/2], packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
-    # nvfp4 dot_w / dot_t_w: x [M, K] f16 (qc.f16_rows, qc.word_columns), row factors [M, 1] f32,
-    #        words [E*N, K/8] u32 (4 packed bytes each), block scale bits [E*N, K/16] u8
-    # fp8:   x [M, K], data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
-    # plain: x [M, K], w [E*N, K] (bf16 / f16 / f32)
-    # last:  out [split_k, M, N]: y itself in the output dtype (split_k 1) or float32 partial sums
+    # refs: the activation refs (`n_x` of them), then per weight (`segments` of them, each
+    # [E, N, K]): its per-expert scale [E] float32 (multiplying the float32 sum; 1 for FP8 blocks)
+    # and its stored refs; last the output.
+    # nvfp4: x_even [M, K/2], x_odd [M, K/2] | packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
+    # nvfp4 dot_w / dot_t_w: x [M, K] f16 (qc.f16_rows, qc.word_columns), row factors [M, 1] f32
+    #        | words [E*N, K/8] u32 (4 packed bytes each), block scale bits [E*N, K/16] u8
+    # fp8:   x [M, K] | data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
+    # plain: x [M, K] | w [E*N, K] (bf16 / f16 / f32)
+    # out:   [split_k, M, segments * N]: y itself in the output dtype (split_k 1) or float32 partial
+    #        sums; weight s fills columns s * N ..
+    n_x: int,
+    segments: int,
     fmt: str,
     variant: str,
     m_size: int,
@@ -245,20 +255,52 @@ def _grouped_kernel(
     even_n: bool,
     even_k: bool,
 ):
-    *in_refs, out_ref = refs
+    x_refs, out_ref = refs[:n_x], refs[-1]
+    per_weight = (len(refs) - n_x - 1) // segments
     t, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     e_pad = compat.pow2_at_least(num_experts)  # Triton tensors have power-of-two sizes
     sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
     sizes = qc.load(group_sizes_ref.at[compat.ds(0, e_pad)], sizes_mask)
     e, r0, r1 = locate_item(t, sizes, m_size, block_m)
     bn, bw, bm = block_n, step_width, block_m
-    col0 = j * bn
+    n_tiles = compat.cdiv(n_size, bn)
+    seg = jax.lax.div(j, n_tiles)  # the weight this program's N tile belongs to
+    col0 = (j - seg * n_tiles) * bn  # within the weight
     w_row0 = e * n_size + col0  # first weight row of this tile in the flattened stack
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     gemv = variant == "gemv"
     word = variant in WORD_VARIANTS
-    x_refs = in_refs[:2] if fmt == "nvfp4" and not word else in_refs[:1]
     compute_dtype = x_refs[0].dtype
+
+    def weight_refs(s):
+        first = n_x + s * per_weight
+        return refs[first], (*x_refs, *refs[first + 1 : first + per_weight])
+
+    def run(expert_scale_ref, in_refs, out_col0):
+        """This program's tile of one weight: `in_refs` are the activation refs then the weight's
+        stored refs (the single-weight layout), its output columns start at out_col0."""
+        _grouped_tile(
+            expert_scale_ref, in_refs, out_ref, e=e, r0=r0, r1=r1, sizes=sizes, col0=col0, out_col0=out_col0,
+            w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
+            compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
+            n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k,
+        )  # fmt: skip
+
+    if segments == 1:
+        run(*weight_refs(0), col0)
+        return
+    # a branch per weight, uniform over the program: only the chosen weight's loads are issued
+    branches = [functools.partial(lambda s: run(*weight_refs(s), s * n_size + col0), s) for s in range(segments)]
+    jax.lax.switch(seg, branches)
+
+
+def _grouped_tile(
+    expert_scale_ref, in_refs, out_ref, *, e, r0, r1, sizes, col0, out_col0, w_row0, n_mask, split, t, fmt, variant,
+    gemv, word, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block, even_k,
+):  # fmt: skip
+    """One program's work on one weight (`_grouped_kernel`): its work item's rows times its N tile,
+    and on the last item the zeros of rows past the groups."""
+    x_refs = in_refs[:2] if fmt == "nvfp4" and not word else in_refs[:1]
 
     def decode(kw):
         """The weight tiles of one K step, float32 [bn, bw] each, paired with their activation
@@ -345,7 +387,7 @@ def _grouped_kernel(
             for r in range(bm):
                 row_mask = jnp.broadcast_to(r0 + r < r1, (1, bn))
                 compat.store(
-                    out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(col0, bn)],
+                    out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(out_col0, bn)],
                     (acc[r].sum(axis=1)[None, :] * expert_scale).astype(out_dtype),
                     mask=row_mask if n_mask is None else row_mask & n_mask[None, :],
                 )
@@ -357,7 +399,7 @@ def _grouped_kernel(
         if word:  # each row's power-of-two factor (qc.f16_rows) undone
             acc = acc * qc.load(in_refs[1].at[compat.ds(r0, bm), compat.ds(0, 1)], rows_ok[:, None])
         compat.store(
-            out_ref.at[split, compat.ds(r0, bm), compat.ds(col0, bn)],
+            out_ref.at[split, compat.ds(r0, bm), compat.ds(out_col0, bn)],
             acc.astype(out_dtype),
             mask=_mask2(rows_ok, n_mask, (bm, bn)),
         )
@@ -369,7 +411,7 @@ def _grouped_kernel(
             rows = c * ZERO_ROWS + jnp.arange(ZERO_ROWS)
             mask = _mask2((rows >= covered) & (rows < m_size), n_mask, (ZERO_ROWS, bn))
             compat.store(
-                out_ref.at[split, compat.ds(c * ZERO_ROWS, ZERO_ROWS), compat.ds(col0, bn)],
+                out_ref.at[split, compat.ds(c * ZERO_ROWS, ZERO_ROWS), compat.ds(out_col0, bn)],
                 jnp.zeros((ZERO_ROWS, bn), out_dtype),
                 mask=mask,
             )
@@ -506,10 +548,24 @@ _STATIC = (
 )
 
 
+def grouped_matmul(x: jax.Array, weight: tuple[jax.Array, ...], group_sizes: jax.Array, **options) -> jax.Array:
+    """x [M, K] sorted by expert, quantized stacks W [E, N, K] -> [M, N] in `out_dtype` (default
+    x.dtype): row r of group e is x[r] @ W[e].T; rows past sum(group_sizes) are zero.
+
+    weight: (packed, block_scale, tensor_scale) for fmt="nvfp4"; (data, scale) for fmt="fp8" with
+    `block_size` None (scale [E]) or b (scale [E, ceil(N/b), ceil(K/b)]); (w,) for fmt="plain"
+    (bf16 / f16 / f32 [E, N, K]). group_sizes: int [E]. Options (`fmt` required) are those of
+    `grouped_matmuls`: every one left None comes from `DEFAULT_CONFIGS[fmt]` for this M; given
+    values override it. block_k counts K elements. `interpret=True` runs the kernel in the Pallas
+    interpreter.
+    """
+    return grouped_matmuls(x, (weight,), group_sizes, **options)[0]
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def grouped_matmul(
+def grouped_matmuls(
     x: jax.Array,
-    weight: tuple[jax.Array, ...],
+    weights: tuple[tuple[jax.Array, ...], ...],
     group_sizes: jax.Array,
     *,
     fmt: str,
@@ -523,68 +579,78 @@ def grouped_matmul(
     num_stages: int | None = None,
     out_dtype=None,
     interpret: bool = False,
-) -> jax.Array:
-    """x [M, K] sorted by expert, quantized stacks W [E, N, K] -> [M, N] in `out_dtype` (default
-    x.dtype): row r of group e is x[r] @ W[e].T; rows past sum(group_sizes) are zero.
+) -> list[jax.Array]:
+    """`grouped_matmul` of the same rows through several stacks of one format and shape (an
+    expert's gate and up) in one launch: the grid's N axis walks the stacks' tiles one stack after
+    the other and each program reads the stack its tile belongs to (a branch, uniform over the
+    program). One [M, N] result per stack, each equal to `grouped_matmul` with the same options
+    (the options: see `grouped_matmul`)."""
+    if not weights:
+        raise ValueError("grouped_matmuls needs at least one weight")
+    shapes = {tuple(tuple(a.shape) for a in w) for w in weights}
+    if len(shapes) != 1:
+        raise ValueError(f"grouped_matmuls takes stacks of one shape; got {sorted(shapes)}")
+    options = dict(block_size=block_size, variant=variant, block_m=block_m, block_n=block_n, block_k=block_k,  # noqa: C408
+                   split_k=split_k, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret)
 
-    weight: (packed, block_scale, tensor_scale) for fmt="nvfp4"; (data, scale) for fmt="fp8" with
-    `block_size` None (scale [E]) or b (scale [E, ceil(N/b), ceil(K/b)]); (w,) for fmt="plain"
-    (bf16 / f16 / f32 [E, N, K]). group_sizes: int [E].
-    Every option left None comes from `DEFAULT_CONFIGS[fmt]` for this M; given values override
-    it. block_k counts K elements. `interpret=True` runs the kernel in the Pallas interpreter.
-    """
+
+def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -> list[jax.Array]:
+    """The pallas_call of `grouped_matmul` / `grouped_matmuls`: the activation's preparation once,
+    each stack's operands, one launch, one [M, N] result per stack."""
+    block_size = options.pop("block_size")
     m = x.shape[0] if x.ndim == 2 else 0
-    cfg = resolve_config(
-        fmt,
-        m,
-        variant=variant,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
-        split_k=split_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    validate_grouped_matmul(x, weight, group_sizes, fmt=fmt, block_size=block_size, cfg=cfg)
+    cfg = resolve_config(fmt, m, **options)
+    for weight in weights:
+        validate_grouped_matmul(x, weight, group_sizes, fmt=fmt, block_size=block_size, cfg=cfg)
     k = x.shape[1]
-    num_experts, n = weight[0].shape[:2]
+    num_experts, n = weights[0][0].shape[:2]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     bm = cfg.block_m
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
-    if fmt == "nvfp4":
-        packed, block_scale, tensor_scale = weight
-        scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(
-            num_experts * n, k // NVFP4_BLOCK
-        )
-        expert_scale = jnp.asarray(tensor_scale, jnp.float32)
-        if cfg.variant in WORD_VARIANTS:  # one XLA op before the kernel: float16 rows in word order
-            words = jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k // 8, 4), jnp.uint32)
-            x16, row_factor = qc.f16_rows(x)
-            inputs = (qc.word_columns(x16), row_factor[:, None], words, scale_bits)
-            expert_scale = expert_scale * qc.E2M1_F16_SCALE
-            k_width, step_width = k // 8, cfg.block_k // 8
-        else:
-            inputs = (xp[:, 0::2], xp[:, 1::2], packed.reshape(num_experts * n, k // 2), scale_bits)
-            k_width, step_width = k // 2, cfg.block_k // 2
-    elif fmt == "plain":
-        (w,) = weight
-        inputs = (xp, w.reshape(num_experts * n, k))
-        expert_scale = jnp.ones((num_experts,), jnp.float32)
-        k_width, step_width = k, cfg.block_k
+    word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
+    if word:  # one XLA op before the kernel: float16 rows in word order
+        x16, row_factor = qc.f16_rows(x)
+        x_inputs = (qc.word_columns(x16), row_factor[:, None])
+        k_width, step_width = k // 8, cfg.block_k // 8
+    elif fmt == "nvfp4":
+        x_inputs = (xp[:, 0::2], xp[:, 1::2])
+        k_width, step_width = k // 2, cfg.block_k // 2
     else:
-        data, scale = weight
-        if block_size is None:
-            block_scale = jnp.ones((1, 1), jnp.float32)
-            expert_scale = jnp.asarray(scale, jnp.float32)
-        else:
-            block_scale = jnp.asarray(scale, jnp.float32).reshape(-1, scale.shape[-1])
-            expert_scale = jnp.ones((num_experts,), jnp.float32)
-        inputs = (xp, jax.lax.bitcast_convert_type(data, jnp.uint8).reshape(num_experts * n, k), block_scale)
+        x_inputs = (xp,)
         k_width, step_width = k, cfg.block_k
+    weight_inputs = []
+    for weight in weights:
+        if fmt == "nvfp4":
+            packed, block_scale, tensor_scale = weight
+            scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(
+                num_experts * n, k // NVFP4_BLOCK
+            )
+            expert_scale = jnp.asarray(tensor_scale, jnp.float32)
+            if word:
+                words = jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k // 8, 4), jnp.uint32)
+                weight_inputs += [expert_scale * qc.E2M1_F16_SCALE, words, scale_bits]
+            else:
+                weight_inputs += [expert_scale, packed.reshape(num_experts * n, k // 2), scale_bits]
+        elif fmt == "plain":
+            (w,) = weight
+            weight_inputs += [jnp.ones((num_experts,), jnp.float32), w.reshape(num_experts * n, k)]
+        else:
+            data, scale = weight
+            if block_size is None:
+                block_scale = jnp.ones((1, 1), jnp.float32)
+                expert_scale = jnp.asarray(scale, jnp.float32)
+            else:
+                block_scale = jnp.asarray(scale, jnp.float32).reshape(-1, scale.shape[-1])
+                expert_scale = jnp.ones((num_experts,), jnp.float32)
+            bits = jax.lax.bitcast_convert_type(data, jnp.uint8).reshape(num_experts * n, k)
+            weight_inputs += [expert_scale, bits, block_scale]
     steps = compat.cdiv(compat.cdiv(k_width, step_width), cfg.split_k)
     kernel = functools.partial(
         _grouped_kernel,
+        n_x=len(x_inputs),
+        segments=len(weights),
         fmt=fmt,
         variant=cfg.variant,
         m_size=m,
@@ -601,15 +667,17 @@ def grouped_matmul(
     )
     # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
     partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32
+    segments = len(weights)
     partial = compat.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((cfg.split_k, m, n), partial_dtype),
-        grid=(max_work_items(m, num_experts, bm), compat.cdiv(n, cfg.block_n), cfg.split_k),
+        out_shape=jax.ShapeDtypeStruct((cfg.split_k, m, segments * n), partial_dtype),
+        grid=(max_work_items(m, num_experts, bm), segments * compat.cdiv(n, cfg.block_n), cfg.split_k),
         compiler_params=compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"grouped_{fmt}_matmul_{cfg.variant}",
-    )(group_sizes.astype(jnp.int32), expert_scale, *inputs)
-    return qc.split_sum(partial).astype(out_dtype)
+    )(group_sizes.astype(jnp.int32), *x_inputs, *weight_inputs)
+    y = qc.split_sum(partial).astype(out_dtype)
+    return [y] if segments == 1 else [y[:, s * n : (s + 1) * n] for s in range(segments)]
 
 
 def grouped_nvfp4_matmul(

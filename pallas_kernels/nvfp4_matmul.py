@@ -872,9 +872,8 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     segments = qc.Segments(tuple(w[0].shape[0] for w in weights), cfg.block_n)
     steps = compat.cdiv(words_k, block_w)
     plan = qc.StreamedPlan.make(segments.n_size, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
-    common = dict(
-        plan=plan, segments=segments, words_k=words_k, block_w=block_w, even_k=words_k % block_w == 0
-    )  # noqa: C408
+    common = {"plan": plan, "segments": segments, "words_k": words_k, "block_w": block_w,
+              "even_k": words_k % block_w == 0}  # fmt: skip
     x16, inv = qc.f16_rows(x)
     x_in = qc.word_columns(x16)
     operands = []

@@ -36,6 +36,7 @@ from infernix_jax.weights.quant import (
     QuantizedWeight,
     dequantize,
     grouped_expert_matmul,
+    grouped_expert_matmuls,
     grouped_kernel_ready,
     matmul,
     matmuls,
@@ -107,7 +108,8 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
     def project(rows: jax.Array, w: Any) -> jax.Array:
         return grouped_expert_matmul(rows, w, group_sizes, tokens=n)
 
-    h = jax.nn.silu(project(xs, p.gate_proj)) * project(xs, p.up_proj)  # [N*k, I]
+    gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n)  # one launch if on
+    h = jax.nn.silu(gate) * up  # [N*k, I]
     return _unsort_pairs(project(h, p.down_proj), order, ids)
 
 

@@ -36,7 +36,9 @@ jitted function keeps the choice it was traced with.
 `matmuls(x, ws)` runs one input through several weights (a layer's q / k / v, its GDN input
 projections, an MLP's gate and up): NVFP4 weights served by a streamed decode kernel run as one
 launch (`nvfp4_matmuls`), everything else as separate `matmul`s. `fused_projections(False)` (or
-INFERNIX_FUSED_PROJECTIONS=off) keeps them separate, for measuring.
+INFERNIX_FUSED_PROJECTIONS=off) keeps them separate, for measuring. `grouped_expert_matmuls` does
+the same for an expert's gate and up stacks in the grouped kernel (`fused_experts`,
+INFERNIX_FUSED_EXPERTS, off until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import numpy as np
 
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import fp8_matmul
-from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, resolve_config
+from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, grouped_matmuls, resolve_config
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, STREAMED_WORD_VARIANTS, nvfp4_matmul, nvfp4_matmuls
 
 Array = jax.Array
@@ -887,6 +889,58 @@ def grouped_tiles(
             cfg, block_n=min(cfg.block_n, block_size), block_k=min(cfg.block_k, block_size)
         )
     return cfg.as_kwargs()
+
+
+_fused_experts = os.environ.get("INFERNIX_FUSED_EXPERTS", "off")
+if _fused_experts not in ("on", "off"):
+    raise ValueError(f"INFERNIX_FUSED_EXPERTS must be on or off; got {_fused_experts!r}")
+
+
+@contextlib.contextmanager
+def fused_experts(enabled: bool) -> Iterator[None]:
+    """Whether `grouped_expert_matmuls` runs an expert's gate and up stacks in one grouped-kernel
+    launch while tracing inside this block (default: INFERNIX_FUSED_EXPERTS, "off" until a GPU
+    measurement says it pays: docs/gpu_runs.md)."""
+    global _fused_experts
+    previous, _fused_experts = _fused_experts, "on" if enabled else "off"
+    try:
+        yield
+    finally:
+        _fused_experts = previous
+
+
+def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
+    """`grouped_expert_matmul` of the same rows through several stacks [E, N, K] (an expert's gate
+    and up): one grouped-kernel launch (`grouped_matmuls`) when `fused_experts` is on, the kernel
+    runs and the stacks share format, block size and shapes; else one call per stack."""
+    use_kernel, interpret = _expert_kernel_choice()
+    operands = [_grouped_kernel_operands(w) for w in ws]
+    same = (
+        len(ws) > 1
+        and all(o is not None for o in operands)
+        and len({(o[0], o[2], tuple(tuple(a.shape) for a in o[1])) for o in operands}) == 1
+    )
+    if (
+        _fused_experts != "on"
+        or not use_kernel
+        or not same
+        or xs.ndim != 2
+        or xs.shape[-1] != ws[0].shape[-1]
+    ):
+        return [grouped_expert_matmul(xs, w, group_sizes, tokens=tokens) for w in ws]
+    if group_sizes.shape != (ws[0].shape[0],):
+        raise ValueError(f"group_sizes must be [E={ws[0].shape[0]}]; got {group_sizes.shape}")
+    fmt, _, block_size = operands[0]
+    tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
+    return grouped_matmuls(
+        xs,
+        tuple(o[1] for o in operands),
+        group_sizes,
+        fmt=fmt,
+        block_size=block_size,
+        interpret=interpret,
+        **tiles,
+    )
 
 
 def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int) -> Array:

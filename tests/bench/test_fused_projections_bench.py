@@ -13,15 +13,21 @@ from infernix_jax.model.params import declare_params
 
 def test_quick_run_records_the_fused_group_against_its_separate_launches(tmp_path):
     out = tmp_path / "fused.json"
-    records = fused_projections.main(["--quick", "--out", str(out)])
-    assert [r.name for r in records] == ["fused projections tiny three batch1"]
+    records = fused_projections.main(["--quick", "--experts", "--out", str(out)])
+    assert [r.name for r in records] == [
+        "fused projections tiny three batch1",
+        "fused experts tiny gate_up tokens1",
+        "fused experts tiny gate_up tokens4",
+    ]
     d = records[0].details
     assert d["sizes"] == [96, 40, 8] and d["fused_s"] > 0 and d["separate_s"] > 0
     assert d["speedup"] == d["separate_s"] / d["fused_s"]
     assert d["max_rel_err_vs_reference"] <= 2e-2  # checked against the float32 reference
+    assert records[2].details["max_rel_diff_fused_vs_apart"] == 0  # the same tiles, one launch
     rows = json.loads(out.read_text())
-    assert len(rows) == 1
-    validate_record(rows[0])
+    assert len(rows) == 3
+    for row in rows:
+        validate_record(row)
 
 
 @pytest.mark.parametrize(("model", "shape"), [("qwen3.5-27b", "27b"), ("qwen3-next-80b", "moe")])

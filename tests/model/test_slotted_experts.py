@@ -58,7 +58,13 @@ def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer,
         stacks_read.append(w.shape[0])
         return grouped(xs, w, group_sizes, tokens=tokens)
 
+    def spy_pair(xs, ws, group_sizes, *, tokens):  # gate and up (one launch or two, by `fused_experts`)
+        stacks_read.extend(w.shape[0] for w in ws)
+        return grouped_pair(xs, ws, group_sizes, tokens=tokens)
+
+    grouped_pair = mlp.grouped_expert_matmuls
     monkeypatch.setattr(mlp, "grouped_expert_matmul", spy)
+    monkeypatch.setattr(mlp, "grouped_expert_matmuls", spy_pair)
     with kernel_mode("interpret"):
         want = run(p, x, cfg)
         resident_stacks = list(stacks_read)

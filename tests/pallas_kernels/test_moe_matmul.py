@@ -13,6 +13,7 @@ from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.moe_matmul import (
     grouped_fp8_matmul,
     grouped_matmul,
+    grouped_matmuls,
     grouped_nvfp4_matmul,
     max_work_items,
     reference_grouped_matmul,
@@ -440,3 +441,54 @@ def test_rejects_an_unknown_format():
         grouped_matmul(
             jnp.ones((2, 32), jnp.bfloat16), (jnp.ones((2, 16, 32)),), jnp.asarray([1, 1]), fmt="int4"
         )
+
+
+@pytest.mark.parametrize(
+    "fmt,variant,block_size",
+    [("nvfp4", "gemv", None), ("nvfp4", "dot_w", None), ("nvfp4", "dot_t", None), ("fp8", "gemv", 128),
+     ("plain", "dot_t", None)],
+)  # fmt: skip
+def test_several_stacks_in_one_launch_equal_each_alone(fmt, variant, block_size):
+    """An expert's gate and up through one launch: ragged groups, a ragged N edge, rows past the
+    groups (zeroed in both results), each result the stack's own grouped matmul."""
+    rng = np.random.default_rng(31)
+    e, n, k = 5, 40, 256
+    if fmt == "nvfp4":
+        stacks = (_nvfp4_stack(rng, e, n, k), _nvfp4_stack(rng, e, n, k))
+    elif fmt == "fp8":
+        stacks = (_fp8_stack(rng, e, n, k, block_size), _fp8_stack(rng, e, n, k, block_size))
+    else:
+        stacks = tuple((jnp.asarray(rng.standard_normal((e, n, k)), jnp.bfloat16),) for _ in range(2))
+    x, sizes = _x(rng, 12, k), jnp.asarray([3, 0, 6, 0, 1], jnp.int32)  # two rows past the groups
+    tiles = {"variant": variant, "block_m": 2 if variant == "gemv" else 16, "block_n": 16, "block_k": 128}
+    got = grouped_matmuls(x, stacks, sizes, fmt=fmt, block_size=block_size, interpret=True,
+                          out_dtype=jnp.float32, **tiles)  # fmt: skip
+    assert len(got) == 2
+    for g, stack in zip(got, stacks, strict=True):
+        alone = grouped_matmul(x, stack, sizes, fmt=fmt, block_size=block_size, interpret=True,
+                               out_dtype=jnp.float32, **tiles)  # fmt: skip
+        assert g.shape == (12, n)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(alone))
+        assert not np.asarray(g[10:]).any()
+
+
+def test_several_stacks_refuse_different_shapes_and_lower_to_one_triton_call():
+    rng = np.random.default_rng(32)
+    a, b = _nvfp4_stack(rng, 4, 32, 256), _nvfp4_stack(rng, 4, 64, 256)
+    with pytest.raises(ValueError, match="stacks of one shape"):
+        grouped_matmuls(_x(rng, 4, 256), (a, b), jnp.asarray([1, 1, 1, 1]), fmt="nvfp4", interpret=True)
+    shapes = (
+        jax.ShapeDtypeStruct((10, 2048), jnp.bfloat16),
+        tuple(
+            (
+                jax.ShapeDtypeStruct((512, 512, 1024), jnp.uint8),
+                jax.ShapeDtypeStruct((512, 512, 128), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((512,), jnp.float32),
+            )
+            for _ in range(2)
+        ),
+        jax.ShapeDtypeStruct((512,), jnp.int32),
+    )
+    fn = jax.jit(functools.partial(grouped_matmuls, fmt="nvfp4", variant="gemv", block_m=1, block_n=32))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1

@@ -13,6 +13,7 @@ import pytest
 from infernix_jax.config import ModelConfig
 from infernix_jax.model import mlp
 from infernix_jax.model.params import MoEParams
+from infernix_jax.weights import quant
 from infernix_jax.weights.quant import (
     GROUPED_DECODE_MAX_TOKENS,
     grouped_expert_matmul,
@@ -235,3 +236,38 @@ def test_whole_forward_with_nvfp4_experts_is_the_same_through_the_kernel():
         got = run()
     for g, w in zip(got, want):
         _close(g, w)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_block32"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_gate_and_up_in_one_launch_give_the_same_block_output(monkeypatch, fmt, tokens):
+    """`fused_experts`: the expert's gate and up stacks in one grouped launch, at the decode
+    (one token, a few) and prefill tiles: the block's output equals one launch a stack, bit for
+    bit (each stack's tiles are computed alike)."""
+    cfg, p = _config(), _block(fmt, seed=5)
+    x = jax.random.normal(jax.random.key(6), (1, tokens, D), jnp.bfloat16)
+    launches = []
+    real = quant.grouped_matmuls
+    monkeypatch.setattr(
+        quant,
+        "grouped_matmuls",
+        lambda xs, ws, sizes, **kw: launches.append(len(ws)) or real(xs, ws, sizes, **kw),
+    )
+    out = {}
+    for fused in (True, False):
+        with kernel_mode("interpret"), quant.fused_experts(fused):
+            out[fused] = np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x), np.float32)
+    assert launches == [2]  # traced once, fused only
+    np.testing.assert_array_equal(out[True], out[False])
+
+
+def test_gate_and_up_stay_apart_by_default_and_on_the_reference_path(monkeypatch):
+    cfg, p = _config(), _block("nvfp4", seed=7)
+    x = jax.random.normal(jax.random.key(8), (1, 2, D), jnp.bfloat16)
+    launches = []
+    monkeypatch.setattr(quant, "grouped_matmuls", lambda *a, **kw: launches.append(1))
+    with kernel_mode("interpret"):
+        jax.eval_shape(lambda p, x: mlp.moe(p, x, cfg), p, x)
+    with kernel_mode("reference"), quant.fused_experts(True):
+        jax.eval_shape(lambda p, x: mlp.moe(p, x, cfg), p, x)
+    assert launches == []
