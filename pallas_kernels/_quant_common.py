@@ -120,9 +120,7 @@ def resolve_config(
     if cfg.programs < 0:
         raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
     if is_streamed(cfg.variant) and cfg.split_k != 1:
-        raise ValueError(
-            f"variant={cfg.variant!r} spreads K over its programs itself; got split_k={cfg.split_k}"
-        )
+        raise ValueError(f"variant={cfg.variant!r} spreads K over its programs itself; got split_k={cfg.split_k}")
     return cfg
 
 

@@ -335,12 +335,7 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     block_n = 32 if words and n >= 32 * 4 * 132 else 64
     n_tiles = -(-n // block_n)
     split_k = max(1, min(k_steps // 4, -(-264 // n_tiles)))
-    return {
-        "variant": "dot_w" if words else "dot",
-        "block_n": block_n,
-        "block_k": block_k,
-        "split_k": split_k,
-    }
+    return {"variant": "dot_w" if words else "dot", "block_n": block_n, "block_k": block_k, "split_k": split_k}
 
 
 def _cast_e2m1(scaled: Array) -> Array:
@@ -446,9 +441,7 @@ _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
 FP8_DECODE_MODES = ("auto", "kernel", "xla")
 _fp8_decode_mode = os.environ.get("INFERNIX_FP8_DECODE", "auto")
 if _fp8_decode_mode not in FP8_DECODE_MODES:
-    raise ValueError(
-        f"INFERNIX_FP8_DECODE must be one of {', '.join(FP8_DECODE_MODES)}; got {_fp8_decode_mode!r}"
-    )
+    raise ValueError(f"INFERNIX_FP8_DECODE must be one of {', '.join(FP8_DECODE_MODES)}; got {_fp8_decode_mode!r}")
 
 
 @contextlib.contextmanager
@@ -467,7 +460,7 @@ def fp8_decode_mode(mode: str) -> Iterator[None]:
 
 
 def fp8_decode_way(m: int, k: int, n: int) -> str:
-    """ "xla" or "kernel": which runs x [m, k] @ W [n, k].T for per-tensor FP8 W on a GPU.
+    """"xla" or "kernel": which runs x [m, k] @ W [n, k].T for per-tensor FP8 W on a GPU.
 
     From the H200 (`python -m bench.xla_quant`, bench/results/xla-quant-nvidia-h200.json, HBM probe
     3558 GB/s): XLA's fused dot read more bytes per second than the tuned kernel at 8 rows on every
@@ -523,14 +516,7 @@ def fp8_tiles(m: int, k: int, n: int) -> dict:
     GB/s at split 8, q_gated 2199 at 4, o_proj 1786 at 8). 2-8 rows with K >= 8192 (the 27B down)
     split K 8 ways (2251 GB/s)."""
     if m == 1 and n * k >= 1 << 27:
-        return {
-            "variant": "gemv",
-            "block_n": 16,
-            "block_k": 512,
-            "split_k": 1,
-            "num_warps": 8,
-            "num_stages": 4,
-        }
+        return {"variant": "gemv", "block_n": 16, "block_k": 512, "split_k": 1, "num_warps": 8, "num_stages": 4}
     if m == 1 and k >= 4096 and n >= 4096:
         n_tiles, k_steps = -(-n // 64), -(-k // 128)
         split_k = 1
@@ -593,7 +579,7 @@ _register(Int8Weight, ("data", "scale"))
 
 
 def int8_decode_way(m: int, k: int) -> str:
-    """ "xla" (`int8_xla_matmul`) or "reference" (the float32 path): which runs x [m, k] @ W.T for
+    """"xla" (`int8_xla_matmul`) or "reference" (the float32 path): which runs x [m, k] @ W.T for
     INT8 W on a GPU. From the H200 (`bench.xla_quant --formats int8`, 5332098): the dot won at 8
     rows (2194-3303 against 425-502 GB/s) and at M = 4096 (609-652 against ~50 TFLOP/s); at one
     row the float32 path, which XLA turns into one reduction reading the int8 bytes, won every
@@ -871,10 +857,7 @@ def grouped_tiles(
     "dot_t" (it won every batch 2-8 point before the word variants). More tokens (prefill): "dot"
     with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block.
     """
-    sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (
-        jnp.dtype(jnp.bfloat16),
-        jnp.dtype(jnp.float16),
-    )
+    sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:

@@ -131,9 +131,7 @@ def test_kernel_matches_reference(variant, m, n, k, tiles):
     # Weight tiles are exact in bf16 and accumulation is float32: only summation order differs
     # (gemv_w also rounds its 8-product float16 sums: GEMV_W_TOLERANCE of max |y|).
     rtol, atol = (GEMV_W_TOLERANCE, GEMV_W_TOLERANCE) if variant in F16_SUM_VARIANTS else (1e-5, 1e-4)
-    np.testing.assert_allclose(
-        np.asarray(got), np.asarray(want), rtol=rtol, atol=atol * float(jnp.abs(want).max())
-    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize(
@@ -219,9 +217,7 @@ def test_streamed_formulations_match_reference_for_any_number_of_programs(
                        out_dtype=jnp.float32, interpret=True)  # fmt: skip
     want = reference_nvfp4_matmul(*args)
     tol = GEMV_W_TOLERANCE if variant in F16_SUM_VARIANTS else 1e-5  # float16 sums of exact products
-    np.testing.assert_allclose(
-        np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max())
-    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize("n_tiles,steps", [(1, 1), (5, 1), (3, 2), (7, 10), (80, 34), (1088, 10)])
@@ -229,10 +225,7 @@ def test_streamed_plan_covers_every_unit_once_within_its_slots(n_tiles, steps):
     for programs in (1, 2, 3, 7, 64, 264, 10_000):
         plan = qc.StreamedPlan.make(n_tiles * 16, 16, steps, programs)
         units = n_tiles * steps
-        assert (
-            plan.grid <= programs
-            and (plan.grid - 1) * plan.per_program < units <= plan.grid * plan.per_program
-        )
+        assert plan.grid <= programs and (plan.grid - 1) * plan.per_program < units <= plan.grid * plan.per_program
         owners = np.arange(units) // plan.per_program  # the program of each unit
         spans = [len(set(owners[t * steps : (t + 1) * steps])) for t in range(n_tiles)]
         assert max(spans) <= plan.slots
