@@ -897,33 +897,22 @@ def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *
     and up): one grouped-kernel launch (`grouped_matmuls`) when `fused_experts` is on, the kernel
     runs and the stacks share format, block size and shapes; else one call per stack."""
     use_kernel, interpret = _expert_kernel_choice()
-    operands = [_grouped_kernel_operands(w) for w in ws]
-    same = (
-        len(ws) > 1
-        and all(o is not None for o in operands)
-        and len({(o[0], o[2], tuple(tuple(a.shape) for a in o[1])) for o in operands}) == 1
-    )
-    if (
-        _fused_experts != "on"
-        or not use_kernel
-        or not same
-        or xs.ndim != 2
-        or xs.shape[-1] != ws[0].shape[-1]
-    ):
+    operands = [_grouped_kernel_operands(w) for w in ws] if _fused_experts == "on" and use_kernel else [None]
+    if len(ws) < 2 or None in operands or len({(o[0], o[2], tuple(a.shape for a in o[1])) for o in operands}) > 1:
         return [grouped_expert_matmul(xs, w, group_sizes, tokens=tokens) for w in ws]
-    if group_sizes.shape != (ws[0].shape[0],):
-        raise ValueError(f"group_sizes must be [E={ws[0].shape[0]}]; got {group_sizes.shape}")
+    _check_grouped_shapes(xs, ws[0], group_sizes)
     fmt, _, block_size = operands[0]
     tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
-    return grouped_matmuls(
-        xs,
-        tuple(o[1] for o in operands),
-        group_sizes,
-        fmt=fmt,
-        block_size=block_size,
-        interpret=interpret,
-        **tiles,
-    )
+    leaves = tuple(o[1] for o in operands)
+    return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles)
+
+
+def _check_grouped_shapes(xs: Array, w: Any, group_sizes: Array) -> None:
+    """Raise ValueError unless xs is [M, K], w [E, N, K] and group_sizes [E]."""
+    if len(w.shape) != 3 or xs.ndim != 2 or xs.shape[-1] != w.shape[-1]:
+        raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
 
 
 def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int) -> Array:
@@ -934,10 +923,7 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
     ones in registers), when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to
     xs's dtype and runs `jax.lax.ragged_dot` (the CPU path). `tokens` (static) is how many tokens
     the M rows came from: it picks the kernel's tiles (`grouped_tiles`)."""
-    if len(w.shape) != 3 or xs.ndim != 2 or xs.shape[-1] != w.shape[-1]:
-        raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
-    if group_sizes.shape != (w.shape[0],):
-        raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
+    _check_grouped_shapes(xs, w, group_sizes)
     use_kernel, interpret = _expert_kernel_choice()
     operands = _grouped_kernel_operands(w)
     if use_kernel and operands is not None:
