@@ -93,6 +93,7 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
 
 cdiv = pl.cdiv
 ds = pl.ds
+when = pl.when  # a block run only where a traced scalar condition holds
 program_id = pl.program_id
 pallas_call = pl.pallas_call
 

@@ -1,0 +1,157 @@
+"""The gated delta decode kernel equals its plain-JAX reference and the model's recurrence, in place on the pool."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infernix_jax.model.gated_deltanet import l2_normalize, recurrent_gated_delta_rule
+from pallas_kernels import compat
+
+INTERPRET = not compat.on_gpu()  # on a GPU the tests run the compiled kernel
+TOL = 1e-5 if INTERPRET else 1e-4
+# the model's recurrence uses default-precision einsums: TF32-class on a GPU (~1e-4 on the H200)
+MODEL_TOL = 1e-5 if INTERPRET else 2e-3
+from pallas_kernels.gated_delta import (
+    gated_delta_decode,
+    gated_delta_decode_call,
+    reference_gated_delta_decode,
+    supports,
+)
+
+
+def _inputs(seed, b, t, hk, hv, dk, dv, slots_total, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    mixed = jax.random.normal(ks[0], (b, t, 2 * hk * dk + hv * dv)).astype(dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[1], (b, t, hv)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[2], (b, t, hv)))
+    pool = 0.3 * jax.random.normal(ks[3], (slots_total, hv, dk, dv))
+    return mixed, g, beta, pool
+
+
+@pytest.mark.parametrize(
+    "b, t, hk, hv, dk, dv, block_v",
+    [
+        (1, 1, 2, 4, 16, 32, 16),  # decode, two value heads per key head, two column blocks
+        (3, 1, 2, 2, 32, 16, 16),  # Dk > Dv, one block
+        (2, 5, 1, 3, 16, 16, 16),  # an odd window, three value heads on one key head
+        (2, 16, 2, 4, 16, 64, 32),  # the longest window
+    ],
+)
+def test_kernel_equals_reference(b, t, hk, hv, dk, dv, block_v):
+    mixed, g, beta, pool = _inputs(b * 100 + t, b, t, hk, hv, dk, dv, slots_total=b + 3)
+    slots = jnp.arange(b, dtype=jnp.int32) + 2  # not the first slots
+    fresh = jnp.arange(b) == 1
+    want_out, want_pool = reference_gated_delta_decode(
+        mixed, g, beta, pool, slots, fresh, key_heads=hk, out_dtype=jnp.float32
+    )
+    got_out, got_pool = gated_delta_decode(
+        mixed, g, beta, pool + 0, slots, fresh, key_heads=hk, block_v=block_v, out_dtype=jnp.float32,
+        interpret=INTERPRET,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(want_out), rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(np.asarray(got_pool), np.asarray(want_pool), rtol=TOL, atol=TOL)
+    untouched = [s for s in range(b + 3) if s not in set(np.asarray(slots).tolist())]
+    np.testing.assert_array_equal(np.asarray(got_pool)[untouched], np.asarray(pool)[untouched])
+
+
+def test_reference_equals_the_model_recurrence():
+    """The reference's l2 norms, head grouping and update are the model's (gated_deltanet.py)."""
+    b, t, hk, hv, dk, dv = 2, 3, 2, 4, 16, 16
+    mixed, g, beta, pool = _inputs(7, b, t, hk, hv, dk, dv, slots_total=4, dtype=jnp.float32)
+    slots = jnp.asarray([3, 1], jnp.int32)
+    out, new_pool = reference_gated_delta_decode(
+        mixed, g, beta, pool, slots, jnp.zeros(b, bool), key_heads=hk, out_dtype=jnp.float32
+    )
+    key_dim = hk * dk
+    q = mixed[..., :key_dim].reshape(b, t, hk, dk)
+    k = mixed[..., key_dim : 2 * key_dim].reshape(b, t, hk, dk)
+    v = mixed[..., 2 * key_dim :].reshape(b, t, hv, dv)
+    q = jnp.repeat(l2_normalize(q) * dk**-0.5, 2, axis=2)
+    k = jnp.repeat(l2_normalize(k), 2, axis=2)
+    want_out, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, pool[slots])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=MODEL_TOL, atol=MODEL_TOL)
+    np.testing.assert_allclose(
+        np.asarray(new_pool[slots]), np.asarray(want_state), rtol=MODEL_TOL, atol=MODEL_TOL
+    )
+
+
+def test_padding_tokens_and_the_scratch_slot():
+    """Padding tokens (g = 0, beta = 0) leave a state as it was; rows aimed at the drop slot write
+    nothing, even when several rows share it."""
+    b, t, hk, hv, dk, dv = 3, 4, 1, 2, 16, 16
+    mixed, g, beta, pool = _inputs(3, b, t, hk, hv, dk, dv, slots_total=4)
+    pool = pool.at[0].set(0.0)
+    valid = jnp.arange(t)[None, :] < jnp.asarray([[2], [4], [4]])
+    g = jnp.where(valid[..., None], g, 0.0)
+    beta = jnp.where(valid[..., None], beta, 0.0)
+    slots = jnp.asarray([3, 0, 0], jnp.int32)
+    out, new_pool = gated_delta_decode(
+        mixed, g, beta, pool + 0, slots, jnp.zeros(b, bool), key_heads=hk, block_v=16, interpret=INTERPRET
+    )
+    assert not np.asarray(new_pool[0]).any()  # the scratch slot stays zero
+    np.testing.assert_array_equal(np.asarray(new_pool[1:3]), np.asarray(pool[1:3]))
+    short_out, short_pool = reference_gated_delta_decode(
+        mixed[:1, :2], g[:1, :2], beta[:1, :2], pool, slots[:1], jnp.zeros(1, bool), key_heads=hk
+    )
+    np.testing.assert_allclose(np.asarray(new_pool[3]), np.asarray(short_pool[3]), rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(
+        np.asarray(out[0, :2], np.float32), np.asarray(short_out[0], np.float32), rtol=1e-2, atol=1e-2
+    )
+
+
+def _window(args, t):
+    """The arguments' mixed / g / beta lengthened to a window of t tokens."""
+    return {
+        name: jnp.zeros((1, t) + args[name].shape[2:], args[name].dtype) for name in ("mixed", "g", "beta")
+    }
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: {**a, "mixed": a["mixed"][..., :-1]}, "channels"),
+        (lambda a: {**a, "pool": a["pool"].astype(jnp.bfloat16)}, "float32"),
+        (lambda a: {**a, "key_heads": 3}, "multiple of key_heads"),
+        (lambda a: {**a, "g": a["g"][:, :, :1]}, "g must be"),
+        (lambda a: {**a, "slots": jnp.asarray([1, 1], jnp.int32)}, "slots must be"),
+        (lambda a: {**a, "block_v": 24}, "power of two"),
+        (lambda a: {**a, **_window(a, 17)}, "windows of"),
+    ],
+)
+def test_rejected_inputs(change, match):
+    mixed, g, beta, pool = _inputs(0, 1, 1, 2, 4, 16, 32, slots_total=2)
+    args = {"mixed": mixed, "g": g, "beta": beta, "pool": pool, "slots": jnp.asarray([1], jnp.int32),
+            "fresh": jnp.zeros(1, bool), "key_heads": 2, "block_v": 16}  # fmt: skip
+    args = change(args)
+    with pytest.raises(ValueError, match=match):
+        gated_delta_decode(**args, interpret=INTERPRET)
+
+
+def test_supports_power_of_two_heads_and_short_windows():
+    assert supports(128, 128, 1) and supports(16, 64, 16)
+    assert not supports(96, 128, 1) and not supports(8, 8, 1) and not supports(128, 128, 17)
+
+
+def test_lowers_for_cuda_with_the_pool_aliased():
+    """The Triton lowering accepts the kernel at the Qwen3.5-27B layer's shapes, and the pool is an
+    input-output alias of the call (updated in place, no copy)."""
+    b, hk, hv, dk, dv = 2, 16, 48, 128, 128
+    shapes = (
+        jax.ShapeDtypeStruct((b, 1, 2 * hk * dk + hv * dv), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, 1, hv), jnp.float32),
+        jax.ShapeDtypeStruct((b, 1, hv), jnp.float32),
+        jax.ShapeDtypeStruct((9, hv, dk, dv), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.bool_),
+    )
+    fn = jax.jit(
+        lambda *a: gated_delta_decode_call(
+            *a, key_heads=hk, block_v=32, num_warps=4, drop_slot=0, out_dtype=None, interpret=False
+        )
+    )
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1 and "gated_delta_decode" in text
+    assert "output_operand_aliases" in text
