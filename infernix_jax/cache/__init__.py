@@ -19,6 +19,7 @@ from infernix_jax.cache.kv_formats import KV_FORMATS, KVFormat, get_kv_format
 from infernix_jax.cache.kv_pool import KVPages, KVPool, PagedKV, create_kv_pool, kv_bytes_per_block
 from infernix_jax.cache.sequence import ContiguousKV, GDNState, SequenceCache, init_cache
 from infernix_jax.cache.state_pool import (
+    SlottedGDNState,
     StatePool,
     create_state_pool,
     scatter_snapshots,
@@ -44,6 +45,7 @@ __all__ = [
     "PagedKV",
     "SequenceCache",
     "SlotAllocator",
+    "SlottedGDNState",
     "StatePool",
     "cache_view",
     "commit_view",

@@ -1,6 +1,6 @@
-"""Which implementation runs attention over the paged KV pool: a Pallas kernel or XLA.
+"""Which implementation runs attention over the cache: a Pallas kernel or XLA.
 
-`PagedKV.attend` asks while tracing:
+`PagedKV.attend` and the Gated DeltaNet layers ask while tracing:
 
 * `use_decode_kernel(t)`: one-token queries (decode) through the paged decode attention kernel
   (pallas_kernels/paged_attention.py: flash decoding over the pool's own blocks, no gather);
@@ -11,16 +11,21 @@
   chunks 4.6x faster (bench/results/flash-prefill-nvidia-h200.json). Shorter multi-token queries
   (linear speculative verify windows, small chunks) stay on XLA: with few queries per program the
   kernel walks the whole context in one loop with no split over it.
+* `use_recurrent_kernel(t, dk, dv)`: the Gated DeltaNet (linear attention) layers' per-token
+  recurrence over windows of up to 16 tokens (decode) through the gated delta kernel
+  (pallas_kernels/gated_delta.py), in place on the state pool's slots (`SlottedGDNState`).
 
 Anything else is the XLA path: gather the row's blocks into a contiguous view, then a masked
 softmax. All give the same result within float rounding (tests/pallas_kernels compare each kernel
 with `PagedKV.attend` on pages written by `PagedKV.write`).
 
-Each choice comes from an environment variable read at import, `INFERNIX_DECODE_ATTENTION` and
-`INFERNIX_PREFILL_ATTENTION`, or the context managers `decode_attention_mode` /
-`prefill_attention_mode`: "auto" (the kernel on a GPU, XLA elsewhere), "kernel", "xla", or
-"interpret" (the kernel through the Pallas interpreter: CPU tests of that path). They are read
-when a program is traced, so set them before an engine compiles its programs.
+Each choice comes from an environment variable read at import, `INFERNIX_DECODE_ATTENTION`,
+`INFERNIX_PREFILL_ATTENTION` and `INFERNIX_GDN_DECODE`, or the context managers
+`decode_attention_mode` / `prefill_attention_mode` / `recurrent_update_mode`: "auto" (the kernel
+on a GPU, XLA elsewhere), "kernel", "xla", or "interpret" (the kernel through the Pallas
+interpreter: CPU tests of that path). The recurrence defaults to "xla" until its kernel is
+measured on a GPU; the others to "auto". They are read when a program is traced, so set them
+before an engine compiles its programs.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ DEFAULT_MODE = "auto"
 PREFILL_KERNEL_MIN_TOKENS = 64  # query tokens per row from which prefill runs the flash kernel
 
 
-def _from_env(name: str) -> str:
-    mode = os.environ.get(name, DEFAULT_MODE)
+def _from_env(name: str, default: str = DEFAULT_MODE) -> str:
+    mode = os.environ.get(name, default)
     if mode not in MODES:
         raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r}")
     return mode
@@ -44,6 +49,8 @@ def _from_env(name: str) -> str:
 _modes = {
     "decode": _from_env("INFERNIX_DECODE_ATTENTION"),
     "prefill": _from_env("INFERNIX_PREFILL_ATTENTION"),
+    # "xla" until a GPU run shows the kernel pays end to end (docs/gpu_runs.md, row 6k)
+    "recurrent": _from_env("INFERNIX_GDN_DECODE", "xla"),
 }
 
 
@@ -68,6 +75,11 @@ def prefill_attention_mode(mode: str) -> contextlib.AbstractContextManager[None]
     return _mode("prefill", mode)
 
 
+def recurrent_update_mode(mode: str) -> contextlib.AbstractContextManager[None]:
+    """Choose the Gated DeltaNet recurrence implementation for programs traced inside this block."""
+    return _mode("recurrent", mode)
+
+
 def _kernel_choice(kind: str) -> tuple[bool, bool]:
     from pallas_kernels import compat  # the cache package imports Pallas only when asked
 
@@ -87,3 +99,13 @@ def use_prefill_kernel(tokens_per_row: int, head_dim: int) -> tuple[bool, bool]:
     if tokens_per_row < PREFILL_KERNEL_MIN_TOKENS or head_dim < 16 or head_dim & (head_dim - 1):
         return False, False
     return _kernel_choice("prefill")
+
+
+def use_recurrent_kernel(tokens_per_row: int, k_head_dim: int, v_head_dim: int) -> tuple[bool, bool]:
+    """(run the gated delta kernel, through the interpreter) for a window of `tokens_per_row`
+    tokens of a linear-attention layer; its tiles need power-of-two head sizes >= 16."""
+    from pallas_kernels import gated_delta
+
+    if not gated_delta.supports(k_head_dim, v_head_dim, tokens_per_row):
+        return False, False
+    return _kernel_choice("recurrent")

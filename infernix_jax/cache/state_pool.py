@@ -55,13 +55,74 @@ def gather_states(layer: GDNState, slots: jax.Array) -> GDNState:
 
 
 def scatter_states(layer: GDNState, slots: jax.Array, states: GDNState) -> GDNState:
-    """Write a batch of states back to `slots` [B]; rows aimed at the scratch slot are dropped."""
+    """Write a batch of states back to `slots` [B]; rows aimed at the scratch slot are dropped.
+    A part of `states` that is None (conv or recurrent) leaves that pool as it is."""
     num_slots = layer.conv.shape[0]
     target = jnp.where(slots == SCRATCH_SLOT, num_slots, slots)  # out of range -> dropped
-    return GDNState(
-        conv=layer.conv.at[target].set(states.conv.astype(layer.conv.dtype), mode="drop"),
-        recurrent=layer.recurrent.at[target].set(states.recurrent.astype(layer.recurrent.dtype), mode="drop"),
-    )
+    put = lambda pool, x: pool if x is None else pool.at[target].set(x.astype(pool.dtype), mode="drop")
+    return GDNState(conv=put(layer.conv, states.conv), recurrent=put(layer.recurrent, states.recurrent))
+
+
+@_pytree
+class SlottedGDNState:
+    """One linear-attention layer's state for B rows, read and written through their slots (what
+    PagedKV is to the KV pool): the pool arrays themselves and the rows' slots, so that the decode
+    recurrence can update the rows' states in place (`recurrent_update`) instead of gathering them
+    out and scattering them back. Other paths take `gather()` and hand the result to `commit`."""
+
+    conv_pool: jax.Array  # [S, C, K-1]
+    recurrent_pool: jax.Array  # [S, Hv, Dk, Dv] float32
+    slots: jax.Array  # [B] int32; padding rows hold SCRATCH_SLOT
+
+    def gather(self) -> GDNState:
+        """The rows' states as a batch (conv [B, C, K-1], recurrent [B, Hv, Dk, Dv])."""
+        return gather_states(self.pools(), self.slots)
+
+    def gather_conv(self) -> jax.Array:
+        """The rows' conv states [B, C, K-1]."""
+        return self.conv_pool[self.slots]
+
+    def commit(self, states: GDNState) -> SlottedGDNState:
+        """The rows' new states (a batch) written to their slots; scratch-slot rows dropped."""
+        pools = scatter_states(self.pools(), self.slots, states)
+        return SlottedGDNState(pools.conv, pools.recurrent, self.slots)
+
+    def pools(self) -> GDNState:
+        """The storage without the slots (what goes back into the StatePool)."""
+        return GDNState(conv=self.conv_pool, recurrent=self.recurrent_pool)
+
+    def recurrent_update(
+        self,
+        new_conv: jax.Array,
+        mixed: jax.Array,
+        g: jax.Array,
+        beta: jax.Array,
+        fresh: jax.Array,
+        *,
+        key_heads: int,
+        interpret: bool = False,
+    ) -> tuple[jax.Array, SlottedGDNState]:
+        """The gated delta recurrence over a window (pallas_kernels/gated_delta.py), the rows'
+        recurrent states read from and written back to their slots in place, and their new conv
+        states `new_conv` [B, C, K-1] written too: (out [B, T, Hv, Dv] in mixed's dtype, the
+        updated view). mixed [B, T, C] is the conv output (q | k | v, before the l2 norms),
+        g / beta [B, T, Hv] float32 (0 on padding tokens), fresh [B] bool (start from zeros)."""
+        from pallas_kernels import gated_delta  # the cache package imports Pallas only when asked
+
+        validate = gated_delta.validate_gated_delta_decode
+        block_v = min(gated_delta.DEFAULT_BLOCK_V, self.recurrent_pool.shape[3])
+        validate(mixed, g, beta, self.recurrent_pool, self.slots, fresh, key_heads, block_v)
+        out, recurrent = gated_delta.gated_delta_decode_call(
+            mixed, g, beta, self.recurrent_pool, self.slots, fresh, key_heads=key_heads, block_v=block_v,
+            num_warps=gated_delta.DEFAULT_NUM_WARPS, drop_slot=SCRATCH_SLOT, out_dtype=None, interpret=interpret,
+        )  # fmt: skip
+        conv = scatter_states(self.pools(), self.slots, GDNState(new_conv, None)).conv
+        return out, SlottedGDNState(conv, recurrent, self.slots)
+
+
+def slotted_states(layer: GDNState, slots: jax.Array) -> SlottedGDNState:
+    """A pool layer seen through the rows' `slots` [B]."""
+    return SlottedGDNState(conv_pool=layer.conv, recurrent_pool=layer.recurrent, slots=slots)
 
 
 def scatter_snapshots(pool: StatePool, snapshots: tuple[GDNState, ...], slots: jax.Array) -> StatePool:

@@ -139,7 +139,7 @@ def prefill_program(
     cfg: ModelConfig,
     num_top: int,
 ):
-    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg, slotted=True)
     last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0).astype(jnp.int32)
     logits, _, cache = forward(
         params,
@@ -211,7 +211,7 @@ def decode_program(
         kv_pool, state_pool, penalties, current, done, count, out, step_mask = carry
         active = (i < max_steps) & ~done
         pos = jnp.where(active, positions + i, -1)
-        cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+        cache = cache_view(kv_pool, state_pool, block_table, slots, cfg, slotted=True)
         logits, _, cache = forward(params, current[:, None], pos[:, None], cache, cfg, ngram_rows=ngram_rows)
         kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
         sampled = sample(
@@ -267,7 +267,7 @@ def next_decode_inputs(
 def _forward_one(params, kv_pool, state_pool, tokens, positions, block_table, slots, cfg):
     """One decode forward (T = 1): (pools, f32 logits [b, v], next positions: each fed row one
     further, -1 stays -1)."""
-    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg, slotted=True)
     logits, _, cache = forward(params, tokens[:, None], positions[:, None], cache, cfg)
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     next_positions = jnp.where(positions >= 0, positions + 1, -1).astype(jnp.int32)
@@ -347,7 +347,7 @@ def masked_window_program(
     tokens its grammar forced after it (outputs already, recorded in the penalty state here), then
     one sample after the last of them. Returns what `masked_decode_step_program` returns (no top
     alternatives: rows that want logprobs are never fed forced tokens)."""
-    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg, slotted=True)
     fed = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
     last = jnp.maximum(fed - 1, 0)
     logits, _, cache = forward(params, tokens, positions, cache, cfg, logit_indices=last[:, None])

@@ -6,6 +6,11 @@ kernels and transformers' reference compute it) for multi-token input, the per-t
 for short windows. Padding tokens (position -1) must come after a row's valid tokens; they get
 beta = 0 and decay 1, so they leave the state untouched.
 
+In the engine's decode and prefill programs the state arrives as a `SlottedGDNState` (the state
+pool seen through the rows' slots): windows of up to 16 tokens then run the recurrence as one
+kernel that updates the rows' slots in place (pallas_kernels/gated_delta.py, chosen by
+cache/attention_choice.py); every other path gathers the states, runs as below, and commits them.
+
 Tree-shaped verify windows (speculative decoding, `tree_parents`): node i continues its parent's
 state rather than node i-1's. The recurrence walks the nodes in order (parents come first) and
 gathers the previous state by parent index; the conv window of a node is its ancestor path's raw
@@ -17,7 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from infernix_jax.cache.attention_choice import use_recurrent_kernel
 from infernix_jax.cache.sequence import GDNState
+from infernix_jax.cache.state_pool import SlottedGDNState
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import gated_rms_norm
 from infernix_jax.model.params import GDNParams
@@ -251,7 +258,7 @@ def gated_deltanet(
     p: GDNParams,
     x: jax.Array,
     positions: jax.Array,
-    state: GDNState,
+    state: GDNState | SlottedGDNState,
     cfg: ModelConfig,
     snapshot_at: jax.Array | None = None,
     keep_states: bool = False,
@@ -271,18 +278,30 @@ def gated_deltanet(
 
     tree_parents i32 [B, T] (a tree-shaped verify window; each node's parent index, -1 for the
     root): as keep_states, the state after every node, each node continuing its parent's state.
+
+    A SlottedGDNState `state` comes back as a SlottedGDNState with the rows' new states in their
+    slots (not with keep_states or tree_parents, whose per-position states are the caller's to pick).
     """
     keep_states = keep_states or tree_parents is not None
     if keep_states and x.shape[1] > RECURRENT_MAX_TOKENS:
         raise ValueError(f"keep_states needs a window of <= {RECURRENT_MAX_TOKENS} tokens, got {x.shape[1]}")
+    slotted = state if isinstance(state, SlottedGDNState) else None
+    if slotted is not None and keep_states:
+        raise ValueError(
+            "a slotted state keeps the final state only: gather it for keep_states / tree_parents"
+        )
     b, t, _ = x.shape
     hk, hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
     dk, dv = cfg.linear_k_head_dim, cfg.linear_v_head_dim
+    in_place, interpret = False, False
+    if slotted is not None and snapshot_at is None and t <= RECURRENT_MAX_TOKENS:
+        in_place, interpret = use_recurrent_kernel(t, dk, dv)
+    if slotted is not None and not in_place:
+        state = slotted.gather()
     valid = positions >= 0
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     fresh = positions[:, 0] == 0
-    conv_state = jnp.where(fresh[:, None, None], 0, state.conv)
-    rec_state = jnp.where(fresh[:, None, None, None], 0, state.recurrent)
+    conv_state = jnp.where(fresh[:, None, None], 0, slotted.gather_conv() if in_place else state.conv)
 
     mixed, z, b_in, a_in = matmuls(x, (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a))  # one launch
     z = z.reshape(b, t, hv, dv)
@@ -303,6 +322,14 @@ def gated_deltanet(
     )
     g = jnp.where(valid[..., None], g, 0.0)
 
+    if in_place:  # the rows' slots updated by one kernel (l2 norms and head grouping inside)
+        out, entry = slotted.recurrent_update(
+            new_conv, mixed, g, beta, fresh, key_heads=hk, interpret=interpret
+        )
+        out = gated_rms_norm(out, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
+        return matmul(out, p.out_proj), entry
+
+    rec_state = jnp.where(fresh[:, None, None, None], 0, state.recurrent)
     if hv != hk:  # v-head h reads k-head h // (hv / hk)
         q = jnp.repeat(q, hv // hk, axis=2)
         k = jnp.repeat(k, hv // hk, axis=2)
@@ -320,7 +347,8 @@ def gated_deltanet(
         offsets = jnp.clip(snapshot_at, 0, t)
         out, new_rec, rec_snapshots = _rule_with_snapshots(q, k, v, g, beta, rec_state, offsets)
     out = gated_rms_norm(out.astype(x.dtype), z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    result = (matmul(out, p.out_proj), GDNState(conv=new_conv, recurrent=new_rec))
+    new_state = GDNState(conv=new_conv, recurrent=new_rec)
+    result = (matmul(out, p.out_proj), new_state if slotted is None else slotted.commit(new_state))
     if snapshot_at is None:
         return result
     snapshots = GDNState(conv=_conv_states_at(conv_state, raw, offsets), recurrent=rec_snapshots)

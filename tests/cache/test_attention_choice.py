@@ -10,8 +10,10 @@ from infernix_jax.cache.attention_choice import (
     PREFILL_KERNEL_MIN_TOKENS,
     decode_attention_mode,
     prefill_attention_mode,
+    recurrent_update_mode,
     use_decode_kernel,
     use_prefill_kernel,
+    use_recurrent_kernel,
 )
 from infernix_jax.cache.kv_formats import get_kv_format
 from infernix_jax.cache.kv_pool import PagedKV
@@ -115,3 +117,15 @@ def test_compiled_kernels_equal_the_xla_path_on_a_gpu(fmt):
         with mode("kernel"):
             got = np.asarray(kv.attend(q[:, :chunk], positions[:, :chunk], 64**-0.5), np.float32)
         np.testing.assert_allclose(got[:2], want[:2], rtol=3e-2, atol=3e-2)
+
+
+def test_recurrence_kernel_takes_short_windows_of_power_of_two_heads():
+    with recurrent_update_mode("kernel"):
+        assert use_recurrent_kernel(1, 128, 128) == (True, False)
+        assert use_recurrent_kernel(16, 128, 128) == (True, False)  # the per-token path's longest window
+        assert use_recurrent_kernel(17, 128, 128) == (False, False)  # the chunked form
+        assert use_recurrent_kernel(1, 96, 128) == (False, False)
+    with recurrent_update_mode("interpret"):
+        assert use_recurrent_kernel(1, 16, 16) == (True, True)
+    with pytest.raises(ValueError, match="recurrent attention mode"), recurrent_update_mode("fast"):
+        pass

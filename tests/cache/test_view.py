@@ -21,9 +21,12 @@ from infernix_jax.cache import (
     create_state_pool,
     init_cache,
 )
+from infernix_jax.cache.attention_choice import recurrent_update_mode
+from infernix_jax.cache.state_pool import SlottedGDNState
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.forward import forward, mtp_forward
 from infernix_jax.weights.hf import load_params
+from pallas_kernels import gated_delta
 from tests.conftest import HF_FIXTURES
 
 PROMPTS = (40, 70, 0)  # token counts per row; 0 is a padding row
@@ -40,15 +43,17 @@ def model():
     return cfg, params, ids
 
 
-@partial(jax.jit, static_argnums=(6,), donate_argnums=(1, 2))
-def paged_step(params, kv_pool, state_pool, tokens, positions, tables_slots, cfg):
+def _paged_step(params, kv_pool, state_pool, tokens, positions, tables_slots, cfg, slotted=False):
     """What the runner does: view -> forward (+ MTP head) -> commit."""
     block_table, slots = tables_slots
-    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
+    cache = cache_view(kv_pool, state_pool, block_table, slots, cfg, slotted=slotted)
     logits, hidden, cache = forward(params, tokens, positions, cache, cfg)
     mtp_logits, _, cache = mtp_forward(params, tokens, hidden, positions, cache, cfg)
     kv_pool, state_pool = commit_view(kv_pool, state_pool, cache, slots, cfg)
     return logits, mtp_logits, kv_pool, state_pool
+
+
+paged_step = jax.jit(_paged_step, static_argnums=(6, 7), donate_argnums=(1, 2))
 
 
 @partial(jax.jit, static_argnums=(4,))
@@ -73,7 +78,7 @@ def _batches(ids):
         yield tok, pos
 
 
-def _run_paged(cfg, params, ids, kv_dtype, num_slots=6):
+def _run_paged(cfg, params, ids, kv_dtype, num_slots=6, step=paged_step, slotted=False):
     blocks, slot_alloc = BlockAllocator(12), SlotAllocator(num_slots)
     blocks.allocate(2)  # someone else's blocks: ours are not the first ones
     slot_alloc.allocate()
@@ -88,9 +93,10 @@ def _run_paged(cfg, params, ids, kv_dtype, num_slots=6):
     state_pool = create_state_pool(cfg, num_slots, jnp.float32)
     outs = []
     for tokens, positions in _batches(ids):
-        logits, mtp_logits, kv_pool, state_pool = paged_step(
-            params, kv_pool, state_pool, tokens, positions, (jnp.asarray(table), jnp.asarray(slots)), cfg
-        )
+        logits, mtp_logits, kv_pool, state_pool = step(
+            params, kv_pool, state_pool, tokens, positions, (jnp.asarray(table), jnp.asarray(slots)), cfg,
+            slotted,
+        )  # fmt: skip
         outs.append((np.asarray(logits), np.asarray(mtp_logits), positions >= 0))
     return outs, kv_pool, state_pool, slots
 
@@ -140,6 +146,45 @@ def test_padding_row_leaves_other_slots_alone(model):
             changed = not np.array_equal(np.asarray(new.recurrent[slot]), old.recurrent[slot])
             assert changed == (slot == 2), f"slot {slot} changed={changed}"
             assert np.array_equal(np.asarray(new.conv[slot]), old.conv[slot]) == (slot != 2)
+
+
+def test_slotted_states_through_the_recurrence_kernel_equal_the_gathered_path(model, monkeypatch):
+    """The engine's programs see the state pool through the rows' slots: decode steps run the
+    recurrence as one kernel updating the slots in place (here through the interpreter), the
+    prompt's long chunk gathers and commits. Logits and the pool end the same as gathering and
+    scattering every step; the scratch slot stays zero."""
+    cfg, params, ids = model
+    want, _, want_pool, _ = _run_paged(cfg, params, ids, "bf16")
+    calls = []
+    real = gated_delta.gated_delta_decode_call
+    monkeypatch.setattr(
+        gated_delta, "gated_delta_decode_call", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    )
+    with recurrent_update_mode("interpret"):
+        step = jax.jit(_paged_step, static_argnums=(6, 7), donate_argnums=(1, 2))
+        got, _, got_pool, _ = _run_paged(cfg, params, ids, "bf16", step=step, slotted=True)
+    # traced once per linear layer for the one-token steps; the 70-token prompt gathers instead
+    assert calls and all(shape[:2] == (len(PROMPTS), 1) for shape in calls)
+    for (lg, mg, valid), (lw, mw, _) in zip(got, want):
+        np.testing.assert_allclose(lg[valid], lw[valid], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(mg[valid], mw[valid], rtol=1e-4, atol=1e-4)
+    for new, old in zip(got_pool.layers, want_pool.layers):
+        np.testing.assert_allclose(np.asarray(new.recurrent), np.asarray(old.recurrent), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(new.conv), np.asarray(old.conv), rtol=1e-5, atol=1e-6)
+        assert (
+            not np.asarray(new.recurrent[SCRATCH_SLOT]).any() and not np.asarray(new.conv[SCRATCH_SLOT]).any()
+        )
+
+
+def test_slotted_state_refuses_per_position_states(model):
+    """Verification windows keep a state per position: a slotted view cannot hold them."""
+    cfg, params, _ = model
+    state_pool = create_state_pool(cfg, 3, jnp.float32)
+    kv_pool = create_kv_pool(cfg, 4, "bf16", jnp.float32)
+    cache = cache_view(kv_pool, state_pool, jnp.zeros((1, 1), jnp.int32), jnp.asarray([1]), cfg, slotted=True)
+    assert any(isinstance(entry, SlottedGDNState) for entry in cache.layers)
+    with pytest.raises(ValueError, match="slotted state keeps the final state"):
+        forward(params, jnp.asarray([[5, 6]]), jnp.asarray([[0, 1]]), cache, cfg, keep_states=True)
 
 
 # Stated logit tolerance of quantized KV on this model (prefill + decode, all valid positions):
