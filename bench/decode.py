@@ -43,6 +43,7 @@ from bench.engine_setup import (
 )
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
+from infernix_jax.cache.attention_choice import recurrent_update_mode
 from infernix_jax.weights.quant import fp8_decode_mode, fused_experts, fused_projections
 
 
@@ -53,7 +54,7 @@ def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: in
 
 
 def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit,
-            weights="bf16", profile=False):  # fmt: skip
+            weights="bf16", profile=False, profile_top=25):  # fmt: skip
     dtype = params.final_norm.dtype
     core = make_core(
         cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256,
@@ -78,7 +79,7 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     device_s, decode = device_only_dispatch_s(core, batch, steps, dispatches)
     profiled = {}
     if profile:  # two more device-only dispatches under the profiler: kernels and idle gaps
-        profiled = profile_device(lambda: core.runner.decode(decode), repeats=2)
+        profiled = profile_device(lambda: core.runner.decode(decode), repeats=2, top=profile_top)
         print(format_summary(profiled), flush=True)
     step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
     ceiling = batch * bandwidth / step_bytes
@@ -139,6 +140,11 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--fused-experts", default=None,
                         help="on, off or on,off: an expert's gate and up stacks in one grouped launch "
                              "(weights.quant.fused_experts; default: INFERNIX_FUSED_EXPERTS), measured in turn")  # fmt: skip
+    parser.add_argument("--gdn-decode", default="auto",
+                        help="comma-separated ways of the linear-attention recurrence in decode to measure in turn "
+                             "(auto, kernel, xla; cache.attention_choice.recurrent_update_mode)")  # fmt: skip
+    parser.add_argument("--profile-top", type=int, default=25,
+                        help="with --profile: kernels (by total time) and idle gaps the record keeps")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="also trace two device-only dispatches: busy share and top kernels in the record")  # fmt: skip
     args = parser.parse_args(argv)
@@ -157,22 +163,29 @@ def main(argv: list[str] | None = None):
             for batch in (int(b) for b in args.batches.split(",")):
                 experts = args.fused_experts.split(",") if args.fused_experts else [None]
                 modes = [
-                    (m, f, x) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
-                    for x in experts
+                    (m, f, x, g) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
+                    for x in experts for g in args.gdn_decode.split(",")
                 ]  # fmt: skip
-                for mode, fused, fused_x in modes:
+                for mode, fused, fused_x, gdn in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
-                    with fp8_decode_mode(mode), fused_projections(fused == "on"), experts_ctx:  # read at trace
+                    with (
+                        fp8_decode_mode(mode), fused_projections(fused == "on"), experts_ctx,
+                        recurrent_update_mode(gdn),
+                    ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
-                                         args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile)  # fmt: skip
+                                         args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
+                                         args.profile_top)  # fmt: skip
                     if mode != "auto":
                         record.name += f" fp8-decode-{mode}"
                     if fused != "on":
                         record.name += f" fused-projections-{fused}"
                     if fused_x == "on":
                         record.name += " fused-experts"
+                    if gdn != "auto":
+                        record.name += f" gdn-decode-{gdn}"
+                    record.details["gdn_decode"] = gdn
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused
                     record.details["fused_experts"] = fused_x or os.environ.get("INFERNIX_FUSED_EXPERTS", "off")

@@ -1,0 +1,36 @@
+"""bench.gated_delta: a quick run times the in-place kernel and XLA's gathered form and records both."""
+
+import json
+
+import pytest
+
+from bench import gated_delta
+from bench.engine_setup import SHAPES
+from bench.record import validate_record
+from infernix_jax.config import ModelConfig
+
+
+def test_quick_run_records_the_kernel_and_the_xla_form(tmp_path):
+    out = tmp_path / "gated_delta.json"
+    records = gated_delta.main(["--quick", "--out", str(out)])
+    assert [r.name for r in records] == [
+        "gated delta tiny batch1 xla",
+        "gated delta tiny batch1 kernel",
+        "gated delta tiny batch2 xla",
+        "gated delta tiny batch2 kernel",
+    ]
+    for record in records:
+        d = record.details
+        assert d["us_per_layer"] > 0 and d["max_abs_err_out_vs_reference"] <= 3e-2
+        assert d["state_bytes_moved"] == 2 * d["batch"] * d["value_heads"] * d["dk"] * d["dv"] * 4
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4
+    for row in rows:
+        validate_record(row)
+
+
+@pytest.mark.parametrize(("model", "shape"), [("qwen3.5-27b", "27b"), ("qwen3-next-80b", "moe")])
+def test_the_heads_are_the_bench_models(model, shape):
+    cfg = ModelConfig.from_hf_config(SHAPES[shape])
+    heads = (cfg.linear_num_k_heads, cfg.linear_num_v_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim)
+    assert gated_delta.MODELS[model] == heads
