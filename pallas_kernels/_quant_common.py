@@ -242,9 +242,22 @@ def dims_nt() -> tuple:
     return (((1,), (1,)), ((), ()))
 
 
+SPLIT_ADDS_MAX = 4  # `split_sum` adds up to this many partial sums elementwise instead of reducing
+
+
 def split_sum(partial: jax.Array) -> jax.Array:
-    """Sum the split-K partial sums [split_k, ...] (a no-op reshape when split_k == 1)."""
-    return partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
+    """Sum the split-K (or streamed slot) partial sums [split_k, ...] (a no-op reshape when
+    split_k == 1). A few parts are added as elementwise slices rather than reduced: XLA fuses an
+    elementwise producer into each of its consumers (the scales after the kernel, the activation
+    or norm that reads the result), where a reduction over the leading axis stays a kernel of its
+    own, one more launch after every decode matmul."""
+    parts = partial.shape[0]
+    if parts > SPLIT_ADDS_MAX:
+        return partial.sum(axis=0)
+    total = partial[0]
+    for i in range(1, parts):
+        total = total + partial[i]
+    return total
 
 
 def accumulate_and_store(
