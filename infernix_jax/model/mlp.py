@@ -50,6 +50,9 @@ from infernix_jax.weights.quant import (
 # take the grouped kernel at every size when it runs (`grouped_kernel_ready`): it unpacks only the
 # routed experts in registers.
 GATHER_MIN_PAIRS = 64
+# Up to this many ids (a decode step's (token, expert) pairs) the pairs' order and the experts'
+# counts come from comparisons, not a sort and scatters (`_sort_pairs`, `_count_ids`).
+COUNT_BY_COMPARING_MAX = 256
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
@@ -83,17 +86,46 @@ def _pair_outputs(x: jax.Array, gate: Any, up: Any, down: Any) -> jax.Array:
     return jnp.einsum("nki,nkdi->nkd", h, down)
 
 
-def _sort_pairs(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+def _count_ids(flat_ids: jax.Array, length: int, weights: jax.Array | None = None) -> jax.Array:
+    """jnp.bincount(flat_ids, weights, length) (ids outside [0, length) count nothing). Up to
+    COUNT_BY_COMPARING_MAX ids it compares every id with every bin and sums: one fusion on a GPU,
+    where bincount's scatter is a zero fill and a scatter, two launches (decode's few pairs)."""
+    if flat_ids.size > COUNT_BY_COMPARING_MAX:
+        return jnp.bincount(flat_ids, weights=weights, length=length)
+    hits = flat_ids[:, None] == jnp.arange(length, dtype=flat_ids.dtype)[None, :]
+    if weights is None:
+        return jnp.sum(hits, axis=0, dtype=jnp.int32)
+    return jnp.sum(jnp.where(hits, weights[:, None], 0), axis=0)
+
+
+def _sort_pairs(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """ids [N, k] -> (order [N*k]: the flat (token, slot) pairs sorted by expert, stable;
-    group_sizes [E] int32: how many pairs each expert got)."""
+    group_sizes [E] int32: how many pairs each expert got; rank [N*k]: where each pair lands in
+    that order, or None).
+
+    Up to COUNT_BY_COMPARING_MAX pairs (decode) the order comes from comparing every pair with
+    every other (a pair's rank is the number of pairs before it: smaller expert, or the same
+    expert earlier), which XLA fuses into a kernel or two; a sort on a GPU is a radix sort of
+    several launches, and the unsort after it a zero fill and a scatter (`_unsort_pairs` gathers
+    by rank instead). The order is the same as the stable argsort's."""
     flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    return order, jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    group_sizes = _count_ids(flat_ids, num_experts).astype(jnp.int32)
+    if flat_ids.size > COUNT_BY_COMPARING_MAX:
+        return jnp.argsort(flat_ids, stable=True), group_sizes, None
+    pos = jnp.arange(flat_ids.size, dtype=jnp.int32)
+    a, b = flat_ids[:, None], flat_ids[None, :]
+    before = (b < a) | ((b == a) & (pos[None, :] < pos[:, None]))  # [i, j]: pair j goes before pair i
+    rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+    order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1)  # rank's inverse
+    return order, group_sizes, rank
 
 
-def _unsort_pairs(ys: jax.Array, order: jax.Array, ids: jax.Array) -> jax.Array:
-    """Per-pair outputs [N*k, D] in sorted order -> [N, k, D] in (token, slot) order."""
-    out = jnp.zeros_like(ys).at[order].set(ys)
+def _unsort_pairs(
+    ys: jax.Array, order: jax.Array, ids: jax.Array, rank: jax.Array | None = None
+) -> jax.Array:
+    """Per-pair outputs [N*k, D] in sorted order -> [N, k, D] in (token, slot) order (a gather by
+    `rank` when given, else a scatter by `order`)."""
+    out = jnp.take(ys, rank, axis=0) if rank is not None else jnp.zeros_like(ys).at[order].set(ys)
     return out.reshape(*ids.shape, -1)
 
 
@@ -102,7 +134,7 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
     (`grouped_expert_matmul`: the grouped kernel where it runs, else dequantize + ragged_dot)
     -> per-pair outputs [N, k, D]."""
     n, k = ids.shape
-    order, group_sizes = _sort_pairs(ids, num_experts)
+    order, group_sizes, rank = _sort_pairs(ids, num_experts)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
 
     def project(rows: jax.Array, w: Any) -> jax.Array:
@@ -110,7 +142,7 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
 
     gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n)  # one launch if on
     h = jax.nn.silu(gate) * up  # [N*k, I]
-    return _unsort_pairs(project(h, p.down_proj), order, ids)
+    return _unsort_pairs(project(h, p.down_proj), order, ids, rank)
 
 
 def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
@@ -326,7 +358,7 @@ def _prefetch_next_layer(xf: jax.Array, valid: jax.Array | None, cfg: ModelConfi
     _, guess = route(p.router, xf, min(se.prefetch_guesses or k, k), cfg.norm_topk_prob)
     if valid is not None:
         guess = jnp.where(valid[:, None], guess, guess[jnp.argmax(valid)])
-    have = (jnp.bincount(guess.reshape(-1), length=num_experts) > 0) & (se.slot_map < 0)  # [E]
+    have = (_count_ids(guess.reshape(-1), num_experts) > 0) & (se.slot_map < 0)  # [E]
     size = min(guess.size, num_experts)
     ids, count = _first_ids(have, size, fill=-1), jnp.sum(have.astype(jnp.int32))
 
@@ -602,7 +634,7 @@ def _experts_slotted(
     counts the host records leave out padding (`valid`)."""
     n, k = ids.shape
     counted = jnp.repeat(jnp.ones(n, jnp.int32) if valid is None else valid.astype(jnp.int32), k)
-    counts = jnp.bincount(ids.reshape(-1), weights=counted, length=num_experts).astype(jnp.int32)  # [E]
+    counts = _count_ids(ids.reshape(-1), num_experts, weights=counted).astype(jnp.int32)  # [E]
     resident = se.slot_map >= 0  # [E]
     # padding takes valid tokens' experts (see moe); with no valid token nothing is fetched and the
     # padding's pairs read zeros (their outputs are meaningless)
@@ -680,7 +712,7 @@ def _slotted_outputs(
         # the fetched set: the kernel sees the all-resident model's rows and tiles (so its output
         # bit for bit), and nothing is dequantized outside it. The stack's tail past the routed
         # experts repeats expert 0 and gets no rows.
-        routed = jnp.bincount(ids.reshape(-1), length=num_experts) > 0  # padding's pairs included
+        routed = _count_ids(ids.reshape(-1), num_experts) > 0  # padding's pairs included
         used = min(n * k, num_experts)
         used_ids = _first_ids(routed, used, fill=0)
         rank = jnp.cumsum(routed.astype(jnp.int32)) - 1  # [E]: each routed expert's place in the stack
