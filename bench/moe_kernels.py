@@ -110,7 +110,8 @@ def routings_per_call(batch: int, shape: MoEShape, per_expert: int) -> int:
 def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
     most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two;
-    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two)."""
+    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two) and
+    the streamed gemv_ws at four."""
     gemv_m = min(batch, 8)
     words = fmt == "nvfp4"
     if quick:
@@ -123,6 +124,7 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
             out += [
                 GroupedConfig("dot_t_w", 16, 32, WORD_MIN_BLOCK_K),
                 GroupedConfig("dot_w", 16, 32, WORD_MIN_BLOCK_K),
+                GroupedConfig("gemv_ws", gemv_m, 32, WORD_MIN_BLOCK_K, programs=4),
             ]
         return out
     if fmt == "nvfp4":
@@ -145,6 +147,12 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
         ]
         word_tiles += [("dot_w", 64, 256), ("dot_w", 128, 512)]
         out += [GroupedConfig(v, 16, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax))) for v, bn, bk in word_tiles]
+        # the dense layers' streamed gemv (its 27B defaults: 32 x 512, 8 warps) over the work items
+        streamed = [(32, 512, 8), (64, 512, 8), (32, 256, 4), (16, 1024, 8)]
+        out += [
+            GroupedConfig("gemv_ws", gemv_m, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax)), num_warps=w)
+            for bn, bk, w in streamed
+        ]
     return list(dict.fromkeys(out))
 
 

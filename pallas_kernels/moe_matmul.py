@@ -50,6 +50,16 @@ Formulations (`variant`):
            (`_quant_common.word_columns`); the kernel multiplies each row back by its factor, the
            expert's tensor scale and 2**14 before the store. float32 x is refused (float16 would
            round it); block_k >= WORD_MIN_BLOCK_K.
+  "gemv_ws"
+           NVFP4 only: the dense kernels' streamed gemv (nvfp4_matmul "gemv_ws": word-decoded
+           float16 products on CUDA cores, `_quant_common.streamed_loop`) over the work items.
+           The (item, N tile, K step) units of the real items, stack after stack within an item,
+           are spread in equal runs over a fixed grid of programs, each loading one unit ahead;
+           so a decode step's ten experts keep every SM streaming instead of one program per
+           (item, tile) walking its K loop alone. The items come from one XLA op before the
+           kernel (`work_items`), and the partial sums of tiles shared by programs go to slots
+           summed after it, with each row's scales (its float16 factor, its expert's tensor
+           scale); block_m rows per item (1..8, unrolled), split_k 1.
 Stacks are passed flattened to [E * N, ...] (a free reshape), so a tile's rows are
 `e * N + n0 ...` and a masked N edge never reads into the next expert. The per-expert scale
 (NVFP4 tensor scale, FP8 per-tensor scale) multiplies the float32 sum once; FP8 block scales
@@ -76,10 +86,19 @@ from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.nvfp4_matmul import BLOCK as NVFP4_BLOCK
-from pallas_kernels.nvfp4_matmul import WORD_MIN_BLOCK_K, _mask2, _word_step, reference_nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import (
+    WORD_MIN_BLOCK_K,
+    _mask2,
+    _word_gemv_products,
+    _word_loads,
+    _word_step,
+    reference_nvfp4_matmul,
+)
 
 WORD_VARIANTS = ("dot_w", "dot_t_w")  # NVFP4 only: float16 dots on weights decoded from uint32 words
-VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS)
+# NVFP4 only: the dense "gemv_ws" (word-decoded float16 products, a streamed plan) over work items
+STREAMED_VARIANTS = ("gemv_ws",)
+VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS, *STREAMED_VARIANTS)
 TRANSPOSED = ("dot_t", "dot_t_w")  # [block_n, block_m] accumulators
 ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
 FORMATS = ("nvfp4", "fp8", "plain")
@@ -97,6 +116,7 @@ class GroupedConfig:
     split_k: int = 1  # programs sharing one K loop; partial sums are added outside the kernel
     num_warps: int = 4
     num_stages: int = 3
+    programs: int = 0  # "gemv_ws": programs in its fixed grid (0: two per SM)
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
@@ -491,9 +511,11 @@ def validate_grouped_matmul(
         raise ValueError(f"group_sizes must be integers; got {group_sizes.dtype}")
     if cfg.variant not in VARIANTS:
         raise ValueError(f"variant={cfg.variant!r} must be one of {VARIANTS}")
-    if cfg.variant == "gemv":
+    if cfg.variant in ("gemv", *STREAMED_VARIANTS):
         if not 1 <= cfg.block_m <= qc.GEMV_MAX_M:
-            raise ValueError(f"variant='gemv' unrolls block_m rows: block_m={cfg.block_m} must be in 1..8")
+            raise ValueError(
+                f"variant={cfg.variant!r} unrolls block_m rows: block_m={cfg.block_m} must be in 1..8"
+            )
     elif not qc.is_pow2(cfg.block_m) or cfg.block_m < 16:
         raise ValueError(f"block_m={cfg.block_m} must be a power of two >= 16 for variant={cfg.variant!r}")
     low_k = 32 if fmt == "nvfp4" else 16
@@ -502,7 +524,13 @@ def validate_grouped_matmul(
             raise ValueError(f"{name}={v} must be a power of two >= {low}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k={cfg.split_k} must be >= 1")
-    if cfg.variant in WORD_VARIANTS:
+    if cfg.variant in STREAMED_VARIANTS and cfg.split_k != 1:
+        raise ValueError(
+            f"variant={cfg.variant!r} spreads K over its programs itself; got split_k={cfg.split_k}"
+        )
+    if cfg.programs < 0:
+        raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
+    if cfg.variant in (*WORD_VARIANTS, *STREAMED_VARIANTS):
         if fmt != "nvfp4":
             raise ValueError(
                 f"variant={cfg.variant!r} decodes NVFP4 words: it takes fmt='nvfp4', not {fmt!r}"
@@ -528,8 +556,13 @@ def resolve_config(fmt: str, m: int, **overrides) -> GroupedConfig:
     base = qc.pick_config(DEFAULT_CONFIGS[fmt] if fmt in DEFAULT_CONFIGS else DEFAULT_CONFIGS["fp8"], m)
     given = {k: v for k, v in overrides.items() if v is not None}
     cfg = dataclasses.replace(base, **given)
+    gemv_like = ("gemv", *STREAMED_VARIANTS)  # rows unrolled: block_m 1..8
     if "block_m" not in given and cfg.variant != base.variant:
-        cfg = dataclasses.replace(cfg, block_m=qc.GEMV_MAX_M if cfg.variant == "gemv" else 16)
+        if cfg.variant in gemv_like:  # a gemv default's rows per item suit its streamed form too
+            rows = base.block_m if base.variant in gemv_like else qc.GEMV_MAX_M
+            cfg = dataclasses.replace(cfg, block_m=rows)
+        else:
+            cfg = dataclasses.replace(cfg, block_m=16)
     return cfg
 
 
@@ -543,6 +576,7 @@ _STATIC = (
     "split_k",
     "num_warps",
     "num_stages",
+    "programs",
     "out_dtype",
     "interpret",
 )
@@ -577,6 +611,7 @@ def grouped_matmuls(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    programs: int | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -591,7 +626,7 @@ def grouped_matmuls(
     if len(shapes) != 1:
         raise ValueError(f"grouped_matmuls takes stacks of one shape; got {sorted(shapes)}")
     options = dict(block_size=block_size, variant=variant, block_m=block_m, block_n=block_n, block_k=block_k,  # noqa: C408
-                   split_k=split_k, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+                   split_k=split_k, num_warps=num_warps, num_stages=num_stages, programs=programs)  # fmt: skip
     return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret)
 
 
@@ -608,6 +643,8 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     bm = cfg.block_m
+    if cfg.variant in STREAMED_VARIANTS:
+        return _grouped_streamed_call(x, weights, group_sizes, cfg, out_dtype, interpret)
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     if word:  # one XLA op before the kernel: float16 rows in word order
@@ -678,6 +715,130 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
     )(group_sizes.astype(jnp.int32), *x_inputs, *weight_inputs)
     y = qc.split_sum(partial).astype(out_dtype)
     return [y] if segments == 1 else [y[:, s * n : (s + 1) * n] for s in range(segments)]
+
+
+def _grouped_streamed_kernel(
+    items_ref,  # [4, I] int32: each work item's expert, first row, end row; [3, 0] the number of items
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    *refs,  # per stack: words [E*N, K/8] uint32, scale bits [E*N, K/16] uint8; then out_ref
+    segments: int,
+    m_size: int,
+    n_size: int,
+    rows: int,
+    block_n: int,
+    block_w: int,
+    words_k: int,
+    steps: int,
+    item_bound: int,
+    grid: int,
+    slots: int,
+    even_k: bool,
+):
+    """The "gemv_ws" formulation over work items: out_ref [slots, M, segments * N] float32 partial sums of the
+    real items' rows (the kernel writes nothing else). Units are numbered item by item, within
+    an item stack by stack, then N tile, then K step; as the number of items is known only here,
+    the run length of each program is too (`_quant_common.StreamedPlan` with a traced run)."""
+    bn, bw, out_ref = block_n, block_w, refs[-1]
+    n_tiles = compat.cdiv(n_size, bn)
+    per_item = segments * n_tiles  # tiles of one item, its stacks end to end
+    count = items_ref[3, 0]
+    tiles = count * per_item
+    per_program = jnp.maximum(compat.cdiv(tiles * steps, grid), 1)
+    plan = qc.StreamedPlan(steps=steps, per_program=per_program, grid=grid, slots=slots)
+
+    def locate(col0):
+        """A virtual column (item, stack, tile, laid end to end) -> (item, stack, column in the stack)."""
+        tile = jax.lax.div(col0, bn)
+        item = jnp.minimum(jax.lax.div(tile, per_item), item_bound - 1)
+        within = tile - item * per_item
+        seg = jax.lax.div(within, n_tiles)
+        return item, seg, (within - seg * n_tiles) * bn
+
+    def loads(col0, ks, valid):
+        item, seg, col = locate(col0)
+        expert, first = items_ref[0, item], items_ref[1, item]
+        n_mask = ((col + jnp.arange(bn)) < n_size) & valid
+
+        def stack(s):
+            return _word_loads(refs[2 * s], refs[2 * s + 1], kw=ks * bw, col0=expert * n_size + col, bn=bn, bw=bw,
+                               n_mask=n_mask, words_k=words_k, even_k=even_k)  # fmt: skip
+
+        if segments == 1:
+            words, bits = stack(0)
+        else:  # a branch per stack, uniform over the program: only its loads are issued
+            words, bits = jax.lax.switch(seg, [functools.partial(stack, s) for s in range(segments)])
+        return words, bits, first
+
+    def products(acc, ks, loaded):
+        words, bits, first = loaded
+        return _word_gemv_products(acc, x_ref, words, bits, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
+                                   even_k=even_k, rows=rows, row0=first, last_row=m_size - 1)  # fmt: skip
+
+    def init():
+        return tuple(jnp.zeros((bn, bw), jnp.float32) for _ in range(rows))
+
+    def store(acc, slot, col0, mask):
+        item, seg, col = locate(col0)
+        first, end = items_ref[1, item], items_ref[2, item]
+        mask = mask & ((col + jnp.arange(bn)) < n_size)
+        for r in range(rows):
+            value = jnp.zeros((1, bn), jnp.float32) if acc is None else acc[r].sum(axis=1)[None, :]
+            row = jnp.minimum(first + r, m_size - 1)
+            view = out_ref.at[slot, compat.ds(row, 1), compat.ds(seg * n_size + col, bn)]
+            compat.store(view, value, mask=(mask & (first + r < end))[None, :])
+
+    qc.streamed_loop(loads, products, plan=plan, n_size=tiles * bn, bn=bn, init=init, store=store)
+
+
+def _grouped_streamed_call(
+    x, weights, group_sizes, cfg: GroupedConfig, out_dtype, interpret
+) -> list[jax.Array]:
+    """The "gemv_ws" pallas_call of `grouped_matmuls`: the work items and x's float16 word-order rows
+    before it, the slot sum and each row's scales after it (rows past the groups zero)."""
+    m, k = x.shape
+    num_experts, n = weights[0][0].shape[:2]
+    segments = len(weights)
+    words_k, block_w = k // 8, cfg.block_k // 8
+    steps = compat.cdiv(words_k, block_w)
+    item_bound = max_work_items(m, num_experts, cfg.block_m)
+    expert, first, end = work_items(group_sizes, m, cfg.block_m)
+    count = jnp.sum((end > first).astype(jnp.int32))
+    items = jnp.stack([expert, first, end, jnp.broadcast_to(count, expert.shape)]).astype(jnp.int32)
+    x16, row_factor = qc.f16_rows(x)
+    operands = []
+    for packed, block_scale, _ in weights:
+        operands += [
+            jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, words_k, 4), jnp.uint32),
+            jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(num_experts * n, k // NVFP4_BLOCK),
+        ]
+    grid = cfg.programs or 2 * compat.sm_count()
+    slots = 1 if steps == 1 else steps  # a tile's K steps may fall to as many programs (runs of one unit)
+    kernel = functools.partial(
+        _grouped_streamed_kernel, segments=segments, m_size=m, n_size=n, rows=cfg.block_m, block_n=cfg.block_n,
+        block_w=block_w, words_k=words_k, steps=steps, item_bound=item_bound, grid=grid, slots=slots,
+        even_k=words_k % block_w == 0,
+    )  # fmt: skip
+    partial = compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((slots, m, segments * n), jnp.float32),
+        grid=(grid,),
+        compiler_params=compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="grouped_nvfp4_matmul_gemv_ws",
+    )(items, qc.word_columns(x16), *operands)
+    y = qc.split_sum(partial)
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # the same as work_items' (XLA computes it once)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    # each row's expert by comparisons (one fusion; searchsorted would be a loop of launches)
+    row_expert = jnp.minimum(jnp.sum(ends[None, :] <= rows[:, None], axis=1), num_experts - 1)
+    valid = rows < ends[-1]
+    factor = jnp.where(valid, row_factor * qc.E2M1_F16_SCALE, 0.0)  # rows past the groups: zero
+    outs = []
+    for s, (_, _, tensor_scale) in enumerate(weights):
+        scale = factor * jnp.asarray(tensor_scale, jnp.float32)[row_expert]
+        ys = y[:, s * n : (s + 1) * n] * scale[:, None]
+        outs.append(jnp.where(valid[:, None], ys, 0.0).astype(out_dtype))  # the unwritten rows hold anything
+    return outs
 
 
 def grouped_nvfp4_matmul(

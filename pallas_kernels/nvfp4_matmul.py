@@ -325,18 +325,20 @@ def _word_dots(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, ro
     return acc
 
 
-def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows):
+def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows, row0=0, last_row=None):
     """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
-    word-decoded weight p times x row r's columns p * K/8 + kw ...), the sum in float16."""
+    word-decoded weight p times x row row0 + r's columns p * K/8 + kw ...), the sum in float16.
+    row0 may be traced (the grouped kernel's work item); rows past `last_row` read it instead."""
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
     scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
     weights = qc.e2m1_word_f16(words)
     x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
     out = []
     for r in range(rows):
+        row = row0 + r if last_row is None else jnp.minimum(row0 + r, last_row)
         total = None
         for p, w in enumerate(weights):
-            xp = qc.load(x_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)], x_mask)
+            xp = qc.load(x_ref.at[compat.ds(row, 1), compat.ds(p * words_k + kw, bw)], x_mask)
             total = w * xp if total is None else total + w * xp
         out.append(acc[r] + total.astype(jnp.float32) * scale)
     return tuple(out)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench import moe_kernels
-from pallas_kernels.moe_matmul import WORD_VARIANTS, grouped_matmul
+from pallas_kernels.moe_matmul import STREAMED_VARIANTS, WORD_VARIANTS, grouped_matmul
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -16,7 +16,8 @@ def test_only_nvfp4_sweeps_the_word_variants(quick):
     for fmt in ("nvfp4", "fp8", "fp8_block128"):
         variants = {c.variant for c in moe_kernels.configs(fmt, 8, 2048, quick)}
         assert variants >= {"gemv", "dot_t"}
-        assert (variants >= set(WORD_VARIANTS)) if fmt == "nvfp4" else not variants & set(WORD_VARIANTS)
+        nvfp4_only = {*WORD_VARIANTS, *STREAMED_VARIANTS}
+        assert (variants >= nvfp4_only) if fmt == "nvfp4" else not variants & nvfp4_only
 
 
 @pytest.mark.parametrize("proj", list(moe_kernels.QWEN3_NEXT_80B.projections))

@@ -19,7 +19,7 @@ from pallas_kernels.moe_matmul import (
     reference_grouped_matmul,
     work_items,
 )
-from pallas_kernels.nvfp4_matmul import reference_nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import GEMV_W_TOLERANCE, reference_nvfp4_matmul
 
 
 def _nvfp4_stack(rng, e, n, k):
@@ -27,6 +27,15 @@ def _nvfp4_stack(rng, e, n, k):
     block_scale = jnp.asarray(rng.uniform(2.0**-6, 8.0, (e, n, k // 16)), jnp.float8_e4m3fn)
     tensor_scale = jnp.asarray(rng.uniform(0.01, 1.0, (e,)), jnp.float32)
     return packed, block_scale, tensor_scale
+
+
+def _nvfp4_shapes(e, n, k):
+    """An NVFP4 stack's leaves as shapes (for lowering without data)."""
+    return (
+        jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((e,), jnp.float32),
+    )
 
 
 def _fp8_stack(rng, e, n, k, block_size):
@@ -172,6 +181,43 @@ def test_nvfp4_word_variants_match_reference(m, e, n, k, sizes, dtype, options):
     assert not got[int(sizes.sum()) :].any()
 
 
+STREAMED_CASES = [
+    # (m, e, n, k, group sizes, options) of "gemv_ws": a few programs so that runs span several
+    # units and tiles are shared by programs (their slots), or more programs than units (idle ones)
+    (10, 32, 64, 256, "decode", {"block_m": 1, "block_n": 32, "block_k": 128, "programs": 7}),
+    # N = 40 and K = 160 (20 words) ragged against 16 x 16-word tiles; 2 rows past the groups
+    (12, 5, 40, 160, [3, 0, 6, 0, 1], {"block_m": 2, "block_n": 16, "block_k": 128, "programs": 5}),
+    # a group of 9 rows cut into three items of block_m 4; K in three steps
+    (9, 4, 48, 384, [0, 9, 0, 0], {"block_m": 4, "block_n": 16, "block_k": 128, "programs": 3}),
+    (10, 32, 64, 256, "decode", {"block_m": 1, "block_n": 32, "block_k": 128, "programs": 200}),
+    (6, 3, 32, 256, [0, 0, 0], {"block_m": 1, "block_n": 32, "block_k": 128, "programs": 4}),  # no rows
+]
+
+
+@pytest.mark.parametrize("m,e,n,k,sizes,options", STREAMED_CASES)
+def test_nvfp4_streamed_gemv_matches_reference(m, e, n, k, sizes, options):
+    """The streamed gemv over work items equals the float32 reference row by row (float16 sums of
+    eight products: the dense gemv_w's tolerance), rows past the groups zero."""
+    rng = np.random.default_rng(m * 10 + n + k + options["programs"])
+    weight = _nvfp4_stack(rng, e, n, k)
+    if sizes == "decode":
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = _x(rng, m, k)
+    got = np.asarray(
+        grouped_nvfp4_matmul(
+            x, *weight, sizes, variant="gemv_ws", out_dtype=jnp.float32, interpret=True, **options
+        )
+    )
+    want = np.asarray(reference_grouped_matmul(x, weight, sizes, fmt="nvfp4"))
+    covered = int(sizes.sum())
+    assert got.shape == (m, n)
+    if covered:
+        np.testing.assert_allclose(got[:covered], want[:covered], atol=GEMV_W_TOLERANCE * np.abs(want).max())
+    assert not got[covered:].any()
+
+
 FP8_CASES = [
     (7, 5, 33, 100, None, [2, 0, 0, 5, 0], {"variant": "gemv", "block_m": 2, "block_n": 16, "block_k": 32}),
     (19, 3, 33, 100, None, [0, 0, 19], {"variant": "dot_t", "block_m": 16, "block_n": 16, "block_k": 64}),
@@ -302,11 +348,7 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, variant, block_m):
     ],
 )
 def test_word_variants_lower_to_a_triton_call_for_cuda(variant, e, n, k, m, split_k, dtype):
-    weight = (
-        jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((e, n, k // 16), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((e,), jnp.float32),
-    )
+    weight = _nvfp4_shapes(e, n, k)
     fn = jax.jit(
         functools.partial(
             grouped_matmul, fmt="nvfp4", variant=variant, block_m=16, block_n=64, block_k=256, split_k=split_k
@@ -315,6 +357,48 @@ def test_word_variants_lower_to_a_triton_call_for_cuda(variant, e, n, k, m, spli
     shapes = (jax.ShapeDtypeStruct((m, k), dtype), weight, jax.ShapeDtypeStruct((e,), jnp.int32))
     text = compat.lower_for_cuda(fn, *shapes)
     assert "xla.gpu.triton" in text and f"grouped_nvfp4_matmul_{variant}" in text
+
+
+@pytest.mark.parametrize(
+    "stacks,e,n,k,m,block_m",
+    [(1, 512, 2048, 512, 10, 1), (2, 512, 512, 2048, 80, 2), (1, 60, 1000, 2064, 37, 8)],
+)
+def test_streamed_gemv_lowers_to_one_triton_call_for_cuda(stacks, e, n, k, m, block_m):
+    """The 80B's down and (two stacks) gate / up at batch 1 and 8, and a masked N, K and expert count."""
+    weight = _nvfp4_shapes(e, n, k)
+    fn = jax.jit(
+        functools.partial(
+            grouped_matmuls, fmt="nvfp4", variant="gemv_ws", block_m=block_m, block_n=32, block_k=512
+        )
+    )
+    shapes = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        (weight,) * stacks,
+        jax.ShapeDtypeStruct((e,), jnp.int32),
+    )
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_gemv_ws" in text
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"split_k": 2}, "spreads K over its programs"),
+        ({"block_m": 16}, "block_m=16 must be in 1..8"),
+        ({"programs": -1}, "programs=-1"),
+    ],
+)
+def test_streamed_gemv_rejects_bad_options(options, match):
+    args, _ = _nvfp4_args()
+    with pytest.raises(ValueError, match=match):
+        grouped_nvfp4_matmul(**args, variant="gemv_ws", block_k=128, interpret=True, **options)
+
+
+def test_streamed_gemv_takes_only_nvfp4():
+    weight = (jnp.ones((2, 16, 128), jnp.float8_e4m3fn), jnp.ones((2,), jnp.float32))
+    with pytest.raises(ValueError, match="variant='gemv_ws' decodes NVFP4 words"):
+        grouped_matmul(jnp.ones((2, 128), jnp.bfloat16), weight, jnp.asarray([1, 1]), fmt="fp8", variant="gemv_ws",
+                       block_k=128, interpret=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("variant,block_m", [("gemv", 8), ("dot_t", 16)])
@@ -445,8 +529,8 @@ def test_rejects_an_unknown_format():
 
 @pytest.mark.parametrize(
     "fmt,variant,block_size",
-    [("nvfp4", "gemv", None), ("nvfp4", "dot_w", None), ("nvfp4", "dot_t", None), ("fp8", "gemv", 128),
-     ("plain", "dot_t", None)],
+    [("nvfp4", "gemv", None), ("nvfp4", "dot_w", None), ("nvfp4", "dot_t", None), ("nvfp4", "gemv_ws", None),
+     ("fp8", "gemv", 128), ("plain", "dot_t", None)],
 )  # fmt: skip
 def test_several_stacks_in_one_launch_equal_each_alone(fmt, variant, block_size):
     """An expert's gate and up through one launch: ragged groups, a ragged N edge, rows past the
@@ -460,7 +544,12 @@ def test_several_stacks_in_one_launch_equal_each_alone(fmt, variant, block_size)
     else:
         stacks = tuple((jnp.asarray(rng.standard_normal((e, n, k)), jnp.bfloat16),) for _ in range(2))
     x, sizes = _x(rng, 12, k), jnp.asarray([3, 0, 6, 0, 1], jnp.int32)  # two rows past the groups
-    tiles = {"variant": variant, "block_m": 2 if variant == "gemv" else 16, "block_n": 16, "block_k": 128}
+    tiles = {
+        "variant": variant,
+        "block_m": 2 if variant.startswith("gemv") else 16,
+        "block_n": 16,
+        "block_k": 128,
+    }
     got = grouped_matmuls(x, stacks, sizes, fmt=fmt, block_size=block_size, interpret=True,
                           out_dtype=jnp.float32, **tiles)  # fmt: skip
     assert len(got) == 2
