@@ -44,7 +44,7 @@ from bench.engine_setup import (
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.weights.quant import fp8_decode_mode, fused_experts, fused_projections
+from infernix_jax.weights.quant import fp8_decode_mode, fused_experts, fused_projections, streamed_experts
 
 
 def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--fused-experts", default=None,
                         help="on, off or on,off: an expert's gate and up stacks in one grouped launch "
                              "(weights.quant.fused_experts; default: INFERNIX_FUSED_EXPERTS), measured in turn")  # fmt: skip
+    parser.add_argument("--streamed-experts", default=None,
+                        help="on, off or on,off: NVFP4 experts at decode batches through the grouped kernel's "
+                             "streamed gemv (weights.quant.streamed_experts; default: INFERNIX_STREAMED_EXPERTS), "
+                             "measured in turn")  # fmt: skip
     parser.add_argument("--gdn-decode", default="auto",
                         help="comma-separated ways of the linear-attention recurrence in decode to measure in turn "
                              "(auto, kernel, xla; cache.attention_choice.recurrent_update_mode)")  # fmt: skip
@@ -162,17 +166,21 @@ def main(argv: list[str] | None = None):
         for context in (int(c) for c in args.contexts.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
                 experts = args.fused_experts.split(",") if args.fused_experts else [None]
+                streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 modes = [
-                    (m, f, x, g) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
-                    for x in experts for g in args.gdn_decode.split(",")
+                    (m, f, x, g, st) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
+                    for x in experts for g in args.gdn_decode.split(",") for st in streamed
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn in modes:
+                for mode, fused, fused_x, gdn, streamed_x in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
+                    streamed_ctx = (
+                        streamed_experts(streamed_x == "on") if streamed_x else contextlib.nullcontext()
+                    )
                     with (
                         fp8_decode_mode(mode), fused_projections(fused == "on"), experts_ctx,
-                        recurrent_update_mode(gdn),
+                        recurrent_update_mode(gdn), streamed_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -185,7 +193,10 @@ def main(argv: list[str] | None = None):
                         record.name += " fused-experts"
                     if gdn != "auto":
                         record.name += f" gdn-decode-{gdn}"
+                    if streamed_x == "on":
+                        record.name += " streamed-experts"
                     record.details["gdn_decode"] = gdn
+                    record.details["streamed_experts"] = streamed_x or os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused
                     record.details["fused_experts"] = fused_x or os.environ.get("INFERNIX_FUSED_EXPERTS", "off")

@@ -858,6 +858,11 @@ def grouped_tiles(
     with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block.
     """
     sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if _streamed_experts == "on" and fmt == "nvfp4" and sixteen_bit and tokens <= STREAMED_EXPERTS_MAX_TOKENS:
+        # the dense layers' streamed gemv over the work items (`streamed_experts`); two rows an item
+        # past one token: most routed experts get one or two rows of a small batch
+        tiles = {"variant": "gemv_ws", "block_m": min(tokens, 2), "block_n": 32, "block_k": 512, "num_warps": 8}
+        return resolve_config(fmt, rows, **tiles).as_kwargs()
     if tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
@@ -872,6 +877,27 @@ def grouped_tiles(
             cfg, block_n=min(cfg.block_n, block_size), block_k=min(cfg.block_k, block_size)
         )
     return cfg.as_kwargs()
+
+
+STREAMED_EXPERTS_MAX_TOKENS = 8  # tokens up to which `streamed_experts` takes the grouped "gemv_ws"
+_streamed_experts = os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
+if _streamed_experts not in ("on", "off"):
+    raise ValueError(f"INFERNIX_STREAMED_EXPERTS must be on or off; got {_streamed_experts!r}")
+
+
+@contextlib.contextmanager
+def streamed_experts(enabled: bool) -> Iterator[None]:
+    """Whether NVFP4 expert stacks with 16-bit activations run the grouped kernel's streamed gemv
+    ("gemv_ws": every SM streams the routed experts' tiles, loads one unit ahead) for decode
+    batches of up to STREAMED_EXPERTS_MAX_TOKENS tokens, while tracing inside this block
+    (default: INFERNIX_STREAMED_EXPERTS, "off" until a GPU measurement says it pays:
+    docs/gpu_runs.md row 6l)."""
+    global _streamed_experts
+    previous, _streamed_experts = _streamed_experts, "on" if enabled else "off"
+    try:
+        yield
+    finally:
+        _streamed_experts = previous
 
 
 _fused_experts = os.environ.get("INFERNIX_FUSED_EXPERTS", "off")
