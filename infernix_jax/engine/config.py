@@ -122,7 +122,7 @@ class EngineConfig:
     # blocks of the prefetch's gather ("mapped" copy): few, so it runs beside the layer's kernels
     # (a gather of 1024 blocks fills every SM until its rows have crossed PCIe); 32 is a quarter of
     # an H100's / H200's 132 SMs at one block each, and reads at the pinned copy's rate there
-    expert_prefetch_blocks: int = 32
+    expert_prefetch_blocks: int = 32  # model.host_copy.PREFETCH_GATHER_BLOCKS (tests keep them equal)
     # experts the prefetch guesses per token, the router's likeliest first (0: all its top-k): fewer
     # copies wasted on wrong guesses, fewer misses caught
     expert_prefetch_guesses: int = 0

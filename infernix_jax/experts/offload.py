@@ -31,7 +31,6 @@ import numpy as np
 
 from infernix_jax.cache.prefix_host import PINNED_HOST, HostMemory, memory_kinds
 from infernix_jax.config import ModelConfig
-from infernix_jax.engine.config import EngineConfig
 from infernix_jax.experts.cache import ExpertCache
 from infernix_jax.experts.host_compute import HostExpertCompute, host_cpu_device
 from infernix_jax.experts.layout import ExpertLayout, Leaves, experts_in_budget, layout_of, projections
@@ -39,7 +38,12 @@ from infernix_jax.experts.profile import RoutingProfile
 from infernix_jax.experts.store import ExpertReadError, ExpertStore
 from infernix_jax.jit import jit
 from infernix_jax.model import host_report
-from infernix_jax.model.host_copy import HOST_COPIES, host_rows_address, register_host_rows
+from infernix_jax.model.host_copy import (
+    HOST_COPIES,
+    PREFETCH_GATHER_BLOCKS,
+    host_rows_address,
+    register_host_rows,
+)
 from infernix_jax.model.mlp import (
     SlottedExperts,
     copy_missed_rows,
@@ -329,7 +333,7 @@ class ExpertOffload:
         host_copy: str = "auto",
         prefetch: bool = False,
         cpu_share: float | str = "auto",
-        prefetch_blocks: int = EngineConfig.expert_prefetch_blocks,
+        prefetch_blocks: int = PREFETCH_GATHER_BLOCKS,
         prefetch_guesses: int = 0,
         **cache_options: Any,
     ) -> ExpertOffload:

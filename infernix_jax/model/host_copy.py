@@ -198,6 +198,9 @@ GATHER_BLOCKS = 1024
 # `blocks` blocks only, so that it leaves most SMs free; each thread then keeps this many loads in
 # flight, to keep enough bytes crossing PCIe from few blocks (`copy_rows_mapped(blocks=...)`).
 BACKGROUND_GATHER_UNROLL = 4
+# Blocks of the expert prefetch's gather (`--expert-prefetch-blocks`'s default): a quarter of an
+# H100's / H200's 132 SMs at one block each, which read at the pinned copy's rate there.
+PREFETCH_GATHER_BLOCKS = 32
 CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 CU_EVENT_DISABLE_TIMING = 2
 CUDA_ERROR_NOT_READY = 600

@@ -4,6 +4,7 @@ no compiles after warm-up, and a failed expert read that fails only its step's r
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ from infernix_jax.engine import memory_plan
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_ERROR, GenerationRequest, SamplingParams
-from infernix_jax.experts.offload import PREFETCH_COPIES_CPU_ONLY, check_prefetch_copy
+from infernix_jax.experts.offload import PREFETCH_COPIES_CPU_ONLY, ExpertOffload, check_prefetch_copy
+from infernix_jax.model.host_copy import PREFETCH_GATHER_BLOCKS
 from infernix_jax.model.mlp import expert_row_bytes
 from infernix_jax.weights.artifact import ArtifactWriter
 from tests.experts.tiny_moe import NUM_EXPERTS, expert_bytes, tiny_config, tiny_params
@@ -464,6 +466,13 @@ def test_host_reads_in_the_program_refuse_a_disk_tier_and_unknown_modes(model, a
         CONFIG.replace(expert_swap_payback=-1.0)
     with pytest.raises(ValueError, match="expert_prefetch_blocks must be >= 1"):
         CONFIG.replace(expert_prefetch_blocks=0)
+
+
+def test_the_engine_and_a_direct_offload_build_prefetch_with_the_same_gather():
+    """EngineConfig's default prefetch gather is the one `ExpertOffload.build` takes unless told."""
+    assert EngineConfig().expert_prefetch_blocks == PREFETCH_GATHER_BLOCKS
+    build = inspect.signature(ExpertOffload.build).parameters
+    assert build["prefetch_blocks"].default == PREFETCH_GATHER_BLOCKS
 
 
 @pytest.mark.parametrize("host_copy", ["mapped", "loop"])
