@@ -110,8 +110,8 @@ def routings_per_call(batch: int, shape: MoEShape, per_expert: int) -> int:
 def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
     most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two;
-    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two) and
-    the streamed gemv_ws at four."""
+    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two); every
+    format the streamed gemv_ws at four."""
     gemv_m = min(batch, 8)
     words = fmt == "nvfp4"
     if quick:
@@ -124,8 +124,8 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
             out += [
                 GroupedConfig("dot_t_w", 16, 32, WORD_MIN_BLOCK_K),
                 GroupedConfig("dot_w", 16, 32, WORD_MIN_BLOCK_K),
-                GroupedConfig("gemv_ws", gemv_m, 32, WORD_MIN_BLOCK_K, programs=4),
             ]
+        out.append(GroupedConfig("gemv_ws", gemv_m, 32, WORD_MIN_BLOCK_K if words else 64, programs=4))
         return out
     if fmt == "nvfp4":
         gemv_tiles, dot_tiles = [(32, 512), (64, 256), (16, 1024)], [(64, 256), (128, 256)]
@@ -147,12 +147,15 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
         ]
         word_tiles += [("dot_w", 64, 256), ("dot_w", 128, 512)]
         out += [GroupedConfig(v, 16, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax))) for v, bn, bk in word_tiles]
-        # the dense layers' streamed gemv (its 27B defaults: 32 x 512, 8 warps) over the work items
+    # the dense layers' streamed gemv over the work items (8 KB weight tiles, as their 27B defaults)
+    if words:
         streamed = [(32, 512, 8), (64, 512, 8), (32, 256, 4), (16, 1024, 8)]
-        out += [
-            GroupedConfig("gemv_ws", gemv_m, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax)), num_warps=w)
-            for bn, bk, w in streamed
-        ]
+    else:
+        streamed = [(32, 256, 8), (64, 128, 8), (32, 128, 4), (16, 512, 8)]
+    if fmt == "fp8_block128":
+        streamed = [(bn, min(bk, 128), w) for bn, bk, w in streamed]
+    low_k = WORD_MIN_BLOCK_K if words else 16
+    out += [GroupedConfig("gemv_ws", gemv_m, bn, max(low_k, min(bk, kmax)), num_warps=w) for bn, bk, w in streamed]
     return list(dict.fromkeys(out))
 
 

@@ -51,15 +51,17 @@ Formulations (`variant`):
            expert's tensor scale and 2**14 before the store. float32 x is refused (float16 would
            round it); block_k >= WORD_MIN_BLOCK_K.
   "gemv_ws"
-           NVFP4 only: the dense kernels' streamed gemv (nvfp4_matmul "gemv_ws": word-decoded
-           float16 products on CUDA cores, `_quant_common.streamed_loop`) over the work items.
+           NVFP4 and FP8: the dense kernels' streamed gemv (nvfp4_matmul / fp8_matmul "gemv_ws":
+           word-decoded float16 products, or float32 products of the e4m3 weight, on CUDA cores,
+           `_quant_common.streamed_loop`) over the work items.
            The (item, N tile, K step) units of the real items, stack after stack within an item,
            are spread in equal runs over a fixed grid of programs, each loading one unit ahead;
            so a decode step's ten experts keep every SM streaming instead of one program per
            (item, tile) walking its K loop alone. The items come from one XLA op before the
            kernel (`work_items`), and the partial sums of tiles shared by programs go to slots
-           summed after it, with each row's scales (its float16 factor, its expert's tensor
-           scale); block_m rows per item (1..8, unrolled), split_k 1.
+           summed after it, with each row's scales (NVFP4: its float16 factor and its expert's
+           tensor scale; FP8: its expert's scale, or the block scales inside); block_m rows per
+           item (1..8, unrolled), split_k 1; NVFP4 takes bf16 / f16 x and block_k >= 128.
 Stacks are passed flattened to [E * N, ...] (a free reshape), so a tile's rows are
 `e * N + n0 ...` and a masked N edge never reads into the next expert. The per-expert scale
 (NVFP4 tensor scale, FP8 per-tensor scale) multiplies the float32 sum once; FP8 block scales
@@ -96,7 +98,7 @@ from pallas_kernels.nvfp4_matmul import (
 )
 
 WORD_VARIANTS = ("dot_w", "dot_t_w")  # NVFP4 only: float16 dots on weights decoded from uint32 words
-# NVFP4 only: the dense "gemv_ws" (word-decoded float16 products, a streamed plan) over work items
+# NVFP4 and FP8: the dense "gemv_ws" (CUDA-core products over a streamed plan) over work items
 STREAMED_VARIANTS = ("gemv_ws",)
 VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS, *STREAMED_VARIANTS)
 TRANSPOSED = ("dot_t", "dot_t_w")  # [block_n, block_m] accumulators
@@ -530,7 +532,9 @@ def validate_grouped_matmul(
         )
     if cfg.programs < 0:
         raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
-    if cfg.variant in (*WORD_VARIANTS, *STREAMED_VARIANTS):
+    if cfg.variant in STREAMED_VARIANTS and fmt == "plain":
+        raise ValueError(f"variant={cfg.variant!r} streams NVFP4 or FP8 stacks, not fmt='plain'")
+    if cfg.variant in (*WORD_VARIANTS, *STREAMED_VARIANTS) and (fmt == "nvfp4" or cfg.variant in WORD_VARIANTS):
         if fmt != "nvfp4":
             raise ValueError(
                 f"variant={cfg.variant!r} decodes NVFP4 words: it takes fmt='nvfp4', not {fmt!r}"
@@ -644,7 +648,7 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     bm = cfg.block_m
     if cfg.variant in STREAMED_VARIANTS:
-        return _grouped_streamed_call(x, weights, group_sizes, cfg, out_dtype, interpret)
+        return _grouped_streamed_call(x, weights, group_sizes, fmt, block_size, cfg, out_dtype, interpret)
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     if word:  # one XLA op before the kernel: float16 rows in word order
@@ -719,32 +723,39 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
 
 def _grouped_streamed_kernel(
     items_ref,  # [4, I] int32: each work item's expert, first row, end row; [3, 0] the number of items
-    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
-    *refs,  # per stack: words [E*N, K/8] uint32, scale bits [E*N, K/16] uint8; then out_ref
+    x_ref,  # nvfp4: [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns);
+    # fp8: [M, K] in the compute dtype
+    *refs,  # per stack: nvfp4 words [E*N, K/8] uint32, scale bits [E*N, K/16] uint8 | fp8 data bits
+    # [E*N, K] uint8, block scales [E*ceil(N/b), ceil(K/b)] float32 (or [1, 1]); then out_ref
+    fmt: str,
     segments: int,
     m_size: int,
     n_size: int,
     rows: int,
     block_n: int,
-    block_w: int,
-    words_k: int,
+    step_width: int,  # words (nvfp4) or elements (fp8) per K step
+    k_width: int,  # K/8 words (nvfp4) or K elements (fp8)
     steps: int,
     item_bound: int,
     grid: int,
     slots: int,
+    scale_block: int | None,  # fp8 block size b, or None
     even_k: bool,
 ):
-    """The "gemv_ws" formulation over work items: out_ref [slots, M, segments * N] float32 partial sums of the
-    real items' rows (the kernel writes nothing else). Units are numbered item by item, within
-    an item stack by stack, then N tile, then K step; as the number of items is known only here,
-    the run length of each program is too (`_quant_common.StreamedPlan` with a traced run)."""
-    bn, bw, out_ref = block_n, block_w, refs[-1]
+    """The "gemv_ws" formulation over work items: out_ref [slots, M, segments * N] float32 partial
+    sums of the real items' rows (the kernel writes nothing else). Units are numbered item by
+    item, within an item stack by stack, then N tile, then K step; as the number of items is known
+    only here, the run length of each program is too (`_quant_common.StreamedPlan` with a traced
+    run). NVFP4 takes the dense gemv_ws's word loads and float16 products, FP8 the dense FP8
+    gemv_ws's float32 products (with the tile's block scale on the activation)."""
+    bn, bw, out_ref = block_n, step_width, refs[-1]
     n_tiles = compat.cdiv(n_size, bn)
     per_item = segments * n_tiles  # tiles of one item, its stacks end to end
     count = items_ref[3, 0]
     tiles = count * per_item
     per_program = jnp.maximum(compat.cdiv(tiles * steps, grid), 1)
     plan = qc.StreamedPlan(steps=steps, per_program=per_program, grid=grid, slots=slots)
+    k_mask_at = lambda k0: None if even_k else (k0 + jnp.arange(bw)) < k_width
 
     def locate(col0):
         """A virtual column (item, stack, tile, laid end to end) -> (item, stack, column in the stack)."""
@@ -754,25 +765,46 @@ def _grouped_streamed_kernel(
         seg = jax.lax.div(within, n_tiles)
         return item, seg, (within - seg * n_tiles) * bn
 
+    def stack_loads(s, expert, col, ks, n_mask):
+        """Stack s's loads for one unit: NVFP4 (words, scale bits), FP8 (bits,) or with block
+        scales (bits, the tile's scale)."""
+        row0 = expert * n_size + col
+        if fmt == "nvfp4":
+            return _word_loads(refs[2 * s], refs[2 * s + 1], kw=ks * bw, col0=row0, bn=bn, bw=bw, n_mask=n_mask,
+                               words_k=k_width, even_k=even_k)  # fmt: skip
+        k0 = ks * bw
+        bits = qc.load(refs[2 * s].at[compat.ds(row0, bn), compat.ds(k0, bw)], _mask2(n_mask, k_mask_at(k0), (bn, bw)))
+        if scale_block is None:
+            return (bits,)
+        scale_ref = refs[2 * s + 1]
+        kb = jnp.minimum(k0 // scale_block, scale_ref.shape[1] - 1)  # a masked tail step may overshoot
+        return bits, scale_ref[expert * compat.cdiv(n_size, scale_block) + col // scale_block, kb]
+
     def loads(col0, ks, valid):
         item, seg, col = locate(col0)
         expert, first = items_ref[0, item], items_ref[1, item]
         n_mask = ((col + jnp.arange(bn)) < n_size) & valid
-
-        def stack(s):
-            return _word_loads(refs[2 * s], refs[2 * s + 1], kw=ks * bw, col0=expert * n_size + col, bn=bn, bw=bw,
-                               n_mask=n_mask, words_k=words_k, even_k=even_k)  # fmt: skip
-
         if segments == 1:
-            words, bits = stack(0)
+            parts = stack_loads(0, expert, col, ks, n_mask)
         else:  # a branch per stack, uniform over the program: only its loads are issued
-            words, bits = jax.lax.switch(seg, [functools.partial(stack, s) for s in range(segments)])
-        return words, bits, first
+            branches = [functools.partial(stack_loads, s) for s in range(segments)]
+            parts = jax.lax.switch(seg, branches, expert, col, ks, n_mask)
+        return (*parts, first)
 
     def products(acc, ks, loaded):
-        words, bits, first = loaded
-        return _word_gemv_products(acc, x_ref, words, bits, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
-                                   even_k=even_k, rows=rows, row0=first, last_row=m_size - 1)  # fmt: skip
+        *parts, first = loaded
+        if fmt == "nvfp4":
+            return _word_gemv_products(acc, x_ref, *parts, kw=ks * bw, bn=bn, bw=bw, words_k=k_width, even_k=even_k,
+                                       rows=rows, row0=first, last_row=m_size - 1)  # fmt: skip
+        k0 = ks * bw
+        w = jax.lax.bitcast_convert_type(parts[0], jnp.float8_e4m3fn).astype(jnp.float32)
+        out = []
+        for r in range(rows):
+            row = jnp.minimum(first + r, m_size - 1)
+            x = qc.load(x_ref.at[compat.ds(row, 1), compat.ds(k0, bw)], _mask2(None, k_mask_at(k0), (1, bw)))
+            x = x.astype(jnp.float32)
+            out.append(acc[r] + w * (x if scale_block is None else x * parts[1]))
+        return tuple(out)
 
     def init():
         return tuple(jnp.zeros((bn, bw), jnp.float32) for _ in range(rows))
@@ -791,32 +823,48 @@ def _grouped_streamed_kernel(
 
 
 def _grouped_streamed_call(
-    x, weights, group_sizes, cfg: GroupedConfig, out_dtype, interpret
+    x, weights, group_sizes, fmt, block_size, cfg: GroupedConfig, out_dtype, interpret
 ) -> list[jax.Array]:
-    """The "gemv_ws" pallas_call of `grouped_matmuls`: the work items and x's float16 word-order rows
-    before it, the slot sum and each row's scales after it (rows past the groups zero)."""
+    """The "gemv_ws" pallas_call of `grouped_matmuls`: the work items (and for NVFP4 x's float16
+    word-order rows) before it, the slot sum and each row's scales after it (its float16 factor
+    and its expert's tensor scale for NVFP4, its expert's scale for per-expert FP8), rows past the
+    groups zero."""
     m, k = x.shape
     num_experts, n = weights[0][0].shape[:2]
     segments = len(weights)
-    words_k, block_w = k // 8, cfg.block_k // 8
-    steps = compat.cdiv(words_k, block_w)
     item_bound = max_work_items(m, num_experts, cfg.block_m)
     expert, first, end = work_items(group_sizes, m, cfg.block_m)
     count = jnp.sum((end > first).astype(jnp.int32))
     items = jnp.stack([expert, first, end, jnp.broadcast_to(count, expert.shape)]).astype(jnp.int32)
-    x16, row_factor = qc.f16_rows(x)
-    operands = []
-    for packed, block_scale, _ in weights:
-        operands += [
-            jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, words_k, 4), jnp.uint32),
-            jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(num_experts * n, k // NVFP4_BLOCK),
-        ]
+    operands, expert_scales = [], []
+    if fmt == "nvfp4":
+        k_width, step_width = k // 8, cfg.block_k // 8
+        x16, row_factor = qc.f16_rows(x)
+        x_in, factor = qc.word_columns(x16), row_factor * qc.E2M1_F16_SCALE
+        for packed, block_scale, tensor_scale in weights:
+            operands += [
+                jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k_width, 4), jnp.uint32),
+                jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(num_experts * n, k // NVFP4_BLOCK),
+            ]
+            expert_scales.append(jnp.asarray(tensor_scale, jnp.float32))
+    else:
+        k_width, step_width = k, cfg.block_k
+        x_in, factor = x.astype(jnp.float32 if x.dtype == jnp.float32 else x.dtype), jnp.ones((m,), jnp.float32)
+        for data, scale in weights:
+            bits = jax.lax.bitcast_convert_type(data, jnp.uint8).reshape(num_experts * n, k)
+            if block_size is None:
+                operands += [bits, jnp.ones((1, 1), jnp.float32)]
+                expert_scales.append(jnp.asarray(scale, jnp.float32))
+            else:
+                operands += [bits, jnp.asarray(scale, jnp.float32).reshape(-1, scale.shape[-1])]
+                expert_scales.append(jnp.ones((num_experts,), jnp.float32))
+    steps = compat.cdiv(k_width, step_width)
     grid = cfg.programs or 2 * compat.sm_count()
     slots = 1 if steps == 1 else steps  # a tile's K steps may fall to as many programs (runs of one unit)
     kernel = functools.partial(
-        _grouped_streamed_kernel, segments=segments, m_size=m, n_size=n, rows=cfg.block_m, block_n=cfg.block_n,
-        block_w=block_w, words_k=words_k, steps=steps, item_bound=item_bound, grid=grid, slots=slots,
-        even_k=words_k % block_w == 0,
+        _grouped_streamed_kernel, fmt=fmt, segments=segments, m_size=m, n_size=n, rows=cfg.block_m,
+        block_n=cfg.block_n, step_width=step_width, k_width=k_width, steps=steps, item_bound=item_bound, grid=grid,
+        slots=slots, scale_block=block_size if fmt == "fp8" else None, even_k=k_width % step_width == 0,
     )  # fmt: skip
     partial = compat.pallas_call(
         kernel,
@@ -824,19 +872,18 @@ def _grouped_streamed_call(
         grid=(grid,),
         compiler_params=compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name="grouped_nvfp4_matmul_gemv_ws",
-    )(items, qc.word_columns(x16), *operands)
+        name=f"grouped_{fmt}_matmul_gemv_ws",
+    )(items, x_in, *operands)
     y = qc.split_sum(partial)
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # the same as work_items' (XLA computes it once)
     rows = jnp.arange(m, dtype=jnp.int32)
     # each row's expert by comparisons (one fusion; searchsorted would be a loop of launches)
     row_expert = jnp.minimum(jnp.sum(ends[None, :] <= rows[:, None], axis=1), num_experts - 1)
     valid = rows < ends[-1]
-    factor = jnp.where(valid, row_factor * qc.E2M1_F16_SCALE, 0.0)  # rows past the groups: zero
+    factor = jnp.where(valid, factor, 0.0)  # rows past the groups: zero
     outs = []
-    for s, (_, _, tensor_scale) in enumerate(weights):
-        scale = factor * jnp.asarray(tensor_scale, jnp.float32)[row_expert]
-        ys = y[:, s * n : (s + 1) * n] * scale[:, None]
+    for s, expert_scale in enumerate(expert_scales):
+        ys = y[:, s * n : (s + 1) * n] * (factor * expert_scale[row_expert])[:, None]
         outs.append(jnp.where(valid[:, None], ys, 0.0).astype(out_dtype))  # the unwritten rows hold anything
     return outs
 

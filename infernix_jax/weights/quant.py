@@ -858,12 +858,13 @@ def grouped_tiles(
     with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block.
     """
     sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if _streamed_experts == "on" and fmt == "nvfp4" and sixteen_bit and tokens <= STREAMED_EXPERTS_MAX_TOKENS:
-        # the dense layers' streamed gemv over the work items (`streamed_experts`); two rows an item
-        # past one token: most routed experts get one or two rows of a small batch
-        tiles = {"variant": "gemv_ws", "block_m": min(tokens, 2), "block_n": 32, "block_k": 512, "num_warps": 8}
-        return resolve_config(fmt, rows, **tiles).as_kwargs()
-    if tokens <= 1:
+    streamed = _streamed_experts == "on" and tokens <= STREAMED_EXPERTS_MAX_TOKENS
+    if streamed and (fmt == "fp8" or (fmt == "nvfp4" and sixteen_bit)):
+        # the dense layers' streamed gemv over the work items (`streamed_experts`): 8 KB weight
+        # tiles; two rows an item past one token (most routed experts get one or two rows)
+        tiles = {"variant": "gemv_ws", "block_m": min(tokens, 2), "block_n": 32,
+                 "block_k": 512 if fmt == "nvfp4" else 256, "num_warps": 8}  # fmt: skip
+    elif tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
         tiles = {"variant": "dot_w", "block_m": 16, "block_n": 64, "block_k": 256}
@@ -887,9 +888,9 @@ if _streamed_experts not in ("on", "off"):
 
 @contextlib.contextmanager
 def streamed_experts(enabled: bool) -> Iterator[None]:
-    """Whether NVFP4 expert stacks with 16-bit activations run the grouped kernel's streamed gemv
-    ("gemv_ws": every SM streams the routed experts' tiles, loads one unit ahead) for decode
-    batches of up to STREAMED_EXPERTS_MAX_TOKENS tokens, while tracing inside this block
+    """Whether NVFP4 (with 16-bit activations) and FP8 expert stacks run the grouped kernel's
+    streamed gemv ("gemv_ws": every SM streams the routed experts' tiles, loads one unit ahead)
+    for decode batches of up to STREAMED_EXPERTS_MAX_TOKENS tokens, while tracing inside this block
     (default: INFERNIX_STREAMED_EXPERTS, "off" until a GPU measurement says it pays:
     docs/gpu_runs.md row 6l)."""
     global _streamed_experts

@@ -360,24 +360,32 @@ def test_word_variants_lower_to_a_triton_call_for_cuda(variant, e, n, k, m, spli
 
 
 @pytest.mark.parametrize(
-    "stacks,e,n,k,m,block_m",
-    [(1, 512, 2048, 512, 10, 1), (2, 512, 512, 2048, 80, 2), (1, 60, 1000, 2064, 37, 8)],
-)
-def test_streamed_gemv_lowers_to_one_triton_call_for_cuda(stacks, e, n, k, m, block_m):
-    """The 80B's down and (two stacks) gate / up at batch 1 and 8, and a masked N, K and expert count."""
-    weight = _nvfp4_shapes(e, n, k)
+    "fmt,stacks,e,n,k,m,block_m",
+    [("nvfp4", 1, 512, 2048, 512, 10, 1), ("nvfp4", 2, 512, 512, 2048, 80, 2), ("nvfp4", 1, 60, 1000, 2064, 37, 8),
+     ("fp8", 2, 512, 512, 2048, 10, 1), ("fp8_block128", 1, 512, 2048, 512, 80, 2)],
+)  # fmt: skip
+def test_streamed_gemv_lowers_to_one_triton_call_for_cuda(fmt, stacks, e, n, k, m, block_m):
+    """The 80B's down and (two stacks) gate / up at batch 1 and 8, a masked N, K and expert count,
+    and FP8 stacks with per-expert and 128-block scales."""
+    block_size = 128 if fmt == "fp8_block128" else None
+    if fmt == "nvfp4":
+        weight = _nvfp4_shapes(e, n, k)
+    else:
+        scale = (e,) if block_size is None else (e, -(-n // block_size), -(-k // block_size))
+        weight = (jax.ShapeDtypeStruct((e, n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scale, jnp.float32))
     fn = jax.jit(
         functools.partial(
-            grouped_matmuls, fmt="nvfp4", variant="gemv_ws", block_m=block_m, block_n=32, block_k=512
+            grouped_matmuls, fmt="fp8" if fmt.startswith("fp8") else fmt, block_size=block_size, variant="gemv_ws",
+            block_m=block_m, block_n=32, block_k=512 if fmt == "nvfp4" else 128,
         )
-    )
+    )  # fmt: skip
     shapes = (
         jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
         (weight,) * stacks,
         jax.ShapeDtypeStruct((e,), jnp.int32),
     )
     text = compat.lower_for_cuda(fn, *shapes)
-    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_gemv_ws" in text
+    assert text.count("xla.gpu.triton") == 1 and "_matmul_gemv_ws" in text
 
 
 @pytest.mark.parametrize(
@@ -394,11 +402,40 @@ def test_streamed_gemv_rejects_bad_options(options, match):
         grouped_nvfp4_matmul(**args, variant="gemv_ws", block_k=128, interpret=True, **options)
 
 
-def test_streamed_gemv_takes_only_nvfp4():
-    weight = (jnp.ones((2, 16, 128), jnp.float8_e4m3fn), jnp.ones((2,), jnp.float32))
-    with pytest.raises(ValueError, match="variant='gemv_ws' decodes NVFP4 words"):
-        grouped_matmul(jnp.ones((2, 128), jnp.bfloat16), weight, jnp.asarray([1, 1]), fmt="fp8", variant="gemv_ws",
+def test_streamed_gemv_takes_nvfp4_and_fp8_only():
+    weight = (jnp.ones((2, 16, 128), jnp.bfloat16),)
+    with pytest.raises(ValueError, match="variant='gemv_ws' streams NVFP4 or FP8 stacks"):
+        grouped_matmul(jnp.ones((2, 128), jnp.bfloat16), weight, jnp.asarray([1, 1]), fmt="plain", variant="gemv_ws",
                        block_k=128, interpret=True)  # fmt: skip
+
+
+FP8_STREAMED_CASES = [
+    # (m, e, n, k, block size, group sizes, x dtype, options) of the FP8 "gemv_ws"
+    (10, 32, 64, 256, None, "decode", jnp.bfloat16, {"block_m": 1, "block_n": 32, "block_k": 64, "programs": 7}),
+    # N = 40, K = 100 ragged against 16 x 32 tiles; float32 rows; 2 rows past the groups
+    (12, 5, 40, 100, None, [3, 0, 6, 0, 1], jnp.float32, {"block_m": 2, "block_n": 16, "block_k": 32, "programs": 5}),
+    # 32-blocks of scales, a group cut into three items
+    (9, 4, 48, 96, 32, [0, 9, 0, 0], jnp.bfloat16, {"block_m": 4, "block_n": 16, "block_k": 32, "programs": 3}),
+    (11, 4, 40, 72, 32, [5, 0, 3, 0], jnp.float32, {"block_m": 2, "block_n": 16, "block_k": 32, "programs": 9}),
+]
+
+
+@pytest.mark.parametrize("m,e,n,k,block_size,sizes,dtype,options", FP8_STREAMED_CASES)
+def test_fp8_streamed_gemv_matches_reference(m, e, n, k, block_size, sizes, dtype, options):
+    """FP8 stacks (per-expert or block scales) through the streamed gemv: float32 products, so the
+    reference to float32 rounding; rows past the groups zero."""
+    rng = np.random.default_rng(m + n + k)
+    data, scale = _fp8_stack(rng, e, n, k, block_size)
+    if sizes == "decode":
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    got = grouped_fp8_matmul(x, data, scale, sizes, block_size=block_size, variant="gemv_ws", out_dtype=jnp.float32,
+                             interpret=True, **options)  # fmt: skip
+    want = reference_grouped_matmul(x, (data, scale), sizes, fmt="fp8", block_size=block_size)
+    _close(got, want)
+    assert not np.asarray(got[int(sizes.sum()) :]).any()
 
 
 @pytest.mark.parametrize("variant,block_m", [("gemv", 8), ("dot_t", 16)])

@@ -273,23 +273,26 @@ def test_gate_and_up_stay_apart_by_default_and_on_the_reference_path(monkeypatch
     assert launches == []
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("fused", [False, True])
-def test_streamed_experts_give_the_block_output_of_the_default_kernel(tokens, fused):
-    """`streamed_experts`: NVFP4 experts at decode batches through the grouped streamed gemv
-    ("gemv_ws"), alone or with gate and up in one launch, give the block output of the default
-    grouped tiles (to the float16 sums' rounding); FP8 experts keep their tiles."""
-    cfg, p = _config(), _block("nvfp4", seed=9)
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block32"])
+@pytest.mark.parametrize("tokens, fused", [(1, False), (3, True)])
+def test_streamed_experts_give_the_block_output_of_the_default_kernel(fmt, tokens, fused):
+    """`streamed_experts`: NVFP4 and FP8 experts at decode batches through the grouped streamed
+    gemv ("gemv_ws"), alone or with gate and up in one launch, give the block output of the
+    default grouped tiles (NVFP4 to the float16 sums' rounding)."""
+    cfg, p = _config(), _block(fmt, seed=9)
     x = jax.random.normal(jax.random.key(10), (1, tokens, D), jnp.bfloat16)
-    assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["variant"] != "gemv_ws"
+    kernel_fmt, block_size = ("fp8", 32) if fmt == "fp8_block32" else (fmt, None)
+    tiles = lambda t: grouped_tiles(kernel_fmt, t, t * TOP_K, block_size, jnp.bfloat16)
+    assert tiles(tokens)["variant"] != "gemv_ws"
     out = {}
     for streamed in (False, True):
         with kernel_mode("interpret"), quant.streamed_experts(streamed), quant.fused_experts(fused):
             out[streamed] = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
-            tiles = grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)
-            assert (tiles["variant"] == "gemv_ws") == streamed
-            assert tiles["block_m"] == (min(tokens, 2) if streamed else tiles["block_m"])
-            assert grouped_tiles("fp8", tokens, tokens * TOP_K, None, jnp.bfloat16)["variant"] != "gemv_ws"
+            assert (tiles(tokens)["variant"] == "gemv_ws") == streamed
     _close(out[True], out[False])
     with quant.streamed_experts(True):  # past a small batch the default tiles again
-        assert grouped_tiles("nvfp4", 9, 90, None, jnp.bfloat16)["variant"] != "gemv_ws"
+        assert tiles(9)["variant"] != "gemv_ws"
+        streamed_tiles = tiles(tokens)
+    assert streamed_tiles["block_m"] == min(tokens, 2)
+    if block_size is not None:
+        assert block_size % streamed_tiles["block_k"] == 0 and block_size % streamed_tiles["block_n"] == 0
