@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None):
                         help="FP8 weights: comma-separated ways of their decode matmuls to measure in turn "
                              "(auto, kernel, xla; weights.quant.fp8_decode_mode)")  # fmt: skip
     parser.add_argument("--fused-projections", default="on",
-                        help="on, off or on,off: one launch for a layer's NVFP4 projections of one input "
-                             "(weights.quant.matmuls), measured in turn")  # fmt: skip
+                        help="on, off, rows or several (on,off): one launch for a layer's NVFP4 projections of "
+                             "one input (weights.quant.matmuls; rows: also at 2-16 rows), measured in turn")  # fmt: skip
     parser.add_argument("--fused-experts", default=None,
                         help="on, off or on,off: an expert's gate and up stacks in one grouped launch "
                              "(weights.quant.fused_experts; default: INFERNIX_FUSED_EXPERTS), measured in turn")  # fmt: skip
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None):
                         streamed_experts(streamed_x == "on") if streamed_x else contextlib.nullcontext()
                     )
                     with (
-                        fp8_decode_mode(mode), fused_projections(fused == "on"), experts_ctx,
+                        fp8_decode_mode(mode), fused_projections(fused), experts_ctx,
                         recurrent_update_mode(gdn), streamed_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,

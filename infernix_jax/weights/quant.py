@@ -704,17 +704,24 @@ def matmul(x: Array, w: Any) -> Array:
     )
 
 
+FUSED_PROJECTION_MODES = ("on", "off", "rows")
+FUSED_ROWS_MAX = 16  # "rows": decode rows up to which a group fuses through "dot_ws" (one M tile)
 _fused_projections = os.environ.get("INFERNIX_FUSED_PROJECTIONS", "on")
-if _fused_projections not in ("on", "off"):
-    raise ValueError(f"INFERNIX_FUSED_PROJECTIONS must be on or off; got {_fused_projections!r}")
+if _fused_projections not in FUSED_PROJECTION_MODES:
+    raise ValueError(f"INFERNIX_FUSED_PROJECTIONS must be on, off or rows; got {_fused_projections!r}")
 
 
 @contextlib.contextmanager
-def fused_projections(enabled: bool) -> Iterator[None]:
+def fused_projections(enabled: bool | str) -> Iterator[None]:
     """Whether `matmuls` may run several NVFP4 weights in one launch while tracing inside this
-    block (default: the environment variable INFERNIX_FUSED_PROJECTIONS, "on")."""
+    block (default: the environment variable INFERNIX_FUSED_PROJECTIONS, "on"): True / "on" at one
+    decode row, False / "off" never, "rows" also at 2-16 rows through the streamed float16 dots
+    ("dot_ws": fewer launches at small batches, each slower than "dot_w" alone; to be measured)."""
     global _fused_projections
-    previous, _fused_projections = _fused_projections, "on" if enabled else "off"
+    mode = ("on" if enabled else "off") if isinstance(enabled, bool) else enabled
+    if mode not in FUSED_PROJECTION_MODES:
+        raise ValueError(f"fused projections must be on, off or rows; got {enabled!r}")
+    previous, _fused_projections = _fused_projections, mode
     try:
         yield
     finally:
@@ -733,7 +740,8 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     """The streamed kernel tiles that run x through all of `ws` (>= 2 NVFP4 weights of its K) in
     one launch, or None where they run apart: float32 rows, no kernel here, more than one row
     where the combined shape's own choice is not streamed (the tensor-core dots serve 2-8 rows
-    better than a fused CUDA-core pass), or only weights of >= FUSE_BELOW_WEIGHTS elements. One
+    better than a fused CUDA-core pass; `fused_projections("rows")` fuses them through "dot_ws"
+    instead, to be measured), or only weights of >= FUSE_BELOW_WEIGHTS elements. One
     row on a combined shape that the table gives to a split-K formulation (K < 4096: the 80B's
     layers) takes "gemv_ws" 32 x 512: one launch instead of several weighs more there.
 
@@ -741,7 +749,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     27B GDN input projections x1.52, q / k / v x1.29, the 80B's x1.65 / x1.62, its shared
     expert's gate / up x1.32; the 27B gate / up (two 17408 x 5120 weights) x0.96, so two large
     weights stay apart (a launch is small next to reading either)."""
-    if _fused_projections != "on" or len(ws) < 2:
+    if _fused_projections == "off" or len(ws) < 2:
         return None
     if min(math.prod(w.shape) for w in ws) >= FUSE_BELOW_WEIGHTS:
         return None
@@ -753,9 +761,12 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
         return None
     tiles = nvfp4_tiles(rows, x.shape[-1], sum(w.shape[0] for w in ws), x.dtype)
     if tiles["variant"] not in STREAMED_WORD_VARIANTS:
-        if rows != 1:
+        if rows == 1:
+            tiles = {"variant": "gemv_ws", "block_n": 32, "block_k": 512, "num_warps": 8}
+        elif _fused_projections == "rows" and rows <= FUSED_ROWS_MAX:  # dot_w's tiles, streamed
+            tiles = {"variant": "dot_ws", "block_m": 16, "block_n": tiles["block_n"], "block_k": 256, "num_warps": 4}
+        else:
             return None
-        tiles = {"variant": "gemv_ws", "block_n": 32, "block_k": 512, "num_warps": 8}
     tiles = {key: v for key, v in tiles.items() if key != "split_k"}
     return {**tiles, "interpret": interpret}
 

@@ -388,6 +388,27 @@ def test_matmuls_keep_weights_apart_for_several_rows_switched_off_or_on_the_refe
     assert launches == []
 
 
+def test_matmuls_fuse_several_rows_through_the_streamed_dots_when_asked(monkeypatch):
+    """`fused_projections("rows")`: 2-16 decode rows of a group run in one "dot_ws" launch that
+    equals each weight's own matmul; past 16 rows they stay apart; an unknown mode is refused."""
+    rng = np.random.default_rng(24)
+    ws = (quantize_nvfp4(_weight(rng, 64, 256)), quantize_nvfp4(_weight(rng, 40, 256)))
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    variants = []
+    real = quant.nvfp4_matmuls
+    monkeypatch.setattr(quant, "nvfp4_matmuls", lambda x, w, **kw: variants.append(kw["variant"]) or real(x, w, **kw))
+    with kernel_mode("interpret"), quant.fused_projections("rows"):
+        got = quant.matmuls(x, ws)
+        quant.matmuls(jnp.ones((17, 256), jnp.bfloat16), ws)
+    assert variants == ["dot_ws"]
+    with kernel_mode("reference"):
+        want = [matmul(x, w) for w in ws]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="on, off or rows"), quant.fused_projections("all"):
+        pass
+
+
 def test_fused_projections_lower_to_one_triton_call_for_cuda():
     rng = np.random.default_rng(23)
     ws = tuple(quantize_nvfp4(_weight(rng, n, 5120)) for n in (6144, 1024, 1024))
