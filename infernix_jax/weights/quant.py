@@ -866,7 +866,9 @@ def grouped_tiles(
     64 x 256 (the word-decoded float16 dots: 1202 against 668 GB/s on the 80B gate_up at batch 8,
     997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json), everything else
     "dot_t" (it won every batch 2-8 point before the word variants). More tokens (prefill): "dot"
-    with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block.
+    with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block. With
+    `streamed_experts` on, NVFP4 (16-bit rows) and FP8 stacks take the streamed "gemv_ws" up to
+    STREAMED_EXPERTS_MAX_TOKENS tokens instead.
     """
     sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     streamed = _streamed_experts == "on" and tokens <= STREAMED_EXPERTS_MAX_TOKENS
