@@ -6,9 +6,10 @@
 Runs the callable under `jax.profiler` and reads the trace back with `jax.profiler.ProfileData`
 (part of jaxlib: no TensorBoard needed). For every device plane (a GPU) it reports the wall span
 of the kernels, the time the device was busy (the union of kernel intervals: gaps are launch or
-host waits), the kernel count, and the kernels that took the most time, grouped by name (XLA
-fusion names, Pallas kernels by their `name=`). On the CPU there is no device plane: the summary
-says so and carries the host's busiest events instead.
+host waits), the kernel count, the launches and time of each kernel family (`CATEGORIES`), and
+the kernels that took the most time, grouped by name (XLA fusion names, Pallas kernels by their
+`name=`). On the CPU there is no device plane: the summary says so and carries the host's
+busiest events instead.
 """
 
 from __future__ import annotations
@@ -60,6 +61,34 @@ def _intersection_ns(a: list[tuple[float, float]], b: list[tuple[float, float]])
     return total
 
 
+# Kernel families by name, first match wins (`kernel_categories`): the Pallas kernels by their
+# `name=` prefix, XLA's library calls, and every other XLA fusion as one family.
+CATEGORIES = (
+    ("nvfp4 matmul", ("nvfp4_matmul",)),
+    ("fp8 matmul", ("fp8_matmul",)),
+    ("grouped expert matmul", ("grouped_",)),
+    ("gated delta", ("gated_delta",)),
+    ("attention", ("paged_decode_attention", "paged_prefill_attention")),
+    ("xla gemm", ("gemm", "cublas", "cutlass", "triton_gemm")),
+    ("copies and memsets", ("memcpy", "memset", "copy")),
+    ("sort", ("sort", "radix", "cub::")),
+)
+
+
+def kernel_categories(counts: dict[str, int], times_ns: dict[str, float]) -> dict[str, dict]:
+    """{family: {"kernels", "ms"}} of the kernels named in `counts` / `times_ns` (CATEGORIES; the
+    rest is "other xla"): how many launches and how much time each family takes, the figure a
+    change that cuts launches moves."""
+    out: dict[str, dict] = {}
+    for name, n in counts.items():
+        low = name.lower()
+        family = next((f for f, keys in CATEGORIES if any(k in low for k in keys)), "other xla")
+        entry = out.setdefault(family, {"kernels": 0, "ms": 0.0})
+        entry["kernels"] += n
+        entry["ms"] += times_ns.get(name, 0.0) / 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
 def summarize_planes(planes: Any, top: int = 25) -> dict:
     """{"devices": [...], "host_top": [...]} from ProfileData planes (see the module docstring)."""
     devices, host, marks = [], collections.Counter(), []
@@ -90,6 +119,7 @@ def summarize_planes(planes: Any, top: int = 25) -> dict:
                 # or inside one CUDA graph (whose kernels the trace lists on the launching stream)
                 "kernel_ms": sum(e - s for s, e in intervals) / 1e6,
                 "kernels": len(intervals),
+                "categories": kernel_categories(counts, by_name),
                 "top": [
                     {"name": name[:160], "ms": ns / 1e6, "count": counts[name], "share": ns / busy,
                      "beside_other_streams_ms": _beside_other_streams(per_line, name) / 1e6}
@@ -180,6 +210,10 @@ def format_summary(summary: dict, lines: int = 15) -> str:
         )
         for name, line in dev.get("streams", {}).items():
             out.append(f"  {name[:40]}: {line['kernels']} kernels, busy {line['busy_ms']:.2f} ms")
+        families = dev.get("categories", {})
+        if families:
+            parts = (f"{f} {c['kernels']} x {c['ms']:.2f} ms" for f, c in families.items())
+            out.append("  by family: " + ", ".join(parts))
         for k in dev["top"][:lines]:
             beside = k.get("beside_other_streams_ms", 0.0)
             also = f" ({beside:.3f} ms beside another stream)" if beside else ""

@@ -46,3 +46,17 @@ def test_a_copy_on_a_second_stream_counts_the_time_it_ran_beside_the_first():
     assert device["busy_ms"] == 7.0  # [0,6) and [7,8)
     assert device["kernel_ms"] - device["busy_ms"] == 2.0  # the time two kernels ran at once
     assert device["streams"]["Stream #2(copy)"] == {"kernels": 2, "busy_ms": 4.0}
+
+
+def test_kernels_are_counted_by_family():
+    """Launches and time per kernel family, the biggest first; unnamed XLA fusions are one family."""
+    from bench.profile_summary import kernel_categories
+
+    counts = {"nvfp4_matmul_gemv_ws": 4, "nvfp4_matmul_gemv_ws__1": 2, "gated_delta_decode": 3,
+              "loop_transpose_fusion_191": 10, "input_reduce_fusion_7": 5, "gemm_fusion_dot_101": 1}  # fmt: skip
+    times = {"nvfp4_matmul_gemv_ws": 4e6, "nvfp4_matmul_gemv_ws__1": 2e6, "gated_delta_decode": 0.3e6,
+             "loop_transpose_fusion_191": 1e6, "input_reduce_fusion_7": 0.5e6, "gemm_fusion_dot_101": 0.6e6}  # fmt: skip
+    got = kernel_categories(counts, times)
+    assert list(got) == ["nvfp4 matmul", "other xla", "xla gemm", "gated delta"]
+    assert got["nvfp4 matmul"] == {"kernels": 6, "ms": 6.0}
+    assert got["other xla"]["kernels"] == 15 and abs(got["other xla"]["ms"] - 1.5) < 1e-9
