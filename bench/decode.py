@@ -80,6 +80,10 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     profiled = {}
     if profile:  # two more device-only dispatches under the profiler: kernels and idle gaps
         profiled = profile_device(lambda: core.runner.decode(decode), repeats=2, top=profile_top)
+        for device in profiled.get("devices", []):  # launches a decode step, total and by family
+            device["kernels_per_step"] = device["kernels"] / (2 * steps)
+            for family in device.get("categories", {}).values():
+                family["per_step"] = family["kernels"] / (2 * steps)
         print(format_summary(profiled), flush=True)
     step_bytes = decode_bytes_per_step(cfg, params, batch, context, kv_dtype, dtype)
     ceiling = batch * bandwidth / step_bytes
