@@ -373,12 +373,12 @@ def test_matmuls_run_the_nvfp4_weights_of_one_row_in_one_launch_and_the_rest_apa
 
 
 def test_matmuls_keep_weights_apart_for_several_rows_switched_off_or_on_the_reference_path(monkeypatch):
-    """Rows past one on shapes whose table entry is a tensor-core dot, `fused_projections(False)`
-    and the reference path (no kernel) all run one matmul per weight."""
+    """Rows past one on shapes whose table entry is a tensor-core dot (the default "on" mode),
+    `fused_projections(False)` and the reference path (no kernel) all run one matmul per weight."""
     rng = np.random.default_rng(22)
     ws = (quantize_nvfp4(_weight(rng, 64, 256)), quantize_nvfp4(_weight(rng, 32, 256)))
     launches = _count_fused_launches(monkeypatch)
-    with kernel_mode("interpret"):
+    with kernel_mode("interpret"), quant.fused_projections(True):
         quant.matmuls(jnp.ones((4, 256), jnp.bfloat16), ws)
         with quant.fused_projections(False):
             quant.matmuls(jnp.ones((1, 256), jnp.bfloat16), ws)
