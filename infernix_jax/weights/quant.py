@@ -438,10 +438,38 @@ class FP8Weight(QuantizedWeight):
 
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
 
+def _env_mode(variable: str, default: str, modes: tuple[str, ...]) -> str:
+    """A switch's start value: the environment variable's, else `default`; refused unless in `modes`."""
+    mode = os.environ.get(variable, default)
+    if mode not in modes:
+        raise ValueError(f"{variable} must be one of {', '.join(modes)}; got {mode!r}")
+    return mode
+
+
+ON_OFF = ("on", "off")
 FP8_DECODE_MODES = ("auto", "kernel", "xla")
-_fp8_decode_mode = os.environ.get("INFERNIX_FP8_DECODE", "auto")
-if _fp8_decode_mode not in FP8_DECODE_MODES:
-    raise ValueError(f"INFERNIX_FP8_DECODE must be one of {', '.join(FP8_DECODE_MODES)}; got {_fp8_decode_mode!r}")
+FUSED_PROJECTION_MODES = ("on", "off", "rows")
+# The choices `matmul` and friends read while tracing: each starts from its environment variable
+# and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
+# `streamed_experts`, `fused_experts`).
+_modes = {
+    "fp8_decode": _env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
+    "fused_projections": _env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
+    "streamed_experts": _env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
+    "fused_experts": _env_mode("INFERNIX_FUSED_EXPERTS", "off", ON_OFF),
+}
+
+
+@contextlib.contextmanager
+def _switched(name: str, mode: str, modes: tuple[str, ...], what: str) -> Iterator[None]:
+    """`_modes[name]` set to `mode` inside the block (refused unless in `modes`), restored after."""
+    if mode not in modes:
+        raise ValueError(f"{what} must be one of {', '.join(modes)}; got {mode!r}")
+    previous, _modes[name] = _modes[name], mode
+    try:
+        yield
+    finally:
+        _modes[name] = previous
 
 
 @contextlib.contextmanager
@@ -449,14 +477,8 @@ def fp8_decode_mode(mode: str) -> Iterator[None]:
     """Choose, while tracing inside this block, how per-tensor FP8 decode matmuls run on a GPU:
     "kernel" (the Pallas kernel), "xla" (`fp8_xla_matmul`) or "auto" (`fp8_decode_way`).
     The default comes from the environment variable INFERNIX_FP8_DECODE."""
-    global _fp8_decode_mode
-    if mode not in FP8_DECODE_MODES:
-        raise ValueError(f"FP8 decode mode must be one of {', '.join(FP8_DECODE_MODES)}; got {mode!r}")
-    previous, _fp8_decode_mode = _fp8_decode_mode, mode
-    try:
+    with _switched("fp8_decode", mode, FP8_DECODE_MODES, "FP8 decode mode"):
         yield
-    finally:
-        _fp8_decode_mode = previous
 
 
 def fp8_decode_way(m: int, k: int, n: int) -> str:
@@ -468,8 +490,8 @@ def fp8_decode_way(m: int, k: int, n: int) -> str:
     and at one row on the 27B layers with K >= 4096 below the widest (q_gated 2561 / 2263, gdn_in
     2308 / 2121, down 2474 / 2319); the kernel kept one row on the widest layer (gate_up: a tie),
     on 5120 x 6144 (1618 / 1480) and on the 80B layers (gdn_in 1504 / 1232)."""
-    if _fp8_decode_mode != "auto":
-        return _fp8_decode_mode
+    if _modes["fp8_decode"] != "auto":
+        return _modes["fp8_decode"]
     if m >= 2:
         return "xla"
     if k >= 4096 and n * k < 1 << 27 and (n >= 8192 or k >= 16384):
@@ -704,11 +726,7 @@ def matmul(x: Array, w: Any) -> Array:
     )
 
 
-FUSED_PROJECTION_MODES = ("on", "off", "rows")
 FUSED_ROWS_MAX = 16  # "rows": decode rows up to which a group fuses through "dot_ws" (one M tile)
-_fused_projections = os.environ.get("INFERNIX_FUSED_PROJECTIONS", "on")
-if _fused_projections not in FUSED_PROJECTION_MODES:
-    raise ValueError(f"INFERNIX_FUSED_PROJECTIONS must be on, off or rows; got {_fused_projections!r}")
 
 
 @contextlib.contextmanager
@@ -717,15 +735,9 @@ def fused_projections(enabled: bool | str) -> Iterator[None]:
     block (default: the environment variable INFERNIX_FUSED_PROJECTIONS, "on"): True / "on" at one
     decode row, False / "off" never, "rows" also at 2-16 rows through the streamed float16 dots
     ("dot_ws": fewer launches at small batches, each slower than "dot_w" alone; to be measured)."""
-    global _fused_projections
     mode = ("on" if enabled else "off") if isinstance(enabled, bool) else enabled
-    if mode not in FUSED_PROJECTION_MODES:
-        raise ValueError(f"fused projections must be on, off or rows; got {enabled!r}")
-    previous, _fused_projections = _fused_projections, mode
-    try:
+    with _switched("fused_projections", mode, FUSED_PROJECTION_MODES, "fused projections"):
         yield
-    finally:
-        _fused_projections = previous
 
 
 def _fusable(x: Array, w: Any) -> bool:
@@ -749,7 +761,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     27B GDN input projections x1.52, q / k / v x1.29, the 80B's x1.65 / x1.62, its shared
     expert's gate / up x1.32; the 27B gate / up (two 17408 x 5120 weights) x0.96, so two large
     weights stay apart (a launch is small next to reading either)."""
-    if _fused_projections == "off" or len(ws) < 2:
+    if _modes["fused_projections"] == "off" or len(ws) < 2:
         return None
     if min(math.prod(w.shape) for w in ws) >= FUSE_BELOW_WEIGHTS:
         return None
@@ -763,7 +775,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     if tiles["variant"] not in STREAMED_WORD_VARIANTS:
         if rows == 1:
             tiles = {"variant": "gemv_ws", "block_n": 32, "block_k": 512, "num_warps": 8}
-        elif _fused_projections == "rows" and rows <= FUSED_ROWS_MAX:  # dot_w's tiles, streamed
+        elif _modes["fused_projections"] == "rows" and rows <= FUSED_ROWS_MAX:  # dot_w's tiles, streamed
             tiles = {"variant": "dot_ws", "block_m": 16, "block_n": tiles["block_n"], "block_k": 256, "num_warps": 4}
         else:
             return None
@@ -871,7 +883,7 @@ def grouped_tiles(
     STREAMED_EXPERTS_MAX_TOKENS tokens instead.
     """
     sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    streamed = _streamed_experts == "on" and tokens <= STREAMED_EXPERTS_MAX_TOKENS
+    streamed = _modes["streamed_experts"] == "on" and tokens <= STREAMED_EXPERTS_MAX_TOKENS
     if streamed and (fmt == "fp8" or (fmt == "nvfp4" and sixteen_bit)):
         # the dense layers' streamed gemv over the work items (`streamed_experts`): 8 KB weight
         # tiles; two rows an item past one token (most routed experts get one or two rows)
@@ -894,9 +906,6 @@ def grouped_tiles(
 
 
 STREAMED_EXPERTS_MAX_TOKENS = 8  # tokens up to which `streamed_experts` takes the grouped "gemv_ws"
-_streamed_experts = os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
-if _streamed_experts not in ("on", "off"):
-    raise ValueError(f"INFERNIX_STREAMED_EXPERTS must be on or off; got {_streamed_experts!r}")
 
 
 @contextlib.contextmanager
@@ -906,17 +915,8 @@ def streamed_experts(enabled: bool) -> Iterator[None]:
     for decode batches of up to STREAMED_EXPERTS_MAX_TOKENS tokens, while tracing inside this block
     (default: INFERNIX_STREAMED_EXPERTS, "off" until a GPU measurement says it pays:
     docs/gpu_runs.md row 6l)."""
-    global _streamed_experts
-    previous, _streamed_experts = _streamed_experts, "on" if enabled else "off"
-    try:
+    with _switched("streamed_experts", "on" if enabled else "off", ON_OFF, "streamed experts"):
         yield
-    finally:
-        _streamed_experts = previous
-
-
-_fused_experts = os.environ.get("INFERNIX_FUSED_EXPERTS", "off")
-if _fused_experts not in ("on", "off"):
-    raise ValueError(f"INFERNIX_FUSED_EXPERTS must be on or off; got {_fused_experts!r}")
 
 
 @contextlib.contextmanager
@@ -924,12 +924,8 @@ def fused_experts(enabled: bool) -> Iterator[None]:
     """Whether `grouped_expert_matmuls` runs an expert's gate and up stacks in one grouped-kernel
     launch while tracing inside this block (default: INFERNIX_FUSED_EXPERTS, "off" until a GPU
     measurement says it pays: docs/gpu_runs.md)."""
-    global _fused_experts
-    previous, _fused_experts = _fused_experts, "on" if enabled else "off"
-    try:
+    with _switched("fused_experts", "on" if enabled else "off", ON_OFF, "fused experts"):
         yield
-    finally:
-        _fused_experts = previous
 
 
 def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
@@ -937,7 +933,7 @@ def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *
     and up): one grouped-kernel launch (`grouped_matmuls`) when `fused_experts` is on, the kernel
     runs and the stacks share format, block size and shapes; else one call per stack."""
     use_kernel, interpret = _expert_kernel_choice()
-    operands = [_grouped_kernel_operands(w) for w in ws] if _fused_experts == "on" and use_kernel else [None]
+    operands = [_grouped_kernel_operands(w) for w in ws] if _modes["fused_experts"] == "on" and use_kernel else [None]
     if len(ws) < 2 or None in operands or len({(o[0], o[2], tuple(a.shape for a in o[1])) for o in operands}) > 1:
         return [grouped_expert_matmul(xs, w, group_sizes, tokens=tokens) for w in ws]
     _check_grouped_shapes(xs, ws[0], group_sizes)

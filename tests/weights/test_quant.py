@@ -405,7 +405,7 @@ def test_matmuls_fuse_several_rows_through_the_streamed_dots_when_asked(monkeypa
         want = [matmul(x, w) for w in ws]
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="on, off or rows"), quant.fused_projections("all"):
+    with pytest.raises(ValueError, match="on, off, rows"), quant.fused_projections("all"):
         pass
 
 
