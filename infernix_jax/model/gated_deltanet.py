@@ -311,11 +311,6 @@ def gated_deltanet(
         mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid, keep_states)
     else:
         mixed, new_conv = tree_causal_conv(mixed, conv_state, p.conv_weight, tree_parents)
-    key_dim = cfg.linear_key_dim
-    q = mixed[..., :key_dim].reshape(b, t, hk, dk)
-    k = mixed[..., key_dim : 2 * key_dim].reshape(b, t, hk, dk)
-    v = mixed[..., 2 * key_dim :].reshape(b, t, hv, dv)
-
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(b_in.astype(jnp.float32)), 0.0)
     g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(
         a_in.astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
@@ -329,6 +324,10 @@ def gated_deltanet(
         out = gated_rms_norm(out, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
         return matmul(out, p.out_proj), entry
 
+    key_dim = cfg.linear_key_dim
+    q = mixed[..., :key_dim].reshape(b, t, hk, dk)
+    k = mixed[..., key_dim : 2 * key_dim].reshape(b, t, hk, dk)
+    v = mixed[..., 2 * key_dim :].reshape(b, t, hv, dv)
     rec_state = jnp.where(fresh[:, None, None, None], 0, state.recurrent)
     if hv != hk:  # v-head h reads k-head h // (hv / hk)
         q = jnp.repeat(q, hv // hk, axis=2)
