@@ -186,8 +186,6 @@ def gated_delta_decode(
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel: same contract as `reference_gated_delta_decode` (the pool is donated and
     updated in place)."""
-    block_v = min(block_v, pool.shape[3])
-    validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads, block_v)
     return gated_delta_decode_call(
         mixed, g, beta, pool, slots, fresh, key_heads=key_heads, block_v=block_v, num_warps=num_warps,
         drop_slot=drop_slot, out_dtype=out_dtype, interpret=interpret,
@@ -195,10 +193,13 @@ def gated_delta_decode(
 
 
 def gated_delta_decode_call(
-    mixed, g, beta, pool, slots, fresh, *, key_heads, block_v, num_warps, drop_slot, out_dtype, interpret
-) -> tuple[jax.Array, jax.Array]:
-    """The pallas_call of `gated_delta_decode` without the jit (for callers inside a traced
-    program, whose own donation keeps the pool in place); inputs already validated."""
+    mixed, g, beta, pool, slots, fresh, *, key_heads, block_v=DEFAULT_BLOCK_V, num_warps=DEFAULT_NUM_WARPS,
+    drop_slot=0, out_dtype=None, interpret=False,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`gated_delta_decode` without the jit, for callers inside a traced program (whose own
+    donation keeps the pool in place): block_v cut to Dv, the inputs validated, one pallas_call."""
+    block_v = min(block_v, pool.shape[3])
+    validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads, block_v)
     b, t, _ = mixed.shape
     _, hv, dk, dv = pool.shape
     kernel = functools.partial(

@@ -109,12 +109,9 @@ class SlottedGDNState:
         g / beta [B, T, Hv] float32 (0 on padding tokens), fresh [B] bool (start from zeros)."""
         from pallas_kernels import gated_delta  # the cache package imports Pallas only when asked
 
-        validate = gated_delta.validate_gated_delta_decode
-        block_v = min(gated_delta.DEFAULT_BLOCK_V, self.recurrent_pool.shape[3])
-        validate(mixed, g, beta, self.recurrent_pool, self.slots, fresh, key_heads, block_v)
         out, recurrent = gated_delta.gated_delta_decode_call(
-            mixed, g, beta, self.recurrent_pool, self.slots, fresh, key_heads=key_heads, block_v=block_v,
-            num_warps=gated_delta.DEFAULT_NUM_WARPS, drop_slot=SCRATCH_SLOT, out_dtype=None, interpret=interpret,
+            mixed, g, beta, self.recurrent_pool, self.slots, fresh, key_heads=key_heads, drop_slot=SCRATCH_SLOT,
+            interpret=interpret,
         )  # fmt: skip
         conv = scatter_states(self.pools(), self.slots, GDNState(new_conv, None)).conv
         return out, SlottedGDNState(conv, recurrent, self.slots)
