@@ -148,9 +148,10 @@ def main(argv: list[str] | None = None):
                         help="on, off or on,off: NVFP4 experts at decode batches through the grouped kernel's "
                              "streamed gemv (weights.quant.streamed_experts; default: INFERNIX_STREAMED_EXPERTS), "
                              "measured in turn")  # fmt: skip
-    parser.add_argument("--gdn-decode", default="auto",
+    parser.add_argument("--gdn-decode", default=None,
                         help="comma-separated ways of the linear-attention recurrence in decode to measure in turn "
-                             "(auto, kernel, xla; cache.attention_choice.recurrent_update_mode)")  # fmt: skip
+                             "(auto, kernel, xla; cache.attention_choice.recurrent_update_mode; default: "
+                             "INFERNIX_GDN_DECODE's)")  # fmt: skip
     parser.add_argument("--profile-top", type=int, default=25,
                         help="with --profile: kernels (by total time) and idle gaps the record keeps")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
@@ -171,9 +172,10 @@ def main(argv: list[str] | None = None):
             for batch in (int(b) for b in args.batches.split(",")):
                 experts = args.fused_experts.split(",") if args.fused_experts else [None]
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
+                gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
                 modes = [
                     (m, f, x, g, st) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
-                    for x in experts for g in args.gdn_decode.split(",") for st in streamed
+                    for x in experts for g in gdn_ways for st in streamed
                 ]  # fmt: skip
                 for mode, fused, fused_x, gdn, streamed_x in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
@@ -182,9 +184,9 @@ def main(argv: list[str] | None = None):
                     streamed_ctx = (
                         streamed_experts(streamed_x == "on") if streamed_x else contextlib.nullcontext()
                     )
+                    gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
                     with (
-                        fp8_decode_mode(mode), fused_projections(fused), experts_ctx,
-                        recurrent_update_mode(gdn), streamed_ctx,
+                        fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -195,11 +197,11 @@ def main(argv: list[str] | None = None):
                         record.name += f" fused-projections-{fused}"
                     if fused_x == "on":
                         record.name += " fused-experts"
-                    if gdn != "auto":
+                    if gdn:
                         record.name += f" gdn-decode-{gdn}"
                     if streamed_x == "on":
                         record.name += " streamed-experts"
-                    record.details["gdn_decode"] = gdn
+                    record.details["gdn_decode"] = gdn or os.environ.get("INFERNIX_GDN_DECODE", "xla")
                     record.details["streamed_experts"] = streamed_x or os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused
