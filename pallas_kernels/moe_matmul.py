@@ -156,10 +156,12 @@ DEFAULT_CONFIGS: dict[str, dict[int, GroupedConfig]] = {
 
 
 def _row_experts(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """(expert of each of the M rows, True where the row belongs to a group) from group sizes [E]."""
+    """(expert of each of the M rows, True where the row belongs to a group) from group sizes [E].
+    The expert comes from comparing each row with the groups' ends: one fusion on a GPU, where
+    `searchsorted` is a loop of launches (the streamed call runs this after its kernel)."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     rows = jnp.arange(m, dtype=jnp.int32)
-    expert = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    expert = jnp.sum(ends[None, :] <= rows[:, None], axis=1, dtype=jnp.int32)
     valid = rows < ends[-1]
     return jnp.minimum(expert, group_sizes.shape[0] - 1), valid
 
@@ -875,11 +877,7 @@ def _grouped_streamed_call(
         name=f"grouped_{fmt}_matmul_gemv_ws",
     )(items, x_in, *operands)
     y = qc.split_sum(partial)
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # the same as work_items' (XLA computes it once)
-    rows = jnp.arange(m, dtype=jnp.int32)
-    # each row's expert by comparisons (one fusion; searchsorted would be a loop of launches)
-    row_expert = jnp.minimum(jnp.sum(ends[None, :] <= rows[:, None], axis=1), num_experts - 1)
-    valid = rows < ends[-1]
+    row_expert, valid = _row_experts(group_sizes, m)  # its cumsum is work_items' (XLA computes it once)
     factor = jnp.where(valid, factor, 0.0)  # rows past the groups: zero
     outs = []
     for s, expert_scale in enumerate(expert_scales):
