@@ -24,6 +24,13 @@ For row b, value head h (key head h // (Hv / Hk)) and each token t of the window
   scratch slot of padding rows) compute but write no state.
 * Padding tokens carry g = 0 and beta = 0 (the caller's convention), which leaves the state as
   it was: no token mask is needed here.
+
+`gated_delta_conv_decode` folds the layer's work between its input projection and this
+recurrence into the same launch: the causal depthwise conv (+ SiLU) over the raw q | k | v
+channels, each row's conv state read from and written back to its slot of the conv pool (also
+aliased), and the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias) with padding
+tokens (past `n_valid`) zeroed. Without it XLA runs the conv state's gather, the conv, the gates
+and the conv state's scatter as launches of their own around the kernel (~4 a layer).
 """
 
 from __future__ import annotations
@@ -85,6 +92,18 @@ def reference_gated_delta_decode(
     return out, pool.at[target].set(state, mode="drop")
 
 
+def _recurrence_step(state, q, k, v, g, beta, dk: int):
+    """One token on a [Dk, block_v] float32 state block: q, k [Dk] and v [block_v] float32 as the
+    conv gives them (normalised here), g / beta scalars. Returns (state, out [block_v])."""
+    q = q * (jax.lax.rsqrt(jnp.sum(q * q) + NORM_EPS) * dk**-0.5)
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + NORM_EPS)
+    state = state * jnp.exp(g)
+    read = jnp.sum(state * k[:, None], axis=0)  # [block_v]
+    delta = (v - read) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, jnp.sum(state * q[:, None], axis=0)
+
+
 def _gated_delta_decode_kernel(
     slots_ref,  # [B] int32
     fresh_ref,  # [B] int32 (1: start from zeros)
@@ -116,13 +135,7 @@ def _gated_delta_decode_kernel(
         q = compat.load(mixed_ref.at[b, t, compat.ds(kh * dk, dk)]).astype(f32)
         k = compat.load(mixed_ref.at[b, t, compat.ds(key_dim + kh * dk, dk)]).astype(f32)
         v = compat.load(mixed_ref.at[b, t, compat.ds(2 * key_dim + h * dv + v0, block_v)]).astype(f32)
-        q = q * (jax.lax.rsqrt(jnp.sum(q * q) + NORM_EPS) * dk**-0.5)
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + NORM_EPS)
-        state = state * jnp.exp(g_ref[b, t, h])
-        read = jnp.sum(state * k[:, None], axis=0)  # [block_v]
-        delta = (v - read) * beta_ref[b, t, h]
-        state = state + k[:, None] * delta[None, :]
-        out = jnp.sum(state * q[:, None], axis=0)
+        state, out = _recurrence_step(state, q, k, v, g_ref[b, t, h], beta_ref[b, t, h], dk)
         compat.store(out_ref.at[b, t, h, compat.ds(v0, block_v)], out.astype(out_ref.dtype))
 
     @compat.when(slot != drop_slot)
@@ -130,8 +143,146 @@ def _gated_delta_decode_kernel(
         compat.store(state_ref.at[slot, h, slice(None), compat.ds(v0, block_v)], state)
 
 
-def validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads: int, block_v: int) -> None:
-    """Raise ValueError for inputs the kernel does not take (shapes, dtypes, tile sizes)."""
+def _silu_rounded(y: jax.Array, dtype) -> jax.Array:
+    """SiLU in float32, rounded to the activations' dtype (where the unfused path stores the conv
+    output between the conv and the recurrence)."""
+    return (y / (1.0 + jnp.exp(-y))).astype(dtype).astype(jnp.float32)
+
+
+def _gates(b_in, a_in, a_log, dt_bias, valid):
+    """(g, beta) float32 from the b / a projections: g = -exp(A_log) softplus(a + dt_bias), beta =
+    sigmoid(b), both 0 where not `valid` (softplus and sigmoid written out: Triton has neither)."""
+    f32 = jnp.float32
+    a = a_in.astype(f32) + dt_bias.astype(f32)
+    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
+    g = jnp.where(valid, -jnp.exp(a_log.astype(f32)) * softplus, 0.0)
+    beta = jnp.where(valid, 1.0 / (1.0 + jnp.exp(-b_in.astype(f32))), 0.0)
+    return g, beta
+
+
+def reference_gated_delta_conv_decode(
+    raw: jax.Array,
+    b_in: jax.Array,
+    a_in: jax.Array,
+    conv_weight: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    conv_pool: jax.Array,
+    pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    n_valid: jax.Array,
+    *,
+    key_heads: int,
+    drop_slot: int = 0,
+    out_dtype=None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Plain-JAX reference: (out [B, T, Hv, Dv], conv_pool, pool) with the rows' new conv and
+    recurrent states in their slots.
+
+    raw [B, T, C] the input projection's q | k | v channels before the conv, b_in / a_in [B, T, Hv]
+    the b / a projections, conv_weight [C, W], a_log / dt_bias [Hv], conv_pool [S, C, W-1] (the
+    last W-1 raw inputs of each slot), pool [S, Hv, Dk, Dv] float32, slots [B], fresh [B] bool,
+    n_valid [B] int (tokens 0..n_valid-1 of a row are real, the rest padding)."""
+    t = raw.shape[1]
+    width = conv_weight.shape[1]
+    f32 = jnp.float32
+    state = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots].astype(f32))  # [B, C, W-1]
+    ext = jnp.concatenate([jnp.swapaxes(state, 1, 2), raw.astype(f32)], axis=1)  # [B, W-1+T, C]
+    w = conv_weight.astype(f32)
+    conv = sum(ext[:, i : i + t] * w[:, i] for i in range(width))
+    mixed = _silu_rounded(conv, raw.dtype)
+    kept = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, width - 1, axis=0))(ext, n_valid)
+    valid = (jnp.arange(t)[None, :] < n_valid[:, None])[..., None]
+    g, beta = _gates(b_in, a_in, a_log, dt_bias, valid)
+    out, pool = reference_gated_delta_decode(
+        mixed, g, beta, pool, slots, fresh, key_heads=key_heads, drop_slot=drop_slot,
+        out_dtype=raw.dtype if out_dtype is None else out_dtype,
+    )  # fmt: skip
+    target = jnp.where(slots == drop_slot, conv_pool.shape[0], slots)
+    new_conv = jnp.swapaxes(kept, 1, 2).astype(conv_pool.dtype)
+    return out, conv_pool.at[target].set(new_conv, mode="drop"), pool
+
+
+def _gated_delta_conv_kernel(
+    slots_ref,  # [B] int32
+    fresh_ref,  # [B] int32 (1: start from zeros)
+    valid_ref,  # [B] int32: real tokens of the row (the rest are padding)
+    raw_ref,  # [B, T, C] q | k | v channels before the conv
+    b_ref,  # [B, T, Hv] the b projection (beta before its sigmoid)
+    a_ref,  # [B, T, Hv] the a projection
+    w_ref,  # [C, W] conv weight
+    a_log_ref,  # [Hv]
+    dt_bias_ref,  # [Hv]
+    conv_ref,  # [S, C, W-1] conv pool (aliased to conv_out_ref)
+    pool_ref,  # [S, Hv, Dk, Dv] float32 (aliased to state_ref)
+    out_ref,  # [B, T, Hv, Dv]
+    conv_out_ref,  # [S, C, W-1]: the conv pool, written in place
+    state_ref,  # [S, Hv, Dk, Dv]: the pool, written in place
+    *,
+    tokens: int,
+    group: int,
+    key_dim: int,
+    dk: int,
+    dv: int,
+    block_v: int,
+    width: int,
+    drop_slot: int,
+):
+    b, h, j = compat.program_id(0), compat.program_id(1), compat.program_id(2)
+    slot = slots_ref[b]
+    fresh = fresh_ref[b] != 0
+    n_valid = valid_ref[b]
+    kh = h // group
+    v0 = j * block_v
+    f32 = jnp.float32
+    writes = slot != drop_slot
+
+    def conv(c0: int, n: int, owner) -> list[jax.Array]:
+        """The conv + SiLU of channels c0 .. c0+n for every token; their new conv state is written
+        back by the `owner` program only (the q / k channels are shared by a key head's programs)."""
+        taps = [compat.load(w_ref.at[compat.ds(c0, n), jnp.int32(i)]).astype(f32) for i in range(width)]
+        window = [
+            compat.load(conv_ref.at[slot, compat.ds(c0, n), jnp.int32(i)], mask=jnp.broadcast_to(~fresh, (n,)),
+                        other=0.0).astype(f32)
+            for i in range(width - 1)
+        ]  # fmt: skip
+        kept, outs = window, []
+        for i in range(tokens):
+            window = window + [compat.load(raw_ref.at[b, jnp.int32(i), compat.ds(c0, n)]).astype(f32)]
+            outs.append(_silu_rounded(sum(x * w for x, w in zip(window, taps)), raw_ref.dtype))
+            window = window[1:]
+            kept = [jnp.where(i < n_valid, x, y) for x, y in zip(window, kept)]
+
+        @compat.when(writes & owner)
+        def _():
+            for i, x in enumerate(kept):
+                compat.store(
+                    conv_out_ref.at[slot, compat.ds(c0, n), jnp.int32(i)], x.astype(conv_out_ref.dtype)
+                )
+
+        return outs
+
+    qk_owner = (h % group == 0) & (j == 0)
+    qs = conv(kh * dk, dk, qk_owner)
+    ks = conv(key_dim + kh * dk, dk, qk_owner)
+    vs = conv(2 * key_dim + h * dv + v0, block_v, True)
+    a_log, dt_bias = a_log_ref[h], dt_bias_ref[h]
+    block = pool_ref.at[slot, h, slice(None), compat.ds(v0, block_v)]  # [Dk, block_v]
+    state = compat.load(block, mask=jnp.broadcast_to(~fresh, (dk, block_v)), other=0.0)
+    for i in range(tokens):
+        t = jnp.int32(i)
+        g, beta = _gates(b_ref[b, t, h], a_ref[b, t, h], a_log, dt_bias, i < n_valid)
+        state, out = _recurrence_step(state, qs[i], ks[i], vs[i], g, beta, dk)
+        compat.store(out_ref.at[b, t, h, compat.ds(v0, block_v)], out.astype(out_ref.dtype))
+
+    @compat.when(writes)
+    def _():
+        compat.store(state_ref.at[slot, h, slice(None), compat.ds(v0, block_v)], state)
+
+
+def _validate_window(mixed, pool, slots, fresh, key_heads: int, block_v: int) -> tuple[int, int, int]:
+    """The checks both forms share (channels, heads, window, slots, tiles); returns (B, T, Hv)."""
     if mixed.ndim != 3:
         raise ValueError(f"mixed must be [B, T, C]; got shape {mixed.shape}")
     b, t, c = mixed.shape
@@ -144,9 +295,6 @@ def validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads: i
         raise ValueError(f"mixed has {c} channels; q | k | v needs 2 * {key_heads} * {dk} + {hv} * {dv}")
     if not 1 <= t <= MAX_TOKENS:
         raise ValueError(f"windows of 1..{MAX_TOKENS} tokens; got {t}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, t, hv) or x.dtype != jnp.float32:
-            raise ValueError(f"{name} must be float32 [{b}, {t}, {hv}]; got {x.dtype} {x.shape}")
     if slots.shape != (b,) or not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"slots must be integer [{b}]; got {slots.dtype} {slots.shape}")
     if fresh.shape != (b,):
@@ -156,6 +304,37 @@ def validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads: i
             raise ValueError(f"{name}={n} must be a power of two >= 16 (Triton tiles)")
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide Dv={dv}")
+    return b, t, hv
+
+
+def validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads: int, block_v: int) -> None:
+    """Raise ValueError for inputs the kernel does not take (shapes, dtypes, tile sizes)."""
+    b, t, hv = _validate_window(mixed, pool, slots, fresh, key_heads, block_v)
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (b, t, hv) or x.dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32 [{b}, {t}, {hv}]; got {x.dtype} {x.shape}")
+
+
+def validate_gated_delta_conv_decode(
+    raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, key_heads: int,
+    block_v: int,
+) -> None:  # fmt: skip
+    """Raise ValueError for inputs the conv form does not take."""
+    b, t, hv = _validate_window(raw, pool, slots, fresh, key_heads, block_v)
+    c = raw.shape[2]
+    for name, x in (("b_in", b_in), ("a_in", a_in)):
+        if x.shape != (b, t, hv):
+            raise ValueError(f"{name} must be [{b}, {t}, {hv}]; got {x.shape}")
+    if conv_weight.ndim != 2 or conv_weight.shape[0] != c or conv_weight.shape[1] < 2:
+        raise ValueError(f"conv_weight must be [{c}, W >= 2]; got {conv_weight.shape}")
+    width = conv_weight.shape[1]
+    if conv_pool.shape != (pool.shape[0], c, width - 1):
+        raise ValueError(f"conv_pool must be [{pool.shape[0]}, {c}, {width - 1}]; got {conv_pool.shape}")
+    for name, x in (("a_log", a_log), ("dt_bias", dt_bias)):
+        if x.shape != (hv,):
+            raise ValueError(f"{name} must be [{hv}]; got {x.shape}")
+    if n_valid.shape != (b,) or not jnp.issubdtype(n_valid.dtype, jnp.integer):
+        raise ValueError(f"n_valid must be integer [{b}]; got {n_valid.dtype} {n_valid.shape}")
 
 
 def supports(dk: int, dv: int, tokens: int) -> bool:
@@ -219,3 +398,69 @@ def gated_delta_decode_call(
         interpret=interpret,
         name="gated_delta_decode",
     )(slots.astype(jnp.int32), fresh.astype(jnp.int32), mixed, g, beta, pool)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("key_heads", "block_v", "num_warps", "drop_slot", "out_dtype", "interpret"),
+    donate_argnames=("conv_pool", "pool"),
+)
+def gated_delta_conv_decode(
+    raw: jax.Array,
+    b_in: jax.Array,
+    a_in: jax.Array,
+    conv_weight: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    conv_pool: jax.Array,
+    pool: jax.Array,
+    slots: jax.Array,
+    fresh: jax.Array,
+    n_valid: jax.Array,
+    *,
+    key_heads: int,
+    block_v: int = DEFAULT_BLOCK_V,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    drop_slot: int = 0,
+    out_dtype=None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The conv, the gates and the recurrence in one kernel: same contract as
+    `reference_gated_delta_conv_decode` (both pools donated and updated in place)."""
+    return gated_delta_conv_decode_call(
+        raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid,
+        key_heads=key_heads, block_v=block_v, num_warps=num_warps, drop_slot=drop_slot, out_dtype=out_dtype,
+        interpret=interpret,
+    )  # fmt: skip
+
+
+def gated_delta_conv_decode_call(
+    raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, *, key_heads,
+    block_v=DEFAULT_BLOCK_V, num_warps=DEFAULT_NUM_WARPS, drop_slot=0, out_dtype=None, interpret=False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """`gated_delta_conv_decode` without the jit (for traced programs, as `gated_delta_decode_call`)."""
+    block_v = min(block_v, pool.shape[3])
+    validate_gated_delta_conv_decode(
+        raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, key_heads, block_v
+    )  # fmt: skip
+    b, t, _ = raw.shape
+    _, hv, dk, dv = pool.shape
+    kernel = functools.partial(
+        _gated_delta_conv_kernel, tokens=t, group=hv // key_heads, key_dim=key_heads * dk, dk=dk, dv=dv,
+        block_v=block_v, width=conv_weight.shape[1], drop_slot=drop_slot,
+    )  # fmt: skip
+    i32 = jnp.int32
+    return compat.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((b, t, hv, dv), raw.dtype if out_dtype is None else out_dtype),
+            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        ),
+        grid=(b, hv, dv // block_v),
+        input_output_aliases={9: 1, 10: 2},
+        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gated_delta_conv_decode",
+    )(slots.astype(i32), fresh.astype(i32), n_valid.astype(i32), raw, b_in, a_in, conv_weight, a_log, dt_bias,
+      conv_pool, pool)  # fmt: skip

@@ -78,10 +78,6 @@ class SlottedGDNState:
         """The rows' states as a batch (conv [B, C, K-1], recurrent [B, Hv, Dk, Dv])."""
         return gather_states(self.pools(), self.slots)
 
-    def gather_conv(self) -> jax.Array:
-        """The rows' conv states [B, C, K-1]."""
-        return self.conv_pool[self.slots]
-
     def commit(self, states: GDNState) -> SlottedGDNState:
         """The rows' new states (a batch) written to their slots; scratch-slot rows dropped."""
         pools = scatter_states(self.pools(), self.slots, states)
@@ -93,27 +89,29 @@ class SlottedGDNState:
 
     def recurrent_update(
         self,
-        new_conv: jax.Array,
-        mixed: jax.Array,
-        g: jax.Array,
-        beta: jax.Array,
+        raw: jax.Array,
+        b_in: jax.Array,
+        a_in: jax.Array,
+        params: tuple[jax.Array, jax.Array, jax.Array],
         fresh: jax.Array,
+        n_valid: jax.Array,
         *,
         key_heads: int,
         interpret: bool = False,
     ) -> tuple[jax.Array, SlottedGDNState]:
-        """The gated delta recurrence over a window (pallas_kernels/gated_delta.py), the rows'
-        recurrent states read from and written back to their slots in place, and their new conv
-        states `new_conv` [B, C, K-1] written too: (out [B, T, Hv, Dv] in mixed's dtype, the
-        updated view). mixed [B, T, C] is the conv output (q | k | v, before the l2 norms),
-        g / beta [B, T, Hv] float32 (0 on padding tokens), fresh [B] bool (start from zeros)."""
+        """The layer's causal conv, gates and gated delta recurrence over a window in one kernel
+        (pallas_kernels/gated_delta.py), the rows' conv and recurrent states read from and written
+        back to their slots in place: (out [B, T, Hv, Dv] in raw's dtype, the updated view).
+        raw [B, T, C] is the input projection's q | k | v before the conv, b_in / a_in [B, T, Hv] the
+        b / a projections, params (conv_weight [C, W], A_log [Hv], dt_bias [Hv]), fresh [B] bool
+        (start from zeros), n_valid [B] (the row's real tokens; the rest are padding)."""
         from pallas_kernels import gated_delta  # the cache package imports Pallas only when asked
 
-        out, recurrent = gated_delta.gated_delta_decode_call(
-            mixed, g, beta, self.recurrent_pool, self.slots, fresh, key_heads=key_heads, drop_slot=SCRATCH_SLOT,
-            interpret=interpret,
+        conv_weight, a_log, dt_bias = params
+        out, conv, recurrent = gated_delta.gated_delta_conv_decode_call(
+            raw, b_in, a_in, conv_weight, a_log, dt_bias, self.conv_pool, self.recurrent_pool, self.slots, fresh,
+            n_valid, key_heads=key_heads, drop_slot=SCRATCH_SLOT, interpret=interpret,
         )  # fmt: skip
-        conv = scatter_states(self.pools(), self.slots, GDNState(new_conv, None)).conv
         return out, SlottedGDNState(conv, recurrent, self.slots)
 
 

@@ -301,11 +301,18 @@ def gated_deltanet(
     valid = positions >= 0
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     fresh = positions[:, 0] == 0
-    conv_state = jnp.where(fresh[:, None, None], 0, slotted.gather_conv() if in_place else state.conv)
 
     mixed, z, b_in, a_in = matmuls(x, (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a))  # one launch
     z = z.reshape(b, t, hv, dv)
+    if in_place:  # conv, gates and recurrence on the rows' slots in one kernel
+        out, entry = slotted.recurrent_update(
+            mixed, b_in, a_in, (p.conv_weight, p.A_log, p.dt_bias), fresh, n_valid, key_heads=hk,
+            interpret=interpret,
+        )  # fmt: skip
+        out = gated_rms_norm(out, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
+        return matmul(out, p.out_proj), entry
 
+    conv_state = jnp.where(fresh[:, None, None], 0, state.conv)
     raw = mixed
     if tree_parents is None:
         mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid, keep_states)
@@ -316,13 +323,6 @@ def gated_deltanet(
         a_in.astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
     )
     g = jnp.where(valid[..., None], g, 0.0)
-
-    if in_place:  # the rows' slots updated by one kernel (l2 norms and head grouping inside)
-        out, entry = slotted.recurrent_update(
-            new_conv, mixed, g, beta, fresh, key_heads=hk, interpret=interpret
-        )
-        out = gated_rms_norm(out, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
-        return matmul(out, p.out_proj), entry
 
     key_dim = cfg.linear_key_dim
     q = mixed[..., :key_dim].reshape(b, t, hk, dk)

@@ -1,4 +1,4 @@
-"""bench.gated_delta: a quick run times the in-place kernel and XLA's gathered form and records both."""
+"""bench.gated_delta: a quick run times the in-place kernels and XLA's gathered form and records each."""
 
 import json
 
@@ -10,21 +10,18 @@ from bench.record import validate_record
 from infernix_jax.config import ModelConfig
 
 
-def test_quick_run_records_the_kernel_and_the_xla_form(tmp_path):
+def test_quick_run_records_the_kernels_and_the_xla_form(tmp_path):
     out = tmp_path / "gated_delta.json"
     records = gated_delta.main(["--quick", "--out", str(out)])
     assert [r.name for r in records] == [
-        "gated delta tiny batch1 xla",
-        "gated delta tiny batch1 kernel",
-        "gated delta tiny batch2 xla",
-        "gated delta tiny batch2 kernel",
+        f"gated delta tiny batch{b} {way}" for b in (1, 2) for way in ("xla", "kernel", "conv-kernel")
     ]
     for record in records:
         d = record.details
         assert d["us_per_layer"] > 0 and d["max_abs_err_out_vs_reference"] <= 3e-2
         assert d["state_bytes_moved"] == 2 * d["batch"] * d["value_heads"] * d["dk"] * d["dv"] * 4
     rows = json.loads(out.read_text())
-    assert len(rows) == 4
+    assert len(rows) == 6
     for row in rows:
         validate_record(row)
 

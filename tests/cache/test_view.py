@@ -150,15 +150,16 @@ def test_padding_row_leaves_other_slots_alone(model):
 
 def test_slotted_states_through_the_recurrence_kernel_equal_the_gathered_path(model, monkeypatch):
     """The engine's programs see the state pool through the rows' slots: decode steps run the
-    recurrence as one kernel updating the slots in place (here through the interpreter), the
+    conv, gates and recurrence as one kernel updating the slots in place (here through the
+    interpreter), the
     prompt's long chunk gathers and commits. Logits and the pool end the same as gathering and
     scattering every step; the scratch slot stays zero."""
     cfg, params, ids = model
     want, _, want_pool, _ = _run_paged(cfg, params, ids, "bf16")
     calls = []
-    real = gated_delta.gated_delta_decode_call
+    real = gated_delta.gated_delta_conv_decode_call
     monkeypatch.setattr(
-        gated_delta, "gated_delta_decode_call", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+        gated_delta, "gated_delta_conv_decode_call", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
     )
     with recurrent_update_mode("interpret"):
         step = jax.jit(_paged_step, static_argnums=(6, 7), donate_argnums=(1, 2))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.model.gated_deltanet import l2_normalize, recurrent_gated_delta_rule
+from infernix_jax.model.gated_deltanet import causal_conv, l2_normalize, recurrent_gated_delta_rule
 from pallas_kernels import compat
 
 INTERPRET = not compat.on_gpu()  # on a GPU the tests run the compiled kernel
@@ -15,8 +15,11 @@ TOL = 1e-5 if INTERPRET else 1e-4
 # the model's recurrence uses default-precision einsums: TF32-class on a GPU (~1e-4 on the H200)
 MODEL_TOL = 1e-5 if INTERPRET else 2e-3
 from pallas_kernels.gated_delta import (
+    gated_delta_conv_decode,
+    gated_delta_conv_decode_call,
     gated_delta_decode,
     gated_delta_decode_call,
+    reference_gated_delta_conv_decode,
     reference_gated_delta_decode,
     supports,
 )
@@ -155,3 +158,133 @@ def test_lowers_for_cuda_with_the_pool_aliased():
     text = compat.lower_for_cuda(fn, *shapes)
     assert text.count("xla.gpu.triton") == 1 and "gated_delta_decode" in text
     assert "output_operand_aliases" in text
+
+
+def _conv_inputs(seed, b, t, hk, hv, dk, dv, slots_total, width=4, dtype=jnp.bfloat16):
+    """The conv form's arguments (before slots, fresh and n_valid): raw, b_in, a_in, conv_weight,
+    a_log, dt_bias, conv_pool, pool."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    c = 2 * hk * dk + hv * dv
+    return (
+        jax.random.normal(ks[0], (b, t, c)).astype(dtype),
+        jax.random.normal(ks[1], (b, t, hv)).astype(dtype),
+        jax.random.normal(ks[2], (b, t, hv)).astype(dtype),
+        (0.5 * jax.random.normal(ks[3], (c, width))).astype(dtype),
+        jax.random.normal(ks[4], (hv,)) * 0.5,
+        jax.random.normal(ks[5], (hv,)) * 0.5,
+        jax.random.normal(ks[6], (slots_total, c, width - 1)).astype(dtype),
+        0.3 * jax.random.normal(ks[7], (slots_total, hv, dk, dv)),
+    )
+
+
+@pytest.mark.parametrize(
+    "b, t, hk, hv, dk, dv, block_v, dtype",
+    [
+        (1, 1, 2, 4, 16, 32, 16, jnp.float32),  # decode, two value heads a key head, two column blocks
+        (3, 1, 2, 2, 32, 16, 16, jnp.bfloat16),  # Dk > Dv
+        (2, 5, 1, 3, 16, 16, 16, jnp.float32),  # an odd window, three value heads on one key head
+        (2, 16, 2, 4, 16, 64, 32, jnp.bfloat16),  # the longest window
+    ],
+)
+def test_conv_kernel_equals_reference(b, t, hk, hv, dk, dv, block_v, dtype):
+    """Conv, gates and recurrence in one launch: outputs and both pools as the reference gives them,
+    with fresh rows, padding tokens (n_valid < T) and the other slots untouched."""
+    args = _conv_inputs(b * 10 + t, b, t, hk, hv, dk, dv, slots_total=b + 3, dtype=dtype)
+    slots = jnp.arange(b, dtype=jnp.int32) + 2
+    fresh = jnp.arange(b) == 1
+    n_valid = jnp.maximum(t - jnp.arange(b, dtype=jnp.int32) * 2, 1)  # rows after the first padded
+    want = reference_gated_delta_conv_decode(
+        *args, slots, fresh, n_valid, key_heads=hk, out_dtype=jnp.float32
+    )
+    donated = tuple(a + 0 for a in args[6:])
+    got = gated_delta_conv_decode(
+        *args[:6], *donated, slots, fresh, n_valid, key_heads=hk, block_v=block_v, out_dtype=jnp.float32,
+        interpret=INTERPRET,
+    )  # fmt: skip
+    tol = TOL if dtype == jnp.float32 else 2e-2  # bf16: a conv output may round the other way
+    for name, x, y in zip(("out", "conv_pool", "pool"), got, want):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol,
+                                   err_msg=name)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got[1][slots]), np.asarray(want[1][slots]))  # raw inputs: exact
+    untouched = [s for s in range(b + 3) if s not in set(np.asarray(slots).tolist())]
+    for x, before in zip(got[1:], args[6:]):
+        np.testing.assert_array_equal(np.asarray(x)[untouched], np.asarray(before)[untouched])
+
+
+def test_conv_reference_equals_the_model_conv_and_gates():
+    """The conv form's reference is the model's causal conv (+ SiLU) with its carried state and
+    the model's gates, then the recurrence (gated_deltanet.py)."""
+    b, t, hk, hv, dk, dv = 2, 3, 1, 2, 16, 16
+    raw, b_in, a_in, w, a_log, dt_bias, conv_pool, pool = _conv_inputs(
+        5, b, t, hk, hv, dk, dv, slots_total=3, dtype=jnp.float32
+    )
+    slots, fresh, n_valid = jnp.asarray([2, 1], jnp.int32), jnp.asarray([False, True]), jnp.asarray([3, 2])
+    out, new_conv, _ = reference_gated_delta_conv_decode(
+        raw, b_in, a_in, w, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, key_heads=hk
+    )
+    conv_state = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots])
+    mixed, want_conv = causal_conv(raw, conv_state, w, n_valid)
+    valid = (jnp.arange(t)[None, :] < n_valid[:, None])[..., None]
+    beta = jnp.where(valid, jax.nn.sigmoid(b_in), 0.0)
+    g = jnp.where(valid, -jnp.exp(a_log) * jax.nn.softplus(a_in + dt_bias), 0.0)
+    want_out, _ = reference_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads=hk)
+    np.testing.assert_allclose(np.asarray(new_conv[slots]), np.asarray(want_conv), rtol=0, atol=0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+
+
+def test_conv_form_padding_rows_share_the_scratch_slot():
+    """Rows aimed at the drop slot write neither pool, however many share it."""
+    b, t, hk, hv, dk, dv = 3, 2, 1, 2, 16, 16
+    args = _conv_inputs(9, b, t, hk, hv, dk, dv, slots_total=3)
+    conv_pool, pool = args[6].at[0].set(0), args[7].at[0].set(0.0)
+    slots = jnp.asarray([2, 0, 0], jnp.int32)
+    _, new_conv, new_pool = gated_delta_conv_decode(
+        *args[:6], conv_pool, pool, slots, jnp.zeros(b, bool), jnp.full(b, t), key_heads=hk, block_v=16,
+        interpret=INTERPRET,
+    )  # fmt: skip
+    assert not np.asarray(new_conv[0]).any() and not np.asarray(new_pool[0]).any()
+    np.testing.assert_array_equal(np.asarray(new_conv[1]), np.asarray(args[6][1]))
+    assert not np.array_equal(np.asarray(new_conv[2]), np.asarray(args[6][2]))  # the real row wrote
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: {**a, "conv_pool": a["conv_pool"][:, :, :2]}, "conv_pool must be"),
+        (lambda a: {**a, "conv_weight": a["conv_weight"][:-1]}, "conv_weight must be"),
+        (lambda a: {**a, "b_in": a["b_in"][:, :, :1]}, "b_in must be"),
+        (lambda a: {**a, "dt_bias": a["dt_bias"][:1]}, "dt_bias must be"),
+        (lambda a: {**a, "n_valid": jnp.ones(1, jnp.float32)}, "n_valid must be"),
+    ],
+)
+def test_conv_form_rejected_inputs(change, match):
+    names = ("raw", "b_in", "a_in", "conv_weight", "a_log", "dt_bias", "conv_pool", "pool")
+    args = dict(zip(names, _conv_inputs(0, 1, 1, 2, 4, 16, 32, slots_total=2)))
+    args.update(slots=jnp.asarray([1], jnp.int32), fresh=jnp.zeros(1, bool), n_valid=jnp.ones(1, jnp.int32),
+                key_heads=2, block_v=16)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        gated_delta_conv_decode(**change(args), interpret=INTERPRET)
+
+
+def test_conv_form_lowers_for_cuda_with_both_pools_aliased():
+    """The Triton lowering takes the conv form at the Qwen3.5-27B layer's shapes, both pools aliased."""
+    b, hk, hv, dk, dv, width = 2, 16, 48, 128, 128, 4
+    c = 2 * hk * dk + hv * dv
+    bf16 = jnp.bfloat16
+    shapes = (
+        jax.ShapeDtypeStruct((b, 1, c), bf16),
+        jax.ShapeDtypeStruct((b, 1, hv), bf16),
+        jax.ShapeDtypeStruct((b, 1, hv), bf16),
+        jax.ShapeDtypeStruct((c, width), bf16),
+        jax.ShapeDtypeStruct((hv,), jnp.float32),
+        jax.ShapeDtypeStruct((hv,), bf16),
+        jax.ShapeDtypeStruct((9, c, width - 1), bf16),
+        jax.ShapeDtypeStruct((9, hv, dk, dv), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.bool_),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+    fn = jax.jit(lambda *a: gated_delta_conv_decode_call(*a, key_heads=hk, block_v=32, num_warps=4))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1 and "gated_delta_conv_decode" in text
+    assert "output_operand_aliases" in text and "operand_index = 9" in text and "operand_index = 10" in text
