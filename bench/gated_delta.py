@@ -51,7 +51,7 @@ CONV_WIDTH = 4  # linear_conv_kernel of both models
 WAYS = ("xla", "kernel", "conv-kernel")
 L2_DEFEAT_BYTES = 160 << 20
 TRIAL_S = 1e-2
-SWEEP = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)]
+SWEEP = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] + [(128, 4), (128, 8)]  # 128: a whole head a program
 
 
 def _inputs(shape, batch, layers, seed=0):
