@@ -177,6 +177,7 @@ def measure(model, shape, batch, way, block_v, num_warps, bandwidth, machine, co
     seconds, _, first = _timed(fn, [(c + 0, p + 0) for c, p in pools], (tokens, params, slots, fresh, n_valid),
                                0.0 if interpret else TRIAL_S, 1 if interpret else 5)  # fmt: skip
     out_err = float(jnp.max(jnp.abs(first[0].astype(jnp.float32) - want_out.astype(jnp.float32))))
+    out_scale = float(jnp.max(jnp.abs(want_out.astype(jnp.float32))))
     seconds /= layers
     moved = 2 * batch * state_bytes
     name = f"gated delta {model} batch{batch} {way}"
@@ -185,7 +186,7 @@ def measure(model, shape, batch, way, block_v, num_warps, bandwidth, machine, co
     details = {
         "key_heads": hk, "value_heads": hv, "dk": dk, "dv": dv, "batch": batch, "layers": layers,
         "way": way, "block_v": block_v, "num_warps": num_warps, "us_per_layer": 1e6 * seconds,
-        "state_bytes_moved": moved, "max_abs_err_out_vs_reference": out_err, "interpret": interpret,
+        "state_bytes_moved": moved, "max_abs_err_out_vs_reference": out_err, "max_abs_out": out_scale, "interpret": interpret,
         "jax": jax.__version__,
     }  # fmt: skip
     return make_record(name, moved / seconds / 1e9, "GB/s", bandwidth / 1e9, "GB/s", machine=machine,
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None):
                     model, shape, batch, way, block_v, warps, bandwidth, machine, commit, interpret
                 )
                 d = record.details
-                if d["max_abs_err_out_vs_reference"] > 3e-2:  # bf16 outputs of unit-scale values
+                # bf16 outputs: a conv output or an output may round the other way (a few ulps of the largest)
+                if d["max_abs_err_out_vs_reference"] > 2e-2 * max(1.0, d["max_abs_out"]):
                     raise RuntimeError(f"{record.name}: output error {d['max_abs_err_out_vs_reference']:.2e}")
                 print(f"{record.name}: {d['us_per_layer']:.2f} us a layer, {record.figure:.0f} GB/s "
                       f"({record.fraction:.1%})", flush=True)  # fmt: skip
