@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None):
                         record.name += f" gdn-decode-{gdn}"
                     if streamed_x == "on":
                         record.name += " streamed-experts"
-                    record.details["gdn_decode"] = gdn or os.environ.get("INFERNIX_GDN_DECODE", "xla")
+                    record.details["gdn_decode"] = gdn or os.environ.get("INFERNIX_GDN_DECODE", "auto")
                     record.details["streamed_experts"] = streamed_x or os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused

@@ -13,8 +13,8 @@ program runs it:
   (`model.gated_deltanet.recurrent_gated_delta_rule`), scatter both states;
 * "kernel": the conv, the gates and the conv state's gather / scatter in XLA, the recurrence by
   `pallas_kernels.gated_delta.gated_delta_decode` in place on the pool;
-* "conv-kernel": all of it in one launch (`gated_delta_conv_decode`, what the engine runs), both
-  pools in place.
+* "conv-kernel": all of it in one launch (`gated_delta_conv_decode`, what the engine runs), the
+  pool in place, then the rows' conv states scattered into their pool.
 
 The pools are donated, as the engine's are. Records ("gated delta <model> batch<B> <way>") give
 the state bytes moved per second (each row's [Hv, Dk, Dv] float32 state read and written once)
@@ -51,7 +51,10 @@ CONV_WIDTH = 4  # linear_conv_kernel of both models
 WAYS = ("xla", "kernel", "conv-kernel")
 L2_DEFEAT_BYTES = 160 << 20
 TRIAL_S = 1e-2
-SWEEP = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] + [(128, 4), (128, 8)]  # 128: a whole head a program
+SWEEP = [(bv, w) for bv in (16, 32, 64) for w in (2, 4, 8)] + [
+    (128, 4),
+    (128, 8),
+]  # 128: a whole head a program
 
 
 def _inputs(shape, batch, layers, seed=0):
@@ -124,10 +127,11 @@ def _program(way, hk, block_v, num_warps, interpret):
     tiles["interpret"] = interpret
 
     def one_layer(tokens, params, conv_pool, pool, slots, fresh, n_valid):
-        if way == "conv-kernel":
-            return gated_delta_conv_decode_call(
+        if way == "conv-kernel":  # the rows' conv states scattered after it, as the engine does
+            out, new_conv, pool = gated_delta_conv_decode_call(
                 *tokens, *params, conv_pool, pool, slots, fresh, n_valid, **tiles
             )
+            return out, _scatter(conv_pool, slots, new_conv), pool
         if way == "kernel":
             mixed, g, beta, new_conv = _conv_and_gates(tokens, params, conv_pool, slots, fresh, n_valid)
             out, pool = gated_delta_decode_call(mixed, g, beta, pool, slots, fresh, **tiles)

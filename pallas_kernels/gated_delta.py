@@ -27,10 +27,13 @@ For row b, value head h (key head h // (Hv / Hk)) and each token t of the window
 
 `gated_delta_conv_decode` folds the layer's work between its input projection and this
 recurrence into the same launch: the causal depthwise conv (+ SiLU) over the raw q | k | v
-channels, each row's conv state read from and written back to its slot of the conv pool (also
-aliased), and the gates beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias) with padding
-tokens (past `n_valid`) zeroed. Without it XLA runs the conv state's gather, the conv, the gates
-and the conv state's scatter as launches of their own around the kernel (~4 a layer).
+channels, each row's conv state read from its slot of the conv pool, and the gates
+beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias) with padding tokens (past `n_valid`)
+zeroed. Without it XLA runs the conv state's gather, the conv and the gates as launches of their
+own around the kernel. The rows' new conv states come out as a batch for the caller to scatter:
+written into the pool in place they would race, since every program of a key head reads that
+head's q / k conv state and one of them would have overwritten it (seen on an H100 as wrong
+outputs in some tile shapes; the interpreter runs programs on a copy and cannot show it).
 """
 
 from __future__ import annotations
@@ -177,8 +180,8 @@ def reference_gated_delta_conv_decode(
     drop_slot: int = 0,
     out_dtype=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Plain-JAX reference: (out [B, T, Hv, Dv], conv_pool, pool) with the rows' new conv and
-    recurrent states in their slots.
+    """Plain-JAX reference: (out [B, T, Hv, Dv], the rows' new conv states [B, C, W-1], the pool
+    with the rows' new recurrent states in their slots).
 
     raw [B, T, C] the input projection's q | k | v channels before the conv, b_in / a_in [B, T, Hv]
     the b / a projections, conv_weight [C, W], a_log / dt_bias [Hv], conv_pool [S, C, W-1] (the
@@ -199,9 +202,7 @@ def reference_gated_delta_conv_decode(
         mixed, g, beta, pool, slots, fresh, key_heads=key_heads, drop_slot=drop_slot,
         out_dtype=raw.dtype if out_dtype is None else out_dtype,
     )  # fmt: skip
-    target = jnp.where(slots == drop_slot, conv_pool.shape[0], slots)
-    new_conv = jnp.swapaxes(kept, 1, 2).astype(conv_pool.dtype)
-    return out, conv_pool.at[target].set(new_conv, mode="drop"), pool
+    return out, jnp.swapaxes(kept, 1, 2).astype(conv_pool.dtype), pool
 
 
 def _gated_delta_conv_kernel(
@@ -214,10 +215,11 @@ def _gated_delta_conv_kernel(
     w_ref,  # [C, W] conv weight
     a_log_ref,  # [Hv]
     dt_bias_ref,  # [Hv]
-    conv_ref,  # [S, C, W-1] conv pool (aliased to conv_out_ref)
+    conv_ref,  # [S, C, W-1] conv pool (read only: see conv_out_ref)
     pool_ref,  # [S, Hv, Dk, Dv] float32 (aliased to state_ref)
     out_ref,  # [B, T, Hv, Dv]
-    conv_out_ref,  # [S, C, W-1]: the conv pool, written in place
+    conv_out_ref,  # [B, C, W-1] the rows' new conv states: not the pool in place, since a key
+    # head's q / k channels are read by all of its programs and one of them would overwrite them
     state_ref,  # [S, Hv, Dk, Dv]: the pool, written in place
     *,
     tokens: int,
@@ -236,11 +238,10 @@ def _gated_delta_conv_kernel(
     kh = h // group
     v0 = j * block_v
     f32 = jnp.float32
-    writes = slot != drop_slot
 
     def conv(c0: int, n: int, owner) -> list[jax.Array]:
         """The conv + SiLU of channels c0 .. c0+n for every token; their new conv state is written
-        back by the `owner` program only (the q / k channels are shared by a key head's programs)."""
+        by the `owner` program only (the q / k channels are shared by a key head's programs)."""
         taps = [compat.load(w_ref.at[compat.ds(c0, n), jnp.int32(i)]).astype(f32) for i in range(width)]
         window = [
             compat.load(conv_ref.at[slot, compat.ds(c0, n), jnp.int32(i)], mask=jnp.broadcast_to(~fresh, (n,)),
@@ -254,12 +255,10 @@ def _gated_delta_conv_kernel(
             window = window[1:]
             kept = [jnp.where(i < n_valid, x, y) for x, y in zip(window, kept)]
 
-        @compat.when(writes & owner)
+        @compat.when(owner)
         def _():
             for i, x in enumerate(kept):
-                compat.store(
-                    conv_out_ref.at[slot, compat.ds(c0, n), jnp.int32(i)], x.astype(conv_out_ref.dtype)
-                )
+                compat.store(conv_out_ref.at[b, compat.ds(c0, n), jnp.int32(i)], x.astype(conv_out_ref.dtype))
 
         return outs
 
@@ -276,7 +275,7 @@ def _gated_delta_conv_kernel(
         state, out = _recurrence_step(state, qs[i], ks[i], vs[i], g, beta, dk)
         compat.store(out_ref.at[b, t, h, compat.ds(v0, block_v)], out.astype(out_ref.dtype))
 
-    @compat.when(writes)
+    @compat.when(slot != drop_slot)
     def _():
         compat.store(state_ref.at[slot, h, slice(None), compat.ds(v0, block_v)], state)
 
@@ -403,7 +402,7 @@ def gated_delta_decode_call(
 @functools.partial(
     jax.jit,
     static_argnames=("key_heads", "block_v", "num_warps", "drop_slot", "out_dtype", "interpret"),
-    donate_argnames=("conv_pool", "pool"),
+    donate_argnames=("pool",),
 )
 def gated_delta_conv_decode(
     raw: jax.Array,
@@ -426,7 +425,7 @@ def gated_delta_conv_decode(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The conv, the gates and the recurrence in one kernel: same contract as
-    `reference_gated_delta_conv_decode` (both pools donated and updated in place)."""
+    `reference_gated_delta_conv_decode` (the pool donated and updated in place)."""
     return gated_delta_conv_decode_call(
         raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid,
         key_heads=key_heads, block_v=block_v, num_warps=num_warps, drop_slot=drop_slot, out_dtype=out_dtype,
@@ -454,11 +453,11 @@ def gated_delta_conv_decode_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((b, t, hv, dv), raw.dtype if out_dtype is None else out_dtype),
-            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+            jax.ShapeDtypeStruct((b, raw.shape[2], conv_pool.shape[2]), conv_pool.dtype),
             jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         ),
         grid=(b, hv, dv // block_v),
-        input_output_aliases={9: 1, 10: 2},
+        input_output_aliases={10: 2},
         compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gated_delta_conv_decode",

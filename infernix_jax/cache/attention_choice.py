@@ -13,7 +13,9 @@
   kernel walks the whole context in one loop with no split over it.
 * `use_recurrent_kernel(t, dk, dv)`: the Gated DeltaNet (linear attention) layers' per-token
   recurrence over windows of up to 16 tokens (decode) through the gated delta kernel
-  (pallas_kernels/gated_delta.py), in place on the state pool's slots (`SlottedGDNState`).
+  (pallas_kernels/gated_delta.py; its conv form: conv, gates and recurrence in one launch), in
+  place on the state pool's slots (`SlottedGDNState`). On an H100 it made the NVFP4 decode at
+  batch 1 4.5% faster on the 27B shape and 19% on the 80B-A3B one (docs/pallas.md).
 
 Anything else is the XLA path: gather the row's blocks into a contiguous view, then a masked
 softmax. All give the same result within float rounding (tests/pallas_kernels compare each kernel
@@ -23,9 +25,8 @@ Each choice comes from an environment variable read at import, `INFERNIX_DECODE_
 `INFERNIX_PREFILL_ATTENTION` and `INFERNIX_GDN_DECODE`, or the context managers
 `decode_attention_mode` / `prefill_attention_mode` / `recurrent_update_mode`: "auto" (the kernel
 on a GPU, XLA elsewhere), "kernel", "xla", or "interpret" (the kernel through the Pallas
-interpreter: CPU tests of that path). The recurrence defaults to "xla" until its kernel is
-measured on a GPU; the others to "auto". They are read when a program is traced, so set them
-before an engine compiles its programs.
+interpreter: CPU tests of that path); "auto" by default. They are read when a program is traced,
+so set them before an engine compiles its programs.
 """
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ def _from_env(name: str, default: str = DEFAULT_MODE) -> str:
 _modes = {
     "decode": _from_env("INFERNIX_DECODE_ATTENTION"),
     "prefill": _from_env("INFERNIX_PREFILL_ATTENTION"),
-    # "xla" until a GPU run shows the kernel pays end to end (docs/gpu_runs.md, row 6k)
-    "recurrent": _from_env("INFERNIX_GDN_DECODE", "xla"),
+    "recurrent": _from_env("INFERNIX_GDN_DECODE"),
 }
 
 
