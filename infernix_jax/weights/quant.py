@@ -872,13 +872,15 @@ def grouped_tiles(
 ) -> dict[str, Any]:
     """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
 
-    One token (decode at batch 1): "gemv", one row per item (no expert holds two rows).
-    Up to GROUPED_DECODE_MAX_TOKENS tokens: block_m 16 >= the rows any expert can get, so each
-    routed expert is streamed once: NVFP4 with bf16 / f16 activations (`x_dtype`) takes "dot_w"
-    64 x 256 (the word-decoded float16 dots: 1202 against 668 GB/s on the 80B gate_up at batch 8,
-    997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json), everything else
-    "dot_t" (it won every batch 2-8 point before the word variants). More tokens (prefill): "dot"
-    with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block. With
+    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w"
+    16 x 64 x 256, block_m 16 >= the rows any expert can get, so each routed expert is streamed
+    once (the word-decoded float16 dots: 1202 against 668 GB/s on the 80B gate_up at batch 8,
+    997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json; at one token too:
+    the 80B gate_up 28.0 against the gemv's 43.7 us on the H200, 19.7 against 26.8 on an H100,
+    the down projection 27.2 against 24.3 and 12.3 against 16.1, moe-kernels-nvidia-h100-80gb-hbm3.json).
+    Everything else: one token "gemv", one row per item (no expert holds two rows); up to
+    GROUPED_DECODE_MAX_TOKENS tokens "dot_t" with block_m 16 (it won every batch 2-8 point before
+    the word variants). More tokens (prefill): "dot" with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block. With
     `streamed_experts` on, NVFP4 (16-bit rows) and FP8 stacks take the streamed "gemv_ws" up to
     STREAMED_EXPERTS_MAX_TOKENS tokens instead.
     """
@@ -889,10 +891,10 @@ def grouped_tiles(
         # tiles; two rows an item past one token (most routed experts get one or two rows)
         tiles = {"variant": "gemv_ws", "block_m": min(tokens, 2), "block_n": 32,
                  "block_k": 512 if fmt == "nvfp4" else 256, "num_warps": 8}  # fmt: skip
-    elif tokens <= 1:
-        tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
         tiles = {"variant": "dot_w", "block_m": 16, "block_n": 64, "block_k": 256}
+    elif tokens <= 1:
+        tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS:
         tiles = {"variant": "dot_t", "block_m": 16, "block_n": 64}
     else:

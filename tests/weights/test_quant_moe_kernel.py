@@ -206,7 +206,7 @@ def _check_default_decode_tiles(tokens):
         assert tiles["variant"] == ("gemv" if tokens == 1 else "dot_t")
     # bf16 activations on NVFP4 experts take the word-decoded float16 dots (float32 would round)
     tiles = grouped_tiles("nvfp4", tokens, tokens * 10, None, jnp.bfloat16)
-    assert tiles["block_m"] >= tokens and tiles["variant"] == ("gemv" if tokens == 1 else "dot_w")
+    assert tiles["block_m"] >= tokens and tiles["variant"] == "dot_w"
     assert grouped_tiles("fp8", tokens, tokens * 10, None, jnp.bfloat16)["variant"] != "dot_w"
 
 
