@@ -1,7 +1,8 @@
-"""Decode's (token, expert) pairs are ordered and counted by comparisons exactly as by a sort."""
+"""Decode's routing (top-k, then the (token, expert) pairs' order and counts) by comparisons, exactly as by a sort."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,3 +42,31 @@ def test_counts_with_weights_match_bincount():
     np.testing.assert_array_equal(
         np.asarray(mlp._count_ids(ids, 8, weights)), np.bincount([3, 1, 3, 0, 7], [1, 0, 1, 1, 1], 8)
     )
+
+
+@pytest.mark.parametrize("tokens, k, experts", [(1, 10, 512), (8, 10, 512), (64, 4, 64), (3, 2, 4)])
+def test_router_top_k_by_comparing_equals_lax_top_k(tokens, k, experts):
+    """Up to TOP_K_BY_COMPARING_MAX tokens the router's top-k gives lax.top_k's values and ids, in
+    its order, ties (equal probabilities, underflowed zeros) at the lower expert first."""
+    rng = np.random.default_rng(tokens + experts)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32) * 4
+    logits[:, ::3] = np.round(logits[:, ::3])  # repeated values: ties
+    logits[0, : experts // 2] = -1e4  # half the experts' probabilities underflow to 0
+    probs = jax.nn.softmax(jnp.asarray(logits), axis=-1)
+    assert tokens <= mlp.TOP_K_BY_COMPARING_MAX
+    values, ids = mlp._top_k(probs, k)
+    want_values, want_ids = jax.lax.top_k(probs, k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+    ties = jnp.asarray([[0.5, 0.1, 0.5, 0.1, 0.0, 0.0]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(mlp._top_k(ties, 5)[1]), np.asarray(jax.lax.top_k(ties, 5)[1]))
+
+
+def test_router_top_k_of_many_tokens_keeps_lax_top_k():
+    probs = jax.nn.softmax(
+        jnp.asarray(np.random.default_rng(1).standard_normal((mlp.TOP_K_BY_COMPARING_MAX + 1, 16)))
+    )
+    values, ids = mlp._top_k(probs, 4)
+    want_values, want_ids = jax.lax.top_k(probs, 4)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
