@@ -100,9 +100,10 @@ class SlottedGDNState:
         interpret: bool = False,
     ) -> tuple[jax.Array, SlottedGDNState]:
         """The layer's causal conv, gates and gated delta recurrence over a window in one kernel
-        (pallas_kernels/gated_delta.py), the rows' recurrent states read from and written back to
-        their slots in place, their conv states read from their slots and scattered back after it: (out [B, T, Hv, Dv] in raw's dtype, the updated view).
-        raw [B, T, C] is the input projection's q | k | v before the conv, b_in / a_in [B, T, Hv] the
+        (pallas_kernels/gated_delta.py): (out [B, T, Hv, Dv] in raw's dtype, the updated view).
+        The rows' recurrent states are read from and written back to their slots in place; their
+        conv states are read from their slots and scattered back after the kernel (in place they
+        would race, see the kernel). raw [B, T, C] is the input projection's q | k | v before the conv, b_in / a_in [B, T, Hv] the
         b / a projections, params (conv_weight [C, W], A_log [Hv], dt_bias [Hv]), fresh [B] bool
         (start from zeros), n_valid [B] (the row's real tokens; the rest are padding)."""
         from pallas_kernels import gated_delta  # the cache package imports Pallas only when asked
@@ -112,9 +113,7 @@ class SlottedGDNState:
             raw, b_in, a_in, conv_weight, a_log, dt_bias, self.conv_pool, self.recurrent_pool, self.slots, fresh,
             n_valid, key_heads=key_heads, drop_slot=SCRATCH_SLOT, interpret=interpret,
         )  # fmt: skip
-        conv = scatter_states(
-            self.pools(), self.slots, GDNState(new_conv, None)
-        ).conv  # not in place: see the kernel
+        conv = scatter_states(self.pools(), self.slots, GDNState(new_conv, None)).conv
         return out, SlottedGDNState(conv, recurrent, self.slots)
 
 
