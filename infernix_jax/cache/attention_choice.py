@@ -32,37 +32,23 @@ so set them before an engine compiles its programs.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
+
+from infernix_jax.switches import env_mode, switched
 
 MODES = ("auto", "kernel", "xla", "interpret")
 DEFAULT_MODE = "auto"
 PREFILL_KERNEL_MIN_TOKENS = 64  # query tokens per row from which prefill runs the flash kernel
 
 
-def _from_env(name: str, default: str = DEFAULT_MODE) -> str:
-    mode = os.environ.get(name, default)
-    if mode not in MODES:
-        raise ValueError(f"{name} must be one of {', '.join(MODES)}; got {mode!r}")
-    return mode
-
-
 _modes = {
-    "decode": _from_env("INFERNIX_DECODE_ATTENTION"),
-    "prefill": _from_env("INFERNIX_PREFILL_ATTENTION"),
-    "recurrent": _from_env("INFERNIX_GDN_DECODE"),
+    "decode": env_mode("INFERNIX_DECODE_ATTENTION", DEFAULT_MODE, MODES),
+    "prefill": env_mode("INFERNIX_PREFILL_ATTENTION", DEFAULT_MODE, MODES),
+    "recurrent": env_mode("INFERNIX_GDN_DECODE", DEFAULT_MODE, MODES),
 }
 
 
-@contextlib.contextmanager
-def _mode(kind: str, mode: str) -> Iterator[None]:
-    if mode not in MODES:
-        raise ValueError(f"{kind} attention mode must be one of {', '.join(MODES)}; got {mode!r}")
-    previous, _modes[kind] = _modes[kind], mode
-    try:
-        yield
-    finally:
-        _modes[kind] = previous
+def _mode(kind: str, mode: str) -> contextlib.AbstractContextManager[None]:
+    return switched(_modes, kind, mode, MODES, f"{kind} attention mode")
 
 
 def decode_attention_mode(mode: str) -> contextlib.AbstractContextManager[None]:

@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -55,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infernix_jax.switches import env_mode, switched
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, grouped_matmuls, resolve_config
@@ -438,14 +438,6 @@ class FP8Weight(QuantizedWeight):
 
 _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
 
-def _env_mode(variable: str, default: str, modes: tuple[str, ...]) -> str:
-    """A switch's start value: the environment variable's, else `default`; refused unless in `modes`."""
-    mode = os.environ.get(variable, default)
-    if mode not in modes:
-        raise ValueError(f"{variable} must be one of {', '.join(modes)}; got {mode!r}")
-    return mode
-
-
 ON_OFF = ("on", "off")
 FP8_DECODE_MODES = ("auto", "kernel", "xla")
 FUSED_PROJECTION_MODES = ("on", "off", "rows")
@@ -453,23 +445,11 @@ FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`).
 _modes = {
-    "fp8_decode": _env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
-    "fused_projections": _env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
-    "streamed_experts": _env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
-    "fused_experts": _env_mode("INFERNIX_FUSED_EXPERTS", "off", ON_OFF),
+    "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
+    "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
+    "streamed_experts": env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
+    "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "off", ON_OFF),
 }
-
-
-@contextlib.contextmanager
-def _switched(name: str, mode: str, modes: tuple[str, ...], what: str) -> Iterator[None]:
-    """`_modes[name]` set to `mode` inside the block (refused unless in `modes`), restored after."""
-    if mode not in modes:
-        raise ValueError(f"{what} must be one of {', '.join(modes)}; got {mode!r}")
-    previous, _modes[name] = _modes[name], mode
-    try:
-        yield
-    finally:
-        _modes[name] = previous
 
 
 @contextlib.contextmanager
@@ -477,7 +457,7 @@ def fp8_decode_mode(mode: str) -> Iterator[None]:
     """Choose, while tracing inside this block, how per-tensor FP8 decode matmuls run on a GPU:
     "kernel" (the Pallas kernel), "xla" (`fp8_xla_matmul`) or "auto" (`fp8_decode_way`).
     The default comes from the environment variable INFERNIX_FP8_DECODE."""
-    with _switched("fp8_decode", mode, FP8_DECODE_MODES, "FP8 decode mode"):
+    with switched(_modes, "fp8_decode", mode, FP8_DECODE_MODES, "FP8 decode mode"):
         yield
 
 
@@ -736,7 +716,7 @@ def fused_projections(enabled: bool | str) -> Iterator[None]:
     decode row, False / "off" never, "rows" also at 2-16 rows through the streamed float16 dots
     ("dot_ws": fewer launches at small batches, each slower than "dot_w" alone; to be measured)."""
     mode = ("on" if enabled else "off") if isinstance(enabled, bool) else enabled
-    with _switched("fused_projections", mode, FUSED_PROJECTION_MODES, "fused projections"):
+    with switched(_modes, "fused_projections", mode, FUSED_PROJECTION_MODES, "fused projections"):
         yield
 
 
@@ -917,7 +897,7 @@ def streamed_experts(enabled: bool) -> Iterator[None]:
     for decode batches of up to STREAMED_EXPERTS_MAX_TOKENS tokens, while tracing inside this block
     (default: INFERNIX_STREAMED_EXPERTS, "off" until a GPU measurement says it pays:
     docs/gpu_runs.md row 6l)."""
-    with _switched("streamed_experts", "on" if enabled else "off", ON_OFF, "streamed experts"):
+    with switched(_modes, "streamed_experts", "on" if enabled else "off", ON_OFF, "streamed experts"):
         yield
 
 
@@ -926,7 +906,7 @@ def fused_experts(enabled: bool) -> Iterator[None]:
     """Whether `grouped_expert_matmuls` runs an expert's gate and up stacks in one grouped-kernel
     launch while tracing inside this block (default: INFERNIX_FUSED_EXPERTS, "off" until a GPU
     measurement says it pays: docs/gpu_runs.md)."""
-    with _switched("fused_experts", "on" if enabled else "off", ON_OFF, "fused experts"):
+    with switched(_modes, "fused_experts", "on" if enabled else "off", ON_OFF, "fused experts"):
         yield
 
 
