@@ -34,7 +34,7 @@ import numpy as np
 from bench.ceilings import QUICK, Sizes, measure_hbm_read
 from bench.record import git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.allocators import SCRATCH_SLOT
-from infernix_jax.model.gated_deltanet import causal_conv, l2_normalize, recurrent_gated_delta_rule
+from infernix_jax.model.gated_deltanet import causal_conv, gates, l2_normalize, recurrent_gated_delta_rule
 from pallas_kernels import compat
 from pallas_kernels.gated_delta import (
     DEFAULT_BLOCK_V,
@@ -93,11 +93,8 @@ def _conv_and_gates(tokens, params, conv_pool, slots, fresh, n_valid):
     conv_weight, a_log, dt_bias = params
     conv_state = jnp.where(fresh[:, None, None], 0, conv_pool[slots])
     mixed, new_conv = causal_conv(raw, conv_state, conv_weight, n_valid)
-    valid = (jnp.arange(raw.shape[1])[None, :] < n_valid[:, None])[..., None]
-    beta = jnp.where(valid, jax.nn.sigmoid(b_in.astype(jnp.float32)), 0.0)
-    g = jnp.where(
-        valid, -jnp.exp(a_log) * jax.nn.softplus(a_in.astype(jnp.float32) + dt_bias.astype(jnp.float32)), 0.0
-    )
+    valid = jnp.arange(raw.shape[1])[None, :] < n_valid[:, None]
+    g, beta = gates(b_in, a_in, a_log, dt_bias, valid)
     return mixed, g, beta, new_conv
 
 

@@ -40,6 +40,18 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def gates(
+    b_in: jax.Array, a_in: jax.Array, a_log: jax.Array, dt_bias: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The recurrence's log decay and write strength from the b / a projections [B, T, H]:
+    (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), float32, 0 where not `valid` [B, T]
+    (padding tokens then leave the state as it was)."""
+    f32 = jnp.float32
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(b_in.astype(f32)), 0.0)
+    g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a_in.astype(f32) + dt_bias.astype(f32))
+    return jnp.where(valid[..., None], g, 0.0), beta
+
+
 def causal_conv(
     x: jax.Array, conv_state: jax.Array, weight: jax.Array, n_valid: jax.Array, keep_states: bool = False
 ) -> tuple[jax.Array, jax.Array]:
@@ -318,11 +330,7 @@ def gated_deltanet(
         mixed, new_conv = causal_conv(mixed, conv_state, p.conv_weight, n_valid, keep_states)
     else:
         mixed, new_conv = tree_causal_conv(mixed, conv_state, p.conv_weight, tree_parents)
-    beta = jnp.where(valid[..., None], jax.nn.sigmoid(b_in.astype(jnp.float32)), 0.0)
-    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(
-        a_in.astype(jnp.float32) + p.dt_bias.astype(jnp.float32)
-    )
-    g = jnp.where(valid[..., None], g, 0.0)
+    g, beta = gates(b_in, a_in, p.A_log, p.dt_bias, valid)
 
     key_dim = cfg.linear_key_dim
     q = mixed[..., :key_dim].reshape(b, t, hk, dk)

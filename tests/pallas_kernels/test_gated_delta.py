@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.model.gated_deltanet import causal_conv, l2_normalize, recurrent_gated_delta_rule
+from infernix_jax.model.gated_deltanet import causal_conv, gates, l2_normalize, recurrent_gated_delta_rule
 from pallas_kernels import compat
 
 INTERPRET = not compat.on_gpu()  # on a GPU the tests run the compiled kernel
@@ -223,9 +223,7 @@ def test_conv_reference_equals_the_model_conv_and_gates():
     )
     conv_state = jnp.where(fresh[:, None, None], 0.0, conv_pool[slots])
     mixed, want_conv = causal_conv(raw, conv_state, w, n_valid)
-    valid = (jnp.arange(t)[None, :] < n_valid[:, None])[..., None]
-    beta = jnp.where(valid, jax.nn.sigmoid(b_in), 0.0)
-    g = jnp.where(valid, -jnp.exp(a_log) * jax.nn.softplus(a_in + dt_bias), 0.0)
+    g, beta = gates(b_in, a_in, a_log, dt_bias, jnp.arange(t)[None, :] < n_valid[:, None])
     want_out, _ = reference_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads=hk)
     np.testing.assert_array_equal(np.asarray(new_conv), np.asarray(want_conv))
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
