@@ -54,11 +54,13 @@ def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: in
 
 
 def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit,
-            weights="bf16", profile=False, profile_top=25):  # fmt: skip
+            weights="bf16", profile=False, profile_top=25, profile_engine=False, loop_graphs=False):  # fmt: skip
     dtype = params.final_norm.dtype
+    engine_traced = 3 if profile_engine else 0
     core = make_core(
         cfg, params, batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=256,
-        new_tokens=steps * (dispatches + 3), warmup=False, prefix_cache=False,  # + the dispatch run ahead
+        new_tokens=steps * (dispatches + 3 + engine_traced), warmup=False, prefix_cache=False,  # + the dispatch run ahead
+        decode_loop_graphs=loop_graphs,
     )
     place_prompts_without_compute(core, batch, context)
     core.step()  # compile / warm the decode program
@@ -76,6 +78,10 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
         raise RuntimeError(f"timed {tokens} tokens, expected {batch * steps * dispatches}: rows stopped early")
     decode_wall = core.metrics.decode_wall_s - start_metrics[0]
     device_wait = core.metrics.decode_device_wait_s - start_metrics[1]
+    engine_profile = {}
+    if profile_engine:  # the engine loop itself under the profiler: where the host's time per dispatch goes
+        engine_profile = profile_device(core.step, repeats=engine_traced, top=profile_top)
+        print(format_summary(engine_profile), flush=True)
     device_s, decode = device_only_dispatch_s(core, batch, steps, dispatches)
     profiled = {}
     if profile:  # two more device-only dispatches under the profiler: kernels and idle gaps
@@ -98,6 +104,7 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
         "ms_per_step": 1e3 * wall / (dispatches * steps),
         "device_ms_per_step": 1e3 * device_s / steps,
         **({"profile": profiled} if profile else {}),
+        **({"engine_profile": engine_profile} if profile_engine else {}),
     })  # fmt: skip
 
 
@@ -154,6 +161,12 @@ def main(argv: list[str] | None = None):
                              "INFERNIX_GDN_DECODE's)")  # fmt: skip
     parser.add_argument("--profile-top", type=int, default=25,
                         help="with --profile: kernels (by total time) and idle gaps the record keeps")  # fmt: skip
+    parser.add_argument("--loop-graphs", default="off",
+                        help="on, off or on,off: the decode program's step loop inside one CUDA graph "
+                             "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
+    parser.add_argument("--profile-engine", action="store_true",
+                        help="also trace three steps of the engine loop (host and device): where the host's "
+                             "time beyond the device's goes")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="also trace two device-only dispatches: busy share and top kernels in the record")  # fmt: skip
     args = parser.parse_args(argv)
@@ -174,10 +187,10 @@ def main(argv: list[str] | None = None):
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
                 modes = [
-                    (m, f, x, g, st) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
-                    for x in experts for g in gdn_ways for st in streamed
+                    (m, f, x, g, st, lg) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
+                    for x in experts for g in gdn_ways for st in streamed for lg in args.loop_graphs.split(",")
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None):
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
-                                         args.profile_top)  # fmt: skip
+                                         args.profile_top, args.profile_engine, loops == "on")  # fmt: skip
                     if mode != "auto":
                         record.name += f" fp8-decode-{mode}"
                     if fused != "on":
@@ -201,6 +214,11 @@ def main(argv: list[str] | None = None):
                         record.name += f" gdn-decode-{gdn}"
                     if streamed_x == "on":
                         record.name += " streamed-experts"
+                    if loops == "on":
+                        record.name += " loop-graphs"
+                    record.details["loop_graphs"] = loops
+                    if os.environ.get("XLA_FLAGS"):
+                        record.details["xla_flags"] = os.environ["XLA_FLAGS"]
                     record.details["gdn_decode"] = gdn or os.environ.get("INFERNIX_GDN_DECODE", "auto")
                     record.details["streamed_experts"] = streamed_x or os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
                     record.details["fp8_decode"] = mode

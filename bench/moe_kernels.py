@@ -107,7 +107,21 @@ def routings_per_call(batch: int, shape: MoEShape, per_expert: int) -> int:
     return max(2, min(MAX_ROUTINGS, -(-L2_DEFEAT_BYTES // per_routing)))
 
 
-def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
+# --wide: NVFP4's word-decoded dots at decode batches over more tiles (block_n, block_k, split_k,
+# num_warps, num_stages): narrower tiles and split K put more programs (and loads) on the SMs
+# when ten experts' weights are all a step reads
+WIDE_WORD_TILES = [
+    (bn, bk, sk, w, st)
+    for bn, bk, sk, w, st in [
+        (16, 256, 1, 4, 3), (32, 256, 1, 4, 3), (32, 512, 1, 4, 3), (64, 256, 1, 8, 3),
+        (64, 256, 1, 4, 4), (64, 256, 1, 4, 2), (128, 256, 1, 8, 3), (32, 256, 2, 4, 3),
+        (64, 256, 2, 4, 3), (32, 256, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 4, 4, 3),
+        (16, 256, 2, 4, 3), (32, 128, 2, 4, 4),
+    ]
+]  # fmt: skip
+
+
+def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> list[GroupedConfig]:
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
     most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two;
     NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two); every
@@ -156,6 +170,12 @@ def configs(fmt: str, batch: int, k: int, quick: bool) -> list[GroupedConfig]:
         streamed = [(bn, min(bk, 128), w) for bn, bk, w in streamed]
     low_k = WORD_MIN_BLOCK_K if words else 16
     out += [GroupedConfig("gemv_ws", gemv_m, bn, max(low_k, min(bk, kmax)), num_warps=w) for bn, bk, w in streamed]
+    if wide and words:
+        out += [
+            GroupedConfig("dot_w", 16, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax)), split_k=sk, num_warps=w, num_stages=st)
+            for bn, bk, sk, w, st in WIDE_WORD_TILES
+            if k >= bk * sk
+        ]
     return list(dict.fromkeys(out))
 
 
@@ -202,7 +222,7 @@ def bench_projection(fmt, proj, n, k, batches, routings, args, *, shape, hbm, po
             ]
             by_kind[kind] = steps
         routes0 = tuple((x, sizes) for x, sizes, _ in by_kind[routings[0]])
-        cfgs = configs(fmt, batch, k, args.quick)
+        cfgs = configs(fmt, batch, k, args.quick, args.wide)
         fns = {cfg: _calls_fn(static, cfg, args.interpret) for cfg in cfgs}
         fns[None] = _calls_fn(static, None, False)
         compiled = _compile(fns, routes0, weight, pool)  # shapes do not depend on the routing
@@ -295,6 +315,7 @@ def main(argv: list[str] | None = None) -> list:
     parser.add_argument("--batches", default=None, help="decode batches (default 1,2,4,8; --quick 1,2)")
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--routings", type=int, default=None, help="routings per timed call")
+    parser.add_argument("--wide", action="store_true", help="NVFP4: also the word-decoded dots at more tiles")
     parser.add_argument("--compile-threads", type=int, default=8)
     parser.add_argument("--out", help="output file (default: bench/results/moe-kernels-<machine>.json)")
     args = parser.parse_args(argv)
