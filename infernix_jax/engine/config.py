@@ -70,6 +70,10 @@ class EngineConfig:
     # keep theirs (infernix_jax/jit.py). On the H200 False was slower: 27B split at 60% of free
     # decode against 85% (docs/structured_output.md)
     one_step_command_buffers: bool = True
+    # whether the multi-step decode program is compiled with its step loop inside one CUDA graph
+    # (XLA's WHILE / CONDITIONAL commands, infernix_jax/jit.py `with_loop_graphs`): one graph launch
+    # per dispatch instead of one per step, so the host runs ahead of the device (docs/engine.md)
+    decode_loop_graphs: bool = False
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
     prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts

@@ -751,7 +751,8 @@ class Runner:
             masked = dict(
                 zip(("mask", "feed_id"), jax.device_put((feed.masks(), np.int32(feed.id)), self.device))
             )
-        self.kv_pool, self.state_pool, self.slot_sampling, out, self.last_feed = decode_program(
+        program = decode_program.with_loop_graphs if self.config.decode_loop_graphs else decode_program
+        self.kv_pool, self.state_pool, self.slot_sampling, out, self.last_feed = program(
             self.params,
             self.kv_pool,
             self.state_pool,

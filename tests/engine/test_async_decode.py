@@ -179,3 +179,26 @@ def test_a_waiting_request_stops_the_run_ahead(core):
 def test_the_config_switch_turns_it_off(model):
     core = EngineCore(model.config, model.params, dataclasses.replace(CONFIG, async_decode=False))
     assert core.async_decode.enabled is False
+
+
+def test_loop_graphs_give_the_same_tokens(core, model):
+    """The decode program compiled with its step loop in one CUDA graph (EngineConfig.decode_loop_graphs)
+    samples what the per-step launches do, greedy and seeded, with asynchronous decode on. On the
+    CPU both are one program; on a GPU (`JAX_PLATFORMS=cuda pytest`) they are two compilations."""
+    ids = prompts((7, 41, 18), seed=5)
+
+    def make(prefix):
+        return [
+            GenerationRequest(f"{prefix}g", ids[0], SamplingParams(max_tokens=19, ignore_eos=True, logprobs=2)),
+            GenerationRequest(f"{prefix}s", ids[1], SamplingParams(max_tokens=26, temperature=0.8, seed=3,
+                                                                    ignore_eos=True, logprobs=2)),
+            GenerationRequest(f"{prefix}t", ids[2], SamplingParams(max_tokens=11, top_k=5, temperature=1.0,
+                                                                    seed=9, ignore_eos=True)),
+        ]  # fmt: skip
+
+    core.prefix_cache.clear()
+    per_step = run(core, make("p"))
+    graphs = EngineCore(model.config, model.params, dataclasses.replace(CONFIG, decode_loop_graphs=True),
+                        LetterTokenizer())  # fmt: skip
+    assert run(graphs, make("p")) == per_step
+    assert_pool_empty(graphs)
