@@ -267,16 +267,19 @@ def test_gate_and_up_in_one_launch_give_the_same_block_output(monkeypatch, fmt, 
     np.testing.assert_array_equal(out[True], out[False])
 
 
-def test_gate_and_up_stay_apart_by_default_and_on_the_reference_path(monkeypatch):
+def test_gate_and_up_share_a_launch_by_default_but_not_when_off_or_on_the_reference_path(monkeypatch):
     cfg, p = _config(), _block("nvfp4", seed=7)
     x = jax.random.normal(jax.random.key(8), (1, 2, D), jnp.bfloat16)
-    launches = []
-    monkeypatch.setattr(quant, "grouped_matmuls", lambda *a, **kw: launches.append(1))
+    launches, real = [], quant.grouped_matmuls
+    monkeypatch.setattr(quant, "grouped_matmuls", lambda *a, **kw: launches.append(1) or real(*a, **kw))
     with kernel_mode("interpret"):
+        jax.eval_shape(lambda p, x: mlp.moe(p, x, cfg), p, x)
+    assert launches == [1]
+    with kernel_mode("interpret"), quant.fused_experts(False):
         jax.eval_shape(lambda p, x: mlp.moe(p, x, cfg), p, x)
     with kernel_mode("reference"), quant.fused_experts(True):
         jax.eval_shape(lambda p, x: mlp.moe(p, x, cfg), p, x)
-    assert launches == []
+    assert launches == [1]
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block32"])
