@@ -32,8 +32,13 @@ def test_options_and_donation_reach_xla_only_on_an_accelerator(monkeypatch):
     program = jit_module.jit(lambda x: x + 1, donate_argnums=(0,), static_argnames=())
     for backend in ("cpu", "gpu"):
         monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
-        assert program(1) == 2 and program.without_command_buffers(1) == 2
-    cpu, gpu_plain, gpu_twin = calls  # on the CPU the twin is the same compiled program
+        assert program(1) == 2 and program.without_command_buffers(1) == 2 and program.with_loop_graphs(1) == 2
+    cpu, gpu_plain, gpu_twin, gpu_loops = calls  # on the CPU the twins are the same compiled program
     assert cpu == {"static_argnames": ()}
     assert gpu_plain == {"donate_argnums": (0,), "donate_argnames": (), "static_argnames": ()}
     assert gpu_twin == {**gpu_plain, "compiler_options": {"xla_gpu_enable_command_buffer": ""}}
+    # loops and conditionals join the command types, named in full: a compiler option refuses the
+    # "+WHILE" form that XLA_FLAGS accepts (jax 0.11.2 on a GPU)
+    types = gpu_loops["compiler_options"]["xla_gpu_enable_command_buffer"].split(",")
+    assert {"FUSION", "CUSTOM_CALL", "WHILE", "CONDITIONAL"} <= set(types)
+    assert not any(t.startswith(("+", "-")) for t in types)

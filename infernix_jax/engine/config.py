@@ -72,7 +72,8 @@ class EngineConfig:
     one_step_command_buffers: bool = True
     # whether the multi-step decode program is compiled with its step loop inside one CUDA graph
     # (XLA's WHILE / CONDITIONAL commands, infernix_jax/jit.py `with_loop_graphs`): one graph launch
-    # per dispatch instead of one per step, so the host runs ahead of the device (docs/engine.md)
+    # per dispatch instead of one per step, so the host could run ahead of the device; on an H100
+    # it did not change the 80B-A3B decode rate, so it is off (docs/engine.md)
     decode_loop_graphs: bool = False
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
