@@ -44,7 +44,13 @@ from bench.engine_setup import (
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.weights.quant import fp8_decode_mode, fused_experts, fused_projections, streamed_experts
+from infernix_jax.weights.quant import (
+    current_modes,
+    fp8_decode_mode,
+    fused_experts,
+    fused_projections,
+    streamed_experts,
+)
 
 
 def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: int) -> str:
@@ -220,10 +226,10 @@ def main(argv: list[str] | None = None):
                     if os.environ.get("XLA_FLAGS"):
                         record.details["xla_flags"] = os.environ["XLA_FLAGS"]
                     record.details["gdn_decode"] = gdn or os.environ.get("INFERNIX_GDN_DECODE", "auto")
-                    record.details["streamed_experts"] = streamed_x or os.environ.get("INFERNIX_STREAMED_EXPERTS", "off")
+                    record.details["streamed_experts"] = streamed_x or current_modes()["streamed_experts"]
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused
-                    record.details["fused_experts"] = fused_x or os.environ.get("INFERNIX_FUSED_EXPERTS", "off")
+                    record.details["fused_experts"] = fused_x or current_modes()["fused_experts"]
                     print(f"{record.name}: {record.figure:.1f} tok/s = {record.fraction:.1%} of {record.ceiling:.1f}"
                           f" (host {record.details['host_fraction']:.1%})", flush=True)  # fmt: skip
                     records.append(record)

@@ -452,6 +452,12 @@ _modes = {
 }
 
 
+def current_modes() -> dict[str, str]:
+    """The switches above as they stand now (their environment variables or an enclosing block):
+    what a benchmark record names as measured."""
+    return dict(_modes)
+
+
 @contextlib.contextmanager
 def fp8_decode_mode(mode: str) -> Iterator[None]:
     """Choose, while tracing inside this block, how per-tensor FP8 decode matmuls run on a GPU:
