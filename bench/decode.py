@@ -44,6 +44,7 @@ from bench.engine_setup import (
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache.attention_choice import recurrent_update_mode
+from infernix_jax.model import mlp
 from infernix_jax.weights.quant import (
     current_modes,
     fp8_decode_mode,
@@ -114,6 +115,20 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     })  # fmt: skip
 
 
+@contextlib.contextmanager
+def router_top_k(way: str):
+    """The MoE router's top-k while tracing inside the block: "compare" (model.mlp's comparison
+    form up to its token limit, the default) or "sort" (lax.top_k at every size)."""
+    if way not in ("compare", "sort"):
+        raise ValueError(f"--router-top-k must be compare or sort; got {way!r}")
+    previous = mlp.TOP_K_BY_COMPARING_MAX
+    mlp.TOP_K_BY_COMPARING_MAX = previous if way == "compare" else 0
+    try:
+        yield
+    finally:
+        mlp.TOP_K_BY_COMPARING_MAX = previous
+
+
 def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int):
     """(seconds, its input) of one decode dispatch on the device alone: the same program enqueued back to back
     (JAX dispatch is asynchronous, so the host's work hides behind the device's). The engine loop's
@@ -167,6 +182,9 @@ def main(argv: list[str] | None = None):
                              "INFERNIX_GDN_DECODE's)")  # fmt: skip
     parser.add_argument("--profile-top", type=int, default=25,
                         help="with --profile: kernels (by total time) and idle gaps the record keeps")  # fmt: skip
+    parser.add_argument("--router-top-k", default="compare",
+                        help="compare, sort or compare,sort: the MoE router's top-k at decode by comparisons "
+                             "(model.mlp._top_k) or lax.top_k's sort, measured in turn")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
@@ -193,10 +211,11 @@ def main(argv: list[str] | None = None):
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
                 modes = [
-                    (m, f, x, g, st, lg) for m in args.fp8_decode.split(",") for f in args.fused_projections.split(",")
-                    for x in experts for g in gdn_ways for st in streamed for lg in args.loop_graphs.split(",")
+                    (m, f, x, g, st, lg, tk) for m in args.fp8_decode.split(",")
+                    for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
+                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",")
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -206,6 +225,7 @@ def main(argv: list[str] | None = None):
                     gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
+                        router_top_k(top_k),
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -222,6 +242,9 @@ def main(argv: list[str] | None = None):
                         record.name += " streamed-experts"
                     if loops == "on":
                         record.name += " loop-graphs"
+                    if top_k != "compare":
+                        record.name += f" top-k-{top_k}"
+                    record.details["router_top_k"] = top_k
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):
                         record.details["xla_flags"] = os.environ["XLA_FLAGS"]
