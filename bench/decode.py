@@ -43,8 +43,9 @@ from bench.engine_setup import (
 )
 from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
+from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.model import mlp
+from infernix_jax.model.mlp import router_top_k
 from infernix_jax.weights.quant import (
     current_modes,
     fp8_decode_mode,
@@ -115,20 +116,6 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
     })  # fmt: skip
 
 
-@contextlib.contextmanager
-def router_top_k(way: str):
-    """The MoE router's top-k while tracing inside the block: "compare" (model.mlp's comparison
-    form up to its token limit, the default) or "sort" (lax.top_k at every size)."""
-    if way not in ("compare", "sort"):
-        raise ValueError(f"--router-top-k must be compare or sort; got {way!r}")
-    previous = mlp.TOP_K_BY_COMPARING_MAX
-    mlp.TOP_K_BY_COMPARING_MAX = previous if way == "compare" else 0
-    try:
-        yield
-    finally:
-        mlp.TOP_K_BY_COMPARING_MAX = previous
-
-
 def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int):
     """(seconds, its input) of one decode dispatch on the device alone: the same program enqueued back to back
     (JAX dispatch is asynchronous, so the host's work hides behind the device's). The engine loop's
@@ -184,7 +171,7 @@ def main(argv: list[str] | None = None):
                         help="with --profile: kernels (by total time) and idle gaps the record keeps")  # fmt: skip
     parser.add_argument("--router-top-k", default="compare",
                         help="compare, sort or compare,sort: the MoE router's top-k at decode by comparisons "
-                             "(model.mlp._top_k) or lax.top_k's sort, measured in turn")  # fmt: skip
+                             "or lax.top_k's sort (model.mlp.router_top_k), measured in turn")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
@@ -248,7 +235,7 @@ def main(argv: list[str] | None = None):
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):
                         record.details["xla_flags"] = os.environ["XLA_FLAGS"]
-                    record.details["gdn_decode"] = gdn or os.environ.get("INFERNIX_GDN_DECODE", "auto")
+                    record.details["gdn_decode"] = gdn or attention_choice.current_modes()["recurrent"]
                     record.details["streamed_experts"] = streamed_x or current_modes()["streamed_experts"]
                     record.details["fp8_decode"] = mode
                     record.details["fused_projections"] = fused

@@ -66,6 +66,12 @@ def recurrent_update_mode(mode: str) -> contextlib.AbstractContextManager[None]:
     return _mode("recurrent", mode)
 
 
+def current_modes() -> dict[str, str]:
+    """The switches as they stand now (their environment variables or an enclosing block): what a
+    benchmark record names as measured."""
+    return dict(_modes)
+
+
 def _kernel_choice(kind: str) -> tuple[bool, bool]:
     from pallas_kernels import compat  # the cache package imports Pallas only when asked
 

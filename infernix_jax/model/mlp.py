@@ -32,6 +32,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.model import host_copy, host_report
 from infernix_jax.model.host_copy import GATHER_BLOCKS
 from infernix_jax.model.params import MLPParams, MoEParams
+from infernix_jax.switches import env_mode, switched
 from infernix_jax.weights.quant import (
     QuantizedWeight,
     dequantize,
@@ -55,6 +56,16 @@ GATHER_MIN_PAIRS = 64
 COUNT_BY_COMPARING_MAX = 256
 # Up to this many tokens the router's top-k comes from comparisons (`_top_k`), not a sort.
 TOP_K_BY_COMPARING_MAX = 64
+ROUTER_TOP_K_WAYS = ("compare", "sort")
+# read while tracing: "compare" (comparisons up to TOP_K_BY_COMPARING_MAX tokens) or "sort"
+# (lax.top_k at every size); INFERNIX_ROUTER_TOP_K, or a `router_top_k` block
+_modes = {"router_top_k": env_mode("INFERNIX_ROUTER_TOP_K", "compare", ROUTER_TOP_K_WAYS)}
+
+
+def router_top_k(way: str) -> contextlib.AbstractContextManager[None]:
+    """How the MoE router's top-k runs in programs traced inside this block: "compare" or "sort"
+    (lax.top_k's sort kernel on a GPU; the same values and ids either way)."""
+    return switched(_modes, "router_top_k", way, ROUTER_TOP_K_WAYS, "router top-k")
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
@@ -80,7 +91,7 @@ def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     picked by rank: one or two fusions. XLA's GPU top-k of 10 among 512 is a sort kernel of ~5 us
     a layer (the 80B-A3B profile, docs/pallas.md). The same values and indices, ties included."""
     n, e = probs.shape
-    if n > TOP_K_BY_COMPARING_MAX:
+    if n > TOP_K_BY_COMPARING_MAX or _modes["router_top_k"] == "sort":
         return jax.lax.top_k(probs, k)
     idx = jnp.arange(e, dtype=jnp.int32)
     a, b = probs[:, :, None], probs[:, None, :]

@@ -90,21 +90,3 @@ def test_prefill_flops_count_quantized_weights_by_their_logical_shape(tiny_nvfp4
     _, plain = build_model("tiny", jnp.float32)
     assert active_params_per_token(cfg, params) == active_params_per_token(cfg, plain)
     assert active_params_per_token(cfg, plain) * 4 == weight_bytes_per_token(cfg, plain)  # float32: 4 bytes each
-
-
-def test_the_router_top_k_switch_takes_the_sort_inside_its_block_only():
-    """`--router-top-k sort` measures lax.top_k's sort against the comparison form: inside the block
-    no token count takes the comparisons, after it the model's limit is back."""
-    from bench.decode import router_top_k
-    from infernix_jax.model import mlp
-
-    limit = mlp.TOP_K_BY_COMPARING_MAX
-    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (2, 16)), axis=-1)
-    with router_top_k("sort"):
-        assert mlp.TOP_K_BY_COMPARING_MAX == 0
-        sorted_way = mlp._top_k(probs, 4)
-    assert mlp.TOP_K_BY_COMPARING_MAX == limit
-    for got, want in zip(mlp._top_k(probs, 4), sorted_way):
-        np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="compare or sort"), router_top_k("heap"):
-        pass

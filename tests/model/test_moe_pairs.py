@@ -70,3 +70,20 @@ def test_router_top_k_of_many_tokens_keeps_lax_top_k():
     want_values, want_ids = jax.lax.top_k(probs, 4)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+def test_the_sort_switch_takes_lax_top_k_at_decode_sizes_inside_its_block_only(monkeypatch):
+    """`router_top_k("sort")` (for measuring against the comparisons) routes a decode-size batch
+    through lax.top_k while the block lasts; the values and ids are the same either way."""
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (2, 16)), axis=-1)
+    sorts = []
+    real = jax.lax.top_k
+    monkeypatch.setattr(jax.lax, "top_k", lambda *a: sorts.append(1) or real(*a))
+    with mlp.router_top_k("sort"):
+        sorted_way = mlp._top_k(probs, 4)
+    compared = mlp._top_k(probs, 4)
+    assert sorts == [1]
+    for got, want in zip(compared, sorted_way):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="router top-k"), mlp.router_top_k("heap"):
+        pass
