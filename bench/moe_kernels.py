@@ -110,14 +110,11 @@ def routings_per_call(batch: int, shape: MoEShape, per_expert: int) -> int:
 # --wide: NVFP4's word-decoded dots at decode batches over more tiles (block_n, block_k, split_k,
 # num_warps, num_stages): narrower tiles and split K put more programs (and loads) on the SMs
 # when ten experts' weights are all a step reads
-WIDE_WORD_TILES = [
-    (bn, bk, sk, w, st)
-    for bn, bk, sk, w, st in [
-        (16, 256, 1, 4, 3), (32, 256, 1, 4, 3), (32, 512, 1, 4, 3), (64, 256, 1, 8, 3),
-        (64, 256, 1, 4, 4), (64, 256, 1, 4, 2), (128, 256, 1, 8, 3), (32, 256, 2, 4, 3),
-        (64, 256, 2, 4, 3), (32, 256, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 4, 4, 3),
-        (16, 256, 2, 4, 3), (32, 128, 2, 4, 4),
-    ]
+WIDE_WORD_TILES = [  # (block_n, block_k, split_k, num_warps, num_stages)
+    (16, 256, 1, 4, 3), (32, 256, 1, 4, 3), (32, 512, 1, 4, 3), (64, 256, 1, 8, 3),
+    (64, 256, 1, 4, 4), (64, 256, 1, 4, 2), (128, 256, 1, 8, 3), (32, 256, 2, 4, 3),
+    (64, 256, 2, 4, 3), (32, 256, 4, 4, 3), (64, 256, 4, 4, 3), (64, 128, 4, 4, 3),
+    (16, 256, 2, 4, 3), (32, 128, 2, 4, 4),
 ]  # fmt: skip
 
 
