@@ -121,9 +121,9 @@ def kernel_sass(blob: bytes, name_part: str, cuobjdump: str) -> dict[str, str]:
     return found
 
 
-def serialized_executable(args) -> bytes:
-    """Compile the NVFP4 decode kernel of `args` (random weights of its shape, one bf16 row) and
-    return the executable's serialized bytes."""
+def kernel_inputs(args):
+    """The NVFP4 decode kernel of `args` as a jitted function and its inputs: random weights of
+    its shape and `args.rows` bf16 rows (`args.programs`, where given, sizes a streamed grid)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -142,8 +142,17 @@ def serialized_executable(args) -> bytes:
         "block_k": args.block_k,
         "num_warps": args.warps,
     }
+    if getattr(args, "programs", None):
+        tiles["programs"] = args.programs
     fn = jax.jit(lambda x, p, s, t: nvfp4_matmul(x, p, s, t, **tiles))
-    compiled = fn.lower(x, packed, scales, jnp.float32(1.0)).compile()
+    return fn, (x, packed, scales, jnp.float32(1.0))
+
+
+def serialized_executable(args) -> bytes:
+    """Compile the NVFP4 decode kernel of `args` (`kernel_inputs`) and return the executable's
+    serialized bytes."""
+    fn, inputs = kernel_inputs(args)
+    compiled = fn.lower(*inputs).compile()
     exe = compiled.runtime_executable()
     if hasattr(exe, "serialize"):  # jax 0.10: LoadedExecutable.serialize; else the client's
         return bytes(exe.serialize())
