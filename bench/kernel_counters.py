@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.kernel_sass import add_kernel_arguments, kernel_inputs
+
 # Raw metrics kept in the JSON summary, by name prefix (the rest stays in the raw CSV).
 HEADLINE_PREFIXES = (
     "dram__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -101,8 +103,6 @@ def run_child(args) -> None:
     """Compile the configuration and run it `warm` + 1 times (the profiled launch is the last)."""
     import jax
 
-    from bench.kernel_sass import kernel_inputs
-
     fn, inputs = kernel_inputs(args)
     for _ in range(args.warm + 1):
         jax.block_until_ready(fn(*inputs))
@@ -117,14 +117,7 @@ def export(ncu: str, report: Path, page: str, extra: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", default="gemv_ws")
-    parser.add_argument("--n", type=int, default=17408)
-    parser.add_argument("--k", type=int, default=5120)
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--block-n", type=int, default=32)
-    parser.add_argument("--block-k", type=int, default=512)
-    parser.add_argument("--warps", type=int, default=8)
-    parser.add_argument("--programs", type=int, default=None, help="streamed grid (default two per SM)")
+    add_kernel_arguments(parser)
     parser.add_argument("--warm", type=int, default=3, help="calls before the profiled one")
     parser.add_argument("--tag", default=None, help="file name stem (default the variant)")
     parser.add_argument("--ncu", default=None)

@@ -121,6 +121,18 @@ def kernel_sass(blob: bytes, name_part: str, cuobjdump: str) -> dict[str, str]:
     return found
 
 
+def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options naming one NVFP4 decode kernel configuration (`kernel_inputs` reads them)."""
+    parser.add_argument("--variant", default="gemv_ws")
+    parser.add_argument("--n", type=int, default=17408)
+    parser.add_argument("--k", type=int, default=5120)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--block-n", type=int, default=32)
+    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--warps", type=int, default=8)
+    parser.add_argument("--programs", type=int, default=None, help="streamed grid (default two per SM)")
+
+
 def kernel_inputs(args):
     """The NVFP4 decode kernel of `args` as a jitted function and its inputs: random weights of
     its shape and `args.rows` bf16 rows (`args.programs`, where given, sizes a streamed grid)."""
@@ -163,13 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variant", default="gemv_ws")
-    parser.add_argument("--n", type=int, default=17408)
-    parser.add_argument("--k", type=int, default=5120)
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--block-n", type=int, default=32)
-    parser.add_argument("--block-k", type=int, default=512)
-    parser.add_argument("--warps", type=int, default=8)
+    add_kernel_arguments(parser)
     parser.add_argument("--cuobjdump", default=None)
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
