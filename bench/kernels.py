@@ -47,7 +47,7 @@ from pallas_kernels import _quant_common as qc
 from pallas_kernels.fp8_matmul import DEFAULT_CONFIGS as FP8_DEFAULTS
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.nvfp4_matmul import DEFAULT_CONFIGS as NVFP4_DEFAULTS
-from pallas_kernels.nvfp4_matmul import nvfp4_matmul
+from pallas_kernels.nvfp4_matmul import WORD_VARIANTS, nvfp4_matmul
 
 # Linear layers, weight [N, K] (HF [out, in]), by model.
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="wall-clock cap of the sweep")
     parser.add_argument("--compile-threads", type=int, default=8, help="sweep: parallel XLA compiles")
     parser.add_argument("--variants", help="sweep: only these formulations (comma-separated; default all)")
+    parser.add_argument("--weight-loads", default="plain",
+                        help="sweep: NVFP4 word formulations with each of these weight-load cache hints "
+                             "(comma-separated: plain, cg, evict_first, cg_evict_first)")  # fmt: skip
+    parser.add_argument("--tiles", help="sweep: only these block_n x block_k (e.g. 32x512,32x1024)")
     parser.add_argument("--prefill", action="store_true", help="GPU: the tiled kernel at prefill sizes")
     parser.add_argument("--prefill-ms", default="4096,1024", help="prefill: activation rows (M) per point")
     parser.add_argument(
@@ -278,12 +282,14 @@ STREAMED_PROGRAMS = (2 * SMS, 3 * SMS, SMS, 4 * SMS)  # "gemv_ws" grids tried, m
 
 
 def sweep_configs(
-    fmt: str, n: int, k: int, batch: int, variants: tuple[str, ...] | None = None
+    fmt: str, n: int, k: int, batch: int, variants: tuple[str, ...] | None = None,
+    weight_loads: tuple[str, ...] = ("plain",), tiles: tuple[tuple[int, int], ...] | None = None,
 ) -> list[qc.MatmulConfig]:
     """Coarse grid for one point, most promising first and round-robin over formulations so a
     budget cut keeps every formulation represented (`variants`: only these). num_warps 4 (8 for
     the word-decoded gemv formulations), num_stages 3 here; `refine_configs` varies those around
-    the winners."""
+    the winners. NVFP4 word formulations are tried with each of `weight_loads`' cache hints in
+    turn (side by side, so a budget cut keeps the pairs). `tiles`: only these (block_n, block_k)."""
     per_variant = {}
     for variant in _variants(fmt, batch, variants):
         if qc.is_streamed(variant):  # the streamed grid instead of split K
@@ -320,7 +326,11 @@ def sweep_configs(
         per_variant[variant] = configs
     ordered = []
     for rank in range(max((len(c) for c in per_variant.values()), default=0)):
-        ordered += [c[rank] for c in per_variant.values() if rank < len(c)]
+        for c in (c[rank] for c in per_variant.values() if rank < len(c)):
+            if tiles is not None and (c.block_n, c.block_k) not in tiles:
+                continue
+            hinted = fmt == "nvfp4" and c.variant in WORD_VARIANTS
+            ordered += [dataclasses.replace(c, weight_loads=h) for h in weight_loads] if hinted else [c]
     return ordered
 
 
@@ -341,8 +351,10 @@ def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bo
     if cfg is None:
         one = _xla_fn(fmt, static)
     else:
-        kernel = nvfp4_matmul if fmt == "nvfp4" else fp8_matmul
-        one = functools.partial(kernel, **cfg.as_kwargs(), **static, interpret=interpret)
+        kernel, kwargs = (nvfp4_matmul if fmt == "nvfp4" else fp8_matmul), cfg.as_kwargs()
+        if fmt != "nvfp4":  # the weight-load hints are the NVFP4 word kernels'
+            kwargs.pop("weight_loads")
+        one = functools.partial(kernel, **kwargs, **static, interpret=interpret)
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 
 
@@ -405,7 +417,7 @@ def _compile_all(fmt, configs, static, xs, ws, pool, interpret=False):
 
 
 def sweep_point(
-    fmt, n, k, batch, weights, static, *, deadline: float, pool, interpret=False, variants=None
+    fmt, n, k, batch, weights, static, *, deadline: float, pool, interpret=False, variants=None, **grid
 ) -> dict:
     """Time the coarse grid until 65% of the time to `deadline` is spent, then warps x stages
     around the two best until the deadline; returns the point's summary (best, XLA time, table)."""
@@ -437,7 +449,7 @@ def sweep_point(
                 except Exception as e:  # noqa: BLE001
                     results[cfg] = f"{type(e).__name__}: {str(e)[:160]}"
 
-    coarse = sweep_configs(fmt, n, k, batch, variants)
+    coarse = sweep_configs(fmt, n, k, batch, variants, **grid)
     run(coarse, coarse_deadline)
     timed = sorted((t, c) for c, t in results.items() if isinstance(t, float))
     run(refine_configs([c for _, c in timed[:2]], set(results)), deadline)
@@ -481,7 +493,10 @@ def run_sweep(args) -> list:
     out_path = args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, batches)
     variants = tuple(args.variants.split(",")) if args.variants else None
-    n_configs = sum(len(sweep_configs(fmt, n, k, b, variants)) for fmt, (n, k), _ in points for b in batches)
+    grid = {"weight_loads": tuple(args.weight_loads.split(","))}
+    if args.tiles:
+        grid["tiles"] = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))
+    n_configs = sum(len(sweep_configs(fmt, n, k, b, variants, **grid)) for fmt, (n, k), _ in points for b in batches)
     print(
         f"sweep: {len(points) * len(batches)} points, at most {n_configs} coarse configs (+ warps x stages "
         f"around the 2 best per point), budget {args.sweep_budget_s:.0f} s, "
@@ -508,7 +523,7 @@ def run_sweep(args) -> list:
                 continue
             res = sweep_point(
                 fmt, n, k, batch, weights, static, deadline=deadline, pool=pool, interpret=interpret,
-                variants=variants,
+                variants=variants, **grid,
             )
             mismatches += res["mismatches"]
             if res["best"] is None:

@@ -282,14 +282,16 @@ def _nvfp4_tiled_kernel(
     compat.store(view, y, mask=_mask2(m_mask, n_mask, (bm, bn)))
 
 
-def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k):
-    """The [bn, bw] uint32 words and [bn, bw / 2] scale bits of the K step at word column kw."""
-    bs = bw // 2
+def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, weight_loads="plain"):
+    """The [bn, bw] uint32 words and [bn, bw / 2] scale bits of the K step at word column kw
+    (`weight_loads`: their cache hints, `_quant_common.WEIGHT_LOADS`)."""
+    bs, hints = bw // 2, qc.WEIGHT_LOADS[weight_loads]
     k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
     s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
-    words = qc.load(words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)], _mask2(n_mask, k_mask, (bn, bw)))
+    view = words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)]
+    words = qc.load(view, _mask2(n_mask, k_mask, (bn, bw)), hints)
     bits = qc.load(
-        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
+        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs)), hints
     )
     return words, bits
 
@@ -360,6 +362,7 @@ def _nvfp4_word_kernel(
     steps: int,
     even_n: bool,
     even_k: bool,
+    weight_loads: str = "plain",
 ):
     i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     col0, bn, bw = j * block_n, block_n, block_w
@@ -373,7 +376,7 @@ def _nvfp4_word_kernel(
 
     def loads(t):
         return _word_loads(words_ref, scale_ref, kw=kw_of(t), col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                           words_k=words_k, even_k=even_k)  # fmt: skip
+                           words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
 
     def products(acc, t, words, bits):
         return _word_gemv_products(acc, x_ref, words, bits, kw=kw_of(t), bn=bn, bw=bw, words_k=words_k,
@@ -396,10 +399,9 @@ def _nvfp4_word_kernel(
         kw = kw_of(t)
         if variant == "gemv_w":
             return products(acc, t, *loads(t))
-        return _word_step(
-            acc, x_ref, words_ref, scale_ref, kw=kw, col0=col0, bn=bn, bw=bw,
-            n_mask=n_mask, words_k=words_k, even_k=even_k, row0=i * rows, rows=rows, m_mask=m_mask,
-            transposed=variant == "dot_t_w",
+        return _word_dots(
+            acc, x_ref, *loads(t), kw=kw, bn=bn, bw=bw, words_k=words_k, even_k=even_k, row0=i * rows,
+            rows=rows, m_mask=m_mask, transposed=variant == "dot_t_w",
         )  # fmt: skip
 
     qc.accumulate_and_store(
@@ -408,14 +410,14 @@ def _nvfp4_word_kernel(
     )  # fmt: skip
 
 
-def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_k):
+def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_k, weight_loads):
     """The `loads(col0, ks, valid)` of the streamed word formulations (`_quant_common.streamed_loop`):
     one unit's words and scale bits, nothing read for rows past N or where `valid` is false."""
 
     def loads(col0, ks, valid):
         n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
         return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                           words_k=words_k, even_k=even_k)  # fmt: skip
+                           words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
 
     return loads
 
@@ -429,6 +431,7 @@ def _nvfp4_streamed_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
+    weight_loads: str,
 ):
     """The "gemv_ws" formulation: gemv_w's loads and products over a streamed plan
     (`_quant_common.streamed_gemv`); out_ref [slots, M, segments.n_size] float32 partial sums."""
@@ -436,7 +439,7 @@ def _nvfp4_streamed_kernel(
 
     def per_segment(s):
         return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
-                                    words_k=words_k, even_k=even_k)  # fmt: skip
+                                    words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
 
     def products(acc, ks, loaded):
         return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
@@ -456,6 +459,7 @@ def _nvfp4_streamed_half2_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
+    weight_loads: str,
     interpret: bool,
 ):
     """The "gemv_h2_ws" formulation: the streamed plan of gemv_ws with [bn, block_w / 2]
@@ -471,9 +475,10 @@ def _nvfp4_streamed_half2_kernel(
             k_mask = None if even_k else (ks * bs + jnp.arange(bs)) < blocks_k
             mask = _mask2(n_mask, k_mask, (bn, bs))
             rows_view, blocks_view = compat.ds(col0, bn), compat.ds(ks * bs, bs)
-            even = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(0)], mask)
-            odd = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(1)], mask)
-            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask)
+            hints = qc.WEIGHT_LOADS[weight_loads]
+            even = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(0)], mask, hints)
+            odd = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(1)], mask, hints)
+            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask, hints)
             return even, odd, bits
 
         return loads
@@ -503,6 +508,7 @@ def _nvfp4_streamed_dot_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
+    weight_loads: str,
 ):
     """The "dot_ws" formulation: dot_w's float16 dots over a streamed plan (`_quant_common.streamed_loop`), one
     [block_m, block_n] accumulator per tile; grid axis 1 walks the M tiles; out_ref
@@ -513,7 +519,7 @@ def _nvfp4_streamed_dot_kernel(
 
     def per_segment(s):
         return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
-                                    words_k=words_k, even_k=even_k)  # fmt: skip
+                                    words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
 
     def products(acc, ks, loaded):
         return (_word_dots(acc[0], x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
@@ -623,6 +629,7 @@ def default_block_m(m: int) -> int:
         "num_stages",
         "group_m",
         "programs",
+        "weight_loads",
         "out_dtype",
         "interpret",
     ),
@@ -642,6 +649,7 @@ def nvfp4_matmul(
     num_stages: int | None = None,
     group_m: int | None = None,
     programs: int | None = None,
+    weight_loads: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -653,6 +661,7 @@ def nvfp4_matmul(
     formulations (default: the table's, else M rounded up to a power of two in [16, 64]); "gemv"
     and "gemv_bs" take all M <= 8 rows in one program. group_m: M tiles per launch group of
     "tiled" (`_quant_common.grouped_tile`). programs: the grid of "gemv_ws" (default two per SM).
+    weight_loads: cache hints of the word formulations' weight loads (`_quant_common.WEIGHT_LOADS`).
     `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
@@ -670,6 +679,7 @@ def nvfp4_matmul(
         block_m=block_m,
         group_m=group_m,
         programs=programs,
+        weight_loads=weight_loads,
     )
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
@@ -724,8 +734,8 @@ STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_h2_ws", "dot_ws")  # the formulations
 
 @functools.partial(
     jax.jit,
-    static_argnames=("variant", "block_m", "block_n", "block_k", "num_warps", "num_stages", "programs", "out_dtype",
-                     "interpret"),
+    static_argnames=("variant", "block_m", "block_n", "block_k", "num_warps", "num_stages", "programs",
+                     "weight_loads", "out_dtype", "interpret"),
 )  # fmt: skip
 def nvfp4_matmuls(
     x: jax.Array,
@@ -738,6 +748,7 @@ def nvfp4_matmuls(
     num_warps: int = 8,
     num_stages: int = 3,
     programs: int | None = None,
+    weight_loads: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -756,7 +767,7 @@ def nvfp4_matmuls(
     block_m = default_block_m(m) if block_m is None else block_m
     cfg = qc.resolve_config(
         DEFAULT_CONFIGS, m, variants=VARIANTS, variant=variant, block_n=block_n, block_k=block_k, split_k=1,
-        num_warps=num_warps, num_stages=num_stages, block_m=block_m, programs=programs,
+        num_warps=num_warps, num_stages=num_stages, block_m=block_m, programs=programs, weight_loads=weight_loads,
     )  # fmt: skip
     for packed, block_scale, tensor_scale in weights:
         validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, 1, variant)
@@ -840,7 +851,7 @@ def _word_call(
     kernel = functools.partial(
         _nvfp4_word_kernel, variant=cfg.variant, rows=block_m, m_size=m, n_size=n, words_k=words_k,
         block_n=cfg.block_n, block_w=block_w, steps=steps, even_n=n % cfg.block_n == 0,
-        even_k=words_k % (block_w * cfg.split_k) == 0,
+        even_k=words_k % (block_w * cfg.split_k) == 0, weight_loads=cfg.weight_loads,
     )  # fmt: skip
     transposed = cfg.variant == "dot_t_w"
     out_shape = (cfg.split_k, n, m_pad) if transposed else (cfg.split_k, m_pad, n)
@@ -875,7 +886,7 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     steps = compat.cdiv(words_k, block_w)
     plan = qc.StreamedPlan.make(segments.n_size, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
     common = {"plan": plan, "segments": segments, "words_k": words_k, "block_w": block_w,
-              "even_k": words_k % block_w == 0}  # fmt: skip
+              "even_k": words_k % block_w == 0, "weight_loads": cfg.weight_loads}  # fmt: skip
     x16, inv = qc.f16_rows(x)
     x_in = qc.word_columns(x16)
     operands = []

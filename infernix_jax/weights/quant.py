@@ -56,6 +56,7 @@ import numpy as np
 
 from infernix_jax.switches import env_mode, switched
 from pallas_kernels import compat
+from pallas_kernels._quant_common import WEIGHT_LOADS
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, grouped_matmuls, resolve_config
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, STREAMED_WORD_VARIANTS, nvfp4_matmul, nvfp4_matmuls
@@ -260,6 +261,7 @@ class NVFP4Weight(QuantizedWeight):
             self.block_scale,
             self.tensor_scale,
             interpret=interpret,
+            weight_loads=_modes["nvfp4_weight_loads"],
             **nvfp4_tiles(*x2d.shape, self.shape[0], x2d.dtype),
         )
 
@@ -443,12 +445,13 @@ FP8_DECODE_MODES = ("auto", "kernel", "xla")
 FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
-# `streamed_experts`, `fused_experts`).
+# `streamed_experts`, `fused_experts`, `nvfp4_weight_loads`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
     "streamed_experts": env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
+    "nvfp4_weight_loads": env_mode("INFERNIX_NVFP4_WEIGHT_LOADS", "plain", tuple(WEIGHT_LOADS)),
 }
 
 
@@ -766,7 +769,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
         else:
             return None
     tiles = {key: v for key, v in tiles.items() if key != "split_k"}
-    return {**tiles, "interpret": interpret}
+    return {**tiles, "interpret": interpret, "weight_loads": _modes["nvfp4_weight_loads"]}
 
 
 def matmuls(x: Array, ws: tuple[Any, ...] | list[Any]) -> list[Array]:
@@ -904,6 +907,15 @@ def streamed_experts(enabled: bool) -> Iterator[None]:
     (default: INFERNIX_STREAMED_EXPERTS, "off" until a GPU measurement says it pays:
     docs/gpu_runs.md row 6l)."""
     with switched(_modes, "streamed_experts", "on" if enabled else "off", ON_OFF, "streamed experts"):
+        yield
+
+
+@contextlib.contextmanager
+def nvfp4_weight_loads(mode: str) -> Iterator[None]:
+    """The cache hints of the NVFP4 decode kernels' weight loads while tracing inside this block
+    (`pallas_kernels._quant_common.WEIGHT_LOADS`: "plain", "cg", "evict_first",
+    "cg_evict_first"; default: INFERNIX_NVFP4_WEIGHT_LOADS, "plain")."""
+    with switched(_modes, "nvfp4_weight_loads", mode, tuple(WEIGHT_LOADS), "NVFP4 weight loads"):
         yield
 
 

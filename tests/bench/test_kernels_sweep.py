@@ -21,6 +21,18 @@ def test_streamed_configs_take_programs_instead_of_split_k():
     assert {c.variant for c in kernels.sweep_configs("nvfp4", 1024, 1024, 16, ("gemv_ws", "dot_ws"))} == {"dot_ws"}
 
 
+def test_word_configs_come_with_each_weight_load_hint_side_by_side_and_tiles_filter():
+    configs = kernels.sweep_configs(
+        "nvfp4", 34816, 5120, 1, ("gemv_ws", "dot"), weight_loads=("plain", "cg"), tiles=((32, 512),)
+    )
+    assert {(c.block_n, c.block_k) for c in configs} == {(32, 512)}
+    streamed = [c for c in configs if c.variant == "gemv_ws"]
+    assert [c.weight_loads for c in streamed[:2]] == ["plain", "cg"] and configs[0] == streamed[0]
+    assert len(streamed) == 2 * len(kernels.STREAMED_PROGRAMS)
+    assert all(c.weight_loads == "plain" for c in configs if c.variant == "dot")  # no word loads to hint
+    assert all(c.weight_loads == "plain" for c in kernels.sweep_configs("fp8", 1024, 1024, 1, weight_loads=("cg",)))
+
+
 def test_a_streamed_sweep_configuration_equals_the_xla_path():
     for fmt in ("nvfp4", "fp8"):
         weight, static, _ = kernels._random_weight(fmt, 96, 320, jax.random.key(0))

@@ -237,6 +237,18 @@ def test_streamed_gemv_refuses_split_k():
         nvfp4_matmul(*args, variant="gemv_ws", split_k=2, block_k=128, interpret=True)
 
 
+@pytest.mark.parametrize("variant", ["gemv_ws", "gemv_h2_ws", "gemv_wp", "dot_w"])
+def test_weight_load_cache_hints_leave_the_result_unchanged(variant):
+    """The hints (`_quant_common.WEIGHT_LOADS`) only tell the GPU where to cache the weights."""
+    args = _random_nvfp4(np.random.default_rng(5), 2, 70, 512)
+    tiles = {"variant": variant, "block_n": 32, "block_k": 128, "out_dtype": jnp.float32, "interpret": True}
+    if qc.is_streamed(variant):
+        tiles["programs"] = 5
+    plain = nvfp4_matmul(*args, **tiles)
+    for hints in ("cg", "evict_first", "cg_evict_first"):
+        np.testing.assert_array_equal(np.asarray(nvfp4_matmul(*args, weight_loads=hints, **tiles)), np.asarray(plain))
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
@@ -250,6 +262,7 @@ def test_streamed_gemv_refuses_split_k():
         ({"tiles": {"block_k": 16}}, "block_k=16"),
         ({"tiles": {"split_k": 0}}, "split_k=0"),
         ({"tiles": {"variant": "gemv_ws", "block_k": 128, "programs": -1}}, "programs=-1"),
+        ({"tiles": {"variant": "gemv_ws", "block_k": 128, "weight_loads": "l1"}}, "weight_loads='l1'"),
         ({"tiles": {"variant": "wide"}}, "variant='wide'"),
     ],
 )

@@ -304,3 +304,12 @@ def test_streamed_experts_give_the_block_output_of_the_default_kernel(fmt, token
     assert streamed_tiles["block_m"] == min(tokens, 2)
     if block_size is not None:
         assert block_size % streamed_tiles["block_k"] == 0 and block_size % streamed_tiles["block_n"] == 0
+
+
+def test_nvfp4_weight_loads_switch_holds_inside_its_block_and_refuses_unknown_hints():
+    assert quant.current_modes()["nvfp4_weight_loads"] == "plain"
+    with quant.nvfp4_weight_loads("cg"):
+        assert quant.current_modes()["nvfp4_weight_loads"] == "cg"
+    assert quant.current_modes()["nvfp4_weight_loads"] == "plain"
+    with pytest.raises(ValueError, match="NVFP4 weight loads"), quant.nvfp4_weight_loads("l1"):
+        pass
