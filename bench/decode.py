@@ -51,6 +51,7 @@ from infernix_jax.weights.quant import (
     fp8_decode_mode,
     fused_experts,
     fused_projections,
+    nvfp4_streamed_gemv,
     nvfp4_weight_loads,
     streamed_experts,
 )
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None):
                         help="comma-separated cache hints of the NVFP4 decode kernels' weight loads to measure in "
                              "turn (plain, cg, evict_first, cg_evict_first; weights.quant.nvfp4_weight_loads; "
                              "default: INFERNIX_NVFP4_WEIGHT_LOADS)")  # fmt: skip
+    parser.add_argument("--streamed-gemv", default=None,
+                        help="comma-separated streamed NVFP4 gemvs of single rows to measure in turn (gemv_ws, "
+                             "gemv_bs_ws; weights.quant.nvfp4_streamed_gemv; default: INFERNIX_NVFP4_STREAMED_GEMV)")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
@@ -203,12 +207,14 @@ def main(argv: list[str] | None = None):
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
                 hints = args.weight_loads.split(",") if args.weight_loads else [None]
+                gemvs = args.streamed_gemv.split(",") if args.streamed_gemv else [None]
                 modes = [
-                    (m, f, x, g, st, lg, tk, wl) for m in args.fp8_decode.split(",")
+                    (m, f, x, g, st, lg, tk, wl, gv) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
                     for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for wl in hints
+                    for gv in gemvs
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, loads in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, loads, gemv in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -217,9 +223,10 @@ def main(argv: list[str] | None = None):
                     )
                     gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
                     loads_ctx = nvfp4_weight_loads(loads) if loads else contextlib.nullcontext()
+                    gemv_ctx = nvfp4_streamed_gemv(gemv) if gemv else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
-                        router_top_k(top_k), loads_ctx,
+                        router_top_k(top_k), loads_ctx, gemv_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -241,6 +248,9 @@ def main(argv: list[str] | None = None):
                     if loads and loads != "plain":
                         record.name += f" weight-loads-{loads}"
                     record.details["nvfp4_weight_loads"] = loads or current_modes()["nvfp4_weight_loads"]
+                    if gemv and gemv != "gemv_ws":
+                        record.name += f" {gemv.replace('_', '-')}"
+                    record.details["nvfp4_streamed_gemv"] = gemv or current_modes()["nvfp4_streamed_gemv"]
                     record.details["router_top_k"] = top_k
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):

@@ -38,6 +38,11 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              of `programs` (default two per SM), each walking an equal run of (N tile, K step)
              units in one loop, its loads one unit ahead across tile boundaries; partial sums of a
              tile shared by several programs go to separate slots, summed after the kernel;
+  "gemv_bs_ws", "gemv_bsx_ws"
+             gemv_ws on [block_n, block_k / 16, 2] word tiles (a scale block's two words side by
+             side): the 16 products of a block summed in float16, the block scale applied to the
+             block sum in float32 (no spread of the scales over the words, half the conversions);
+             "gemv_bsx_ws" also loads the unit's activation a unit ahead with its words;
   "dot_ws"   dot_w's float16 dots on the same streamed plan (M in tiles of block_m);
   "gemv_h2_ws"
              gemv_ws with each 16-element scale block's products done in packed half2 PTX
@@ -66,6 +71,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import _e2m1_half2 as h2
 from pallas_kernels import _quant_common as qc
@@ -76,10 +82,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 BLOCK = 16  # elements of K per block scale
 DECODE_VARIANTS = (
     "gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws",
+    "gemv_bs_ws", "gemv_bsx_ws",
 )  # fmt: skip
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
-WORD_VARIANTS = ("dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws")
+WORD_VARIANTS = (
+    "dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws", "gemv_bs_ws", "gemv_bsx_ws",
+)  # fmt: skip
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -449,6 +458,76 @@ def _nvfp4_streamed_kernel(
                      width=bw, out_ref=out_ref)  # fmt: skip
 
 
+def _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k):
+    """(mask, row view, block view) of one streamed unit over [N, K/16, ...] block-major tiles:
+    rows col0 .. col0 + bn, scale blocks ks * bs .., nothing past N or K or where `valid` is false."""
+    n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
+    k_mask = None if even_k else (ks * bs + jnp.arange(bs)) < blocks_k
+    return _mask2(n_mask, k_mask, (bn, bs)), compat.ds(col0, bn), compat.ds(ks * bs, bs)
+
+
+def _nvfp4_streamed_block_kernel(
+    x_ref,  # [M, 8, K/16, 2] float16, rows scaled (qc.f16_rows): x[m, 8w + p] at [m, p, w // 2, w % 2]
+    *refs,  # per segment: words [N_s, K/16, 2] uint32 (a block's even and odd word), scale bits
+    # [N_s, K/16] uint8; then out_ref [slots, M, segments.n_size] float32 partial sums
+    plan: qc.StreamedPlan,
+    segments: qc.Segments,
+    rows: int,
+    words_k: int,
+    block_w: int,
+    even_k: bool,
+    weight_loads: str,
+    x_ahead: bool,
+):
+    """The "gemv_bs_ws" formulation: gemv_ws's loads and products on [bn, block_w / 2, 2] tiles (a
+    scale block's two words side by side), the 16 products of a block summed in float16 and the
+    block scale applied to the block sum, with [bn, block_w / 2] float32 accumulators. Against
+    gemv_ws no scale is spread over the words (on the H100 that spread was a shared-memory round
+    trip and two barriers in every K step) and one conversion to float32 serves two words.
+    x_ahead ("gemv_bsx_ws"): the unit's activation is loaded a unit ahead with its words (in
+    gemv_ws the products waited on activation loads issued in their own step)."""
+    bn, bs, out_ref = segments.block_n, block_w // 2, refs[-1]
+    blocks_k = words_k // 2
+    hints = qc.WEIGHT_LOADS[weight_loads]
+
+    def x_loads(ks):
+        x_mask = None if even_k else jnp.broadcast_to(((ks * bs + jnp.arange(bs)) < blocks_k)[:, None], (bs, 2))
+        return tuple(
+            qc.load(x_ref.at[jnp.int32(r), jnp.int32(p), compat.ds(ks * bs, bs), :], x_mask)
+            for r in range(rows) for p in range(8)
+        )  # fmt: skip
+
+    def per_segment(s):
+        words_ref, scale_ref, n_size = refs[2 * s], refs[2 * s + 1], segments.sizes[s]
+
+        def loads(col0, ks, valid):
+            mask, rows_view, blocks_view = _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k)
+            words3 = words_ref.at[rows_view, blocks_view, :]
+            words = qc.load(words3, jnp.broadcast_to(mask[:, :, None], (bn, bs, 2)), hints)
+            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask, hints)
+            return (words, bits, *x_loads(ks)) if x_ahead else (words, bits)
+
+        return loads
+
+    def products(acc, ks, loaded):
+        words, bits = loaded[:2]
+        xs = loaded[2:] if x_ahead else x_loads(ks)
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        weights = qc.e2m1_word_f16(words)
+        out = []
+        for r in range(rows):
+            total = None
+            for p, w in enumerate(weights):
+                xp = xs[8 * r + p]
+                total = w * xp[None] if total is None else total + w * xp[None]
+            block = jax.lax.reduce(total, np.float16(0), jax.lax.add, (2,))  # reduce_sum in float16: no upcast
+            out.append(acc[r] + block.astype(jnp.float32) * scale)
+        return tuple(out)
+
+    qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
+                     width=bs, out_ref=out_ref)  # fmt: skip
+
+
 def _nvfp4_streamed_half2_kernel(
     pairs_ref,  # [M, 8, K/16] uint32: half2 activation pairs (`_e2m1_half2.half2_x_pairs`)
     *refs,  # per segment: words [N_s, K/16, 2] uint32 (a block's even and odd word), scale bits
@@ -471,10 +550,7 @@ def _nvfp4_streamed_half2_kernel(
         words_ref, scale_ref, n_size = refs[2 * s], refs[2 * s + 1], segments.sizes[s]
 
         def loads(col0, ks, valid):
-            n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
-            k_mask = None if even_k else (ks * bs + jnp.arange(bs)) < blocks_k
-            mask = _mask2(n_mask, k_mask, (bn, bs))
-            rows_view, blocks_view = compat.ds(col0, bn), compat.ds(ks * bs, bs)
+            mask, rows_view, blocks_view = _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k)
             hints = qc.WEIGHT_LOADS[weight_loads]
             even = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(0)], mask, hints)
             odd = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(1)], mask, hints)
@@ -729,7 +805,7 @@ def nvfp4_matmul(
     return y.astype(out_dtype)
 
 
-STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_h2_ws", "dot_ws")  # the formulations `nvfp4_matmuls` takes
+STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "dot_ws")  # the formulations `nvfp4_matmuls` takes
 
 
 @functools.partial(
@@ -892,7 +968,7 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     operands = []
     for packed, block_scale, _ in weights:
         words = _words(packed)
-        if cfg.variant == "gemv_h2_ws":  # a scale block's even and odd word side by side
+        if cfg.variant in ("gemv_h2_ws", "gemv_bs_ws", "gemv_bsx_ws"):  # a block's even and odd word side by side
             words = words.reshape(words.shape[0], words_k // 2, 2)
         operands += [words, jax.lax.bitcast_convert_type(block_scale, jnp.uint8)]
     if cfg.variant == "gemv_ws":  # all M rows in one program
@@ -900,6 +976,10 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     elif cfg.variant == "gemv_h2_ws":
         kernel = functools.partial(_nvfp4_streamed_half2_kernel, rows=m, interpret=interpret, **common)
         m_pad, m_tiles, x_in = m, 1, h2.half2_x_pairs(x16)
+    elif cfg.variant in ("gemv_bs_ws", "gemv_bsx_ws"):  # x_in's columns p * K/8 + w as [8, K/16, 2]: a reshape
+        block = functools.partial(_nvfp4_streamed_block_kernel, x_ahead=cfg.variant == "gemv_bsx_ws")
+        kernel, m_pad, m_tiles = functools.partial(block, rows=m, **common), m, 1
+        x_in = x_in.reshape(m, 8, words_k // 2, 2)
     else:  # dot_ws: M in tiles of block_m on grid axis 1
         m_tiles = compat.cdiv(m, block_m)
         m_pad = m_tiles * block_m

@@ -321,7 +321,7 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     - the rest take the word-decoded float16 dot ("dot_w"), split K until there are ~2 programs
       per SM. float32 activations keep "dot" (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    streamed = {"variant": "gemv_ws", "split_k": 1, "num_warps": 8}
+    streamed = {"variant": _modes["nvfp4_streamed_gemv"], "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
         return {**streamed, "block_n": 32, "block_k": 1024 if n < 16384 and k <= 8192 else 512}
     if words and m <= 8 and k >= 4096 and n * k < 1 << 24:
@@ -443,15 +443,20 @@ _register(FP8Weight, ("data", "scale", "input_scale"), ("block_size",))
 ON_OFF = ("on", "off")
 FP8_DECODE_MODES = ("auto", "kernel", "xla")
 FUSED_PROJECTION_MODES = ("on", "off", "rows")
+# The streamed NVFP4 gemv of single rows (pallas_kernels/nvfp4_matmul.py): products summed per word
+# with the block scale spread over the words ("gemv_ws"), or per 16-element block ("gemv_bs_ws";
+# "gemv_bsx_ws" also loads the activation a unit ahead).
+STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
-# `streamed_experts`, `fused_experts`, `nvfp4_weight_loads`).
+# `streamed_experts`, `fused_experts`, `nvfp4_weight_loads`, `nvfp4_streamed_gemv`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
     "streamed_experts": env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
     "nvfp4_weight_loads": env_mode("INFERNIX_NVFP4_WEIGHT_LOADS", "plain", tuple(WEIGHT_LOADS)),
+    "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
 }
 
 
@@ -763,7 +768,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     tiles = nvfp4_tiles(rows, x.shape[-1], sum(w.shape[0] for w in ws), x.dtype)
     if tiles["variant"] not in STREAMED_WORD_VARIANTS:
         if rows == 1:
-            tiles = {"variant": "gemv_ws", "block_n": 32, "block_k": 512, "num_warps": 8}
+            tiles = {"variant": _modes["nvfp4_streamed_gemv"], "block_n": 32, "block_k": 512, "num_warps": 8}
         elif _modes["fused_projections"] == "rows" and rows <= FUSED_ROWS_MAX:  # dot_w's tiles, streamed
             tiles = {"variant": "dot_ws", "block_m": 16, "block_n": tiles["block_n"], "block_k": 256, "num_warps": 4}
         else:
@@ -916,6 +921,14 @@ def nvfp4_weight_loads(mode: str) -> Iterator[None]:
     (`pallas_kernels._quant_common.WEIGHT_LOADS`: "plain", "cg", "evict_first",
     "cg_evict_first"; default: INFERNIX_NVFP4_WEIGHT_LOADS, "plain")."""
     with switched(_modes, "nvfp4_weight_loads", mode, tuple(WEIGHT_LOADS), "NVFP4 weight loads"):
+        yield
+
+
+@contextlib.contextmanager
+def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
+    """The streamed formulation `nvfp4_tiles` gives single NVFP4 rows while tracing inside this
+    block (STREAMED_GEMVS; default: INFERNIX_NVFP4_STREAMED_GEMV, "gemv_ws")."""
+    with switched(_modes, "nvfp4_streamed_gemv", variant, STREAMED_GEMVS, "NVFP4 streamed gemv"):
         yield
 
 

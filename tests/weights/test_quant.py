@@ -372,6 +372,23 @@ def test_matmuls_run_the_nvfp4_weights_of_one_row_in_one_launch_and_the_rest_apa
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_the_block_sum_gemv_serves_a_fused_decode_row_when_switched_on(monkeypatch):
+    rng = np.random.default_rng(22)
+    ws = (quantize_nvfp4(_weight(rng, 96, 512)), quantize_nvfp4(_weight(rng, 40, 512)))
+    x = jnp.asarray(rng.standard_normal((1, 1, 512)), jnp.bfloat16)
+    variants, real = [], quant.nvfp4_matmuls
+    monkeypatch.setattr(
+        quant, "nvfp4_matmuls", lambda x, ws, **kw: variants.append(kw["variant"]) or real(x, ws, **kw)
+    )
+    with kernel_mode("interpret"), quant.nvfp4_streamed_gemv("gemv_bs_ws"):
+        got = jax.jit(quant.matmuls)(x, ws)
+    assert variants == ["gemv_bs_ws"]
+    with kernel_mode("reference"):
+        want = [matmul(x, w) for w in ws]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_matmuls_keep_weights_apart_for_several_rows_switched_off_or_on_the_reference_path(monkeypatch):
     """Rows past one on shapes whose table entry is a tensor-core dot (the default "on" mode),
     `fused_projections(False)` and the reference path (no kernel) all run one matmul per weight."""

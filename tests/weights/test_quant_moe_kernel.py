@@ -313,3 +313,12 @@ def test_nvfp4_weight_loads_switch_holds_inside_its_block_and_refuses_unknown_hi
     assert quant.current_modes()["nvfp4_weight_loads"] == "plain"
     with pytest.raises(ValueError, match="NVFP4 weight loads"), quant.nvfp4_weight_loads("l1"):
         pass
+
+
+def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
+    assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_ws"
+    with quant.nvfp4_streamed_gemv("gemv_bs_ws"):
+        assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_bs_ws"
+        assert quant.nvfp4_tiles(8, 5120, 17408)["variant"] == "dot_w"  # more rows: not a gemv
+    with pytest.raises(ValueError, match="NVFP4 streamed gemv"), quant.nvfp4_streamed_gemv("gemv_w"):
+        pass
