@@ -51,8 +51,8 @@ from infernix_jax.weights.quant import (
     fp8_decode_mode,
     fused_experts,
     fused_projections,
+    nvfp4_scale_spread,
     nvfp4_streamed_gemv,
-    nvfp4_weight_loads,
     streamed_experts,
 )
 
@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--router-top-k", default="compare",
                         help="compare, sort or compare,sort: the MoE router's top-k at decode by comparisons "
                              "or lax.top_k's sort (model.mlp.router_top_k), measured in turn")  # fmt: skip
-    parser.add_argument("--weight-loads", default=None,
-                        help="comma-separated cache hints of the NVFP4 decode kernels' weight loads to measure in "
-                             "turn (plain, cg, evict_first, cg_evict_first; weights.quant.nvfp4_weight_loads; "
-                             "default: INFERNIX_NVFP4_WEIGHT_LOADS)")  # fmt: skip
+    parser.add_argument("--scale-spread", default=None,
+                        help="gather, reshape or gather,reshape: how the NVFP4 decode gemvs meet each word with its "
+                             "block scale (weights.quant.nvfp4_scale_spread; default: INFERNIX_NVFP4_SCALE_SPREAD), "
+                             "measured in turn")  # fmt: skip
     parser.add_argument("--streamed-gemv", default=None,
                         help="comma-separated streamed NVFP4 gemvs of single rows to measure in turn (gemv_ws, "
                              "gemv_bs_ws; weights.quant.nvfp4_streamed_gemv; default: INFERNIX_NVFP4_STREAMED_GEMV)")  # fmt: skip
@@ -206,15 +206,15 @@ def main(argv: list[str] | None = None):
                 experts = args.fused_experts.split(",") if args.fused_experts else [None]
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
-                hints = args.weight_loads.split(",") if args.weight_loads else [None]
+                spreads = args.scale_spread.split(",") if args.scale_spread else [None]
                 gemvs = args.streamed_gemv.split(",") if args.streamed_gemv else [None]
                 modes = [
                     (m, f, x, g, st, lg, tk, wl, gv) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
-                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for wl in hints
+                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for wl in spreads
                     for gv in gemvs
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, loads, gemv in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, spread, gemv in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -222,11 +222,11 @@ def main(argv: list[str] | None = None):
                         streamed_experts(streamed_x == "on") if streamed_x else contextlib.nullcontext()
                     )
                     gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
-                    loads_ctx = nvfp4_weight_loads(loads) if loads else contextlib.nullcontext()
+                    spread_ctx = nvfp4_scale_spread(spread) if spread else contextlib.nullcontext()
                     gemv_ctx = nvfp4_streamed_gemv(gemv) if gemv else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
-                        router_top_k(top_k), loads_ctx, gemv_ctx,
+                        router_top_k(top_k), spread_ctx, gemv_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -245,9 +245,9 @@ def main(argv: list[str] | None = None):
                         record.name += " loop-graphs"
                     if top_k != "compare":
                         record.name += f" top-k-{top_k}"
-                    if loads and loads != "plain":
-                        record.name += f" weight-loads-{loads}"
-                    record.details["nvfp4_weight_loads"] = loads or current_modes()["nvfp4_weight_loads"]
+                    if spread and spread != "gather":
+                        record.name += f" scale-spread-{spread}"
+                    record.details["nvfp4_scale_spread"] = spread or current_modes()["nvfp4_scale_spread"]
                     if gemv and gemv != "gemv_ws":
                         record.name += f" {gemv.replace('_', '-')}"
                     record.details["nvfp4_streamed_gemv"] = gemv or current_modes()["nvfp4_streamed_gemv"]

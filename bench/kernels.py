@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="wall-clock cap of the sweep")
     parser.add_argument("--compile-threads", type=int, default=8, help="sweep: parallel XLA compiles")
     parser.add_argument("--variants", help="sweep: only these formulations (comma-separated; default all)")
-    parser.add_argument("--weight-loads", default="plain",
-                        help="sweep: NVFP4 word formulations with each of these weight-load cache hints "
-                             "(comma-separated: plain, cg, evict_first, cg_evict_first)")  # fmt: skip
+    parser.add_argument("--scale-spreads", default="gather",
+                        help="sweep: NVFP4 word gemvs with each of these ways of meeting words with their block "
+                             "scales (comma-separated: gather, reshape)")  # fmt: skip
     parser.add_argument("--tiles", help="sweep: only these block_n x block_k (e.g. 32x512,32x1024)")
     parser.add_argument("--prefill", action="store_true", help="GPU: the tiled kernel at prefill sizes")
     parser.add_argument("--prefill-ms", default="4096,1024", help="prefill: activation rows (M) per point")
@@ -283,13 +283,13 @@ STREAMED_PROGRAMS = (2 * SMS, 3 * SMS, SMS, 4 * SMS)  # "gemv_ws" grids tried, m
 
 def sweep_configs(
     fmt: str, n: int, k: int, batch: int, variants: tuple[str, ...] | None = None,
-    weight_loads: tuple[str, ...] = ("plain",), tiles: tuple[tuple[int, int], ...] | None = None,
+    scale_spreads: tuple[str, ...] = ("gather",), tiles: tuple[tuple[int, int], ...] | None = None,
 ) -> list[qc.MatmulConfig]:
     """Coarse grid for one point, most promising first and round-robin over formulations so a
     budget cut keeps every formulation represented (`variants`: only these). num_warps 4 (8 for
     the word-decoded gemv formulations), num_stages 3 here; `refine_configs` varies those around
-    the winners. NVFP4 word formulations are tried with each of `weight_loads`' cache hints in
-    turn (side by side, so a budget cut keeps the pairs). `tiles`: only these (block_n, block_k)."""
+    the winners. NVFP4 word gemvs are tried with each of `scale_spreads` in turn (side by side,
+    so a budget cut keeps the pairs). `tiles`: only these (block_n, block_k)."""
     per_variant = {}
     for variant in _variants(fmt, batch, variants):
         if qc.is_streamed(variant):  # the streamed grid instead of split K
@@ -329,8 +329,8 @@ def sweep_configs(
         for c in (c[rank] for c in per_variant.values() if rank < len(c)):
             if tiles is not None and (c.block_n, c.block_k) not in tiles:
                 continue
-            hinted = fmt == "nvfp4" and c.variant in WORD_VARIANTS
-            ordered += [dataclasses.replace(c, weight_loads=h) for h in weight_loads] if hinted else [c]
+            spread = fmt == "nvfp4" and c.variant in WORD_VARIANTS and qc.is_gemv(c.variant)
+            ordered += [dataclasses.replace(c, scale_spread=h) for h in scale_spreads] if spread else [c]
     return ordered
 
 
@@ -352,8 +352,8 @@ def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bo
         one = _xla_fn(fmt, static)
     else:
         kernel, kwargs = (nvfp4_matmul if fmt == "nvfp4" else fp8_matmul), cfg.as_kwargs()
-        if fmt != "nvfp4":  # the weight-load hints are the NVFP4 word kernels'
-            kwargs.pop("weight_loads")
+        if fmt != "nvfp4":  # the scale spread is the NVFP4 word kernels'
+            kwargs.pop("scale_spread")
         one = functools.partial(kernel, **kwargs, **static, interpret=interpret)
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 
@@ -493,7 +493,7 @@ def run_sweep(args) -> list:
     out_path = args.out or f"kernels-{slug}{'-quick' if args.quick else ''}.json"
     points = _sweep_points(shapes, formats, batches)
     variants = tuple(args.variants.split(",")) if args.variants else None
-    grid = {"weight_loads": tuple(args.weight_loads.split(","))}
+    grid = {"scale_spreads": tuple(args.scale_spreads.split(","))}
     if args.tiles:
         grid["tiles"] = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(","))
     n_configs = sum(len(sweep_configs(fmt, n, k, b, variants, **grid)) for fmt, (n, k), _ in points for b in batches)

@@ -56,21 +56,13 @@ class MatmulConfig:
     block_m: int | None = None  # activation rows per program (None: the entry's default for M)
     group_m: int = 8  # "tiled": M tiles per launch group (programs sharing a weight tile run together)
     programs: int = 0  # streamed formulations ("gemv_ws"): programs in the grid (0: 2 per SM)
-    weight_loads: str = "plain"  # NVFP4 word formulations: cache hints of the weight loads (WEIGHT_LOADS)
+    scale_spread: str = "gather"  # NVFP4 word gemvs: block scales read per word or spread by a reshape
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
 
-# Cache hints of the NVFP4 word kernels' weight loads, by name. The weights are read once, while
-# every tile of a program re-reads the same activation: "cg" keeps the weights out of L1 (L2
-# only), "evict_first" lets them be evicted from it first; either leaves L1 to the activation.
-WEIGHT_LOADS: dict[str, dict[str, str]] = {
-    "plain": {},
-    "cg": {"cache_modifier": ".cg"},
-    "evict_first": {"eviction_policy": "evict_first"},
-    "cg_evict_first": {"cache_modifier": ".cg", "eviction_policy": "evict_first"},
-}
+SCALE_SPREADS = ("gather", "reshape")  # MatmulConfig.scale_spread (nvfp4_matmul._word_loads)
 
 
 def pick_config(table: Mapping[int, MatmulConfig], m: int) -> MatmulConfig:
@@ -96,7 +88,7 @@ def resolve_config(
     block_m: int | None = None,
     group_m: int | None = None,
     programs: int | None = None,
-    weight_loads: str | None = None,
+    scale_spread: str | None = None,
 ) -> MatmulConfig:
     """The default configuration for M rows with every explicitly given field overriding it.
 
@@ -122,7 +114,7 @@ def resolve_config(
         "block_m": block_m,
         "group_m": group_m,
         "programs": programs,
-        "weight_loads": weight_loads,
+        "scale_spread": scale_spread,
     }
     cfg = dataclasses.replace(base, **{k: v for k, v in chosen.items() if v is not None})
     if is_gemv(cfg.variant) and m > GEMV_MAX_M:
@@ -131,8 +123,8 @@ def resolve_config(
         raise ValueError(f"variant={cfg.variant!r} takes split_k=1; got split_k={cfg.split_k}")
     if cfg.group_m < 1:
         raise ValueError(f"group_m={cfg.group_m} must be >= 1")
-    if cfg.weight_loads not in WEIGHT_LOADS:
-        raise ValueError(f"weight_loads={cfg.weight_loads!r} must be one of {tuple(WEIGHT_LOADS)}")
+    if cfg.scale_spread not in SCALE_SPREADS:
+        raise ValueError(f"scale_spread={cfg.scale_spread!r} must be one of {SCALE_SPREADS}")
     if cfg.programs < 0:
         raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
     if is_streamed(cfg.variant) and cfg.split_k != 1:
@@ -245,12 +237,12 @@ def word_columns(x: jax.Array) -> jax.Array:
     return x.reshape(m, k // 8, 8).transpose(0, 2, 1).reshape(m, k)
 
 
-def load(view, mask: jax.Array | None, hints: dict[str, str] | None = None) -> jax.Array:
+def load(view, mask: jax.Array | None) -> jax.Array:
     """Load a ref view; zeros where `mask` is False. mask=None: a plain load (the static
-    mask-free path taken when N and K divide the tiles). `hints`: cache hints (WEIGHT_LOADS)."""
+    mask-free path taken when N and K divide the tiles)."""
     if mask is None:
-        return compat.load(view, **(hints or {}))
-    return compat.load(view, mask=mask, other=0, **(hints or {}))
+        return compat.load(view)
+    return compat.load(view, mask=mask, other=0)
 
 
 def dims_nt() -> tuple:

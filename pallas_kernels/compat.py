@@ -32,16 +32,14 @@ def _all_indices(ref: Any) -> tuple[slice, ...]:
     return tuple(slice(None) for _ in ref.shape)
 
 
-def load(ref: Any, *, mask: jax.Array | None = None, other: Any = None, **hints: str) -> jax.Array:
+def load(ref: Any, *, mask: jax.Array | None = None, other: Any = None) -> jax.Array:
     """Read a whole ref (or ``ref.at[...]`` view); where ``mask`` is False the value is ``other``.
 
     A masked load is how kernels here read ragged edges: the out-of-bounds part of a tile is
-    never touched on the GPU, and interpret mode pads the array before slicing it. ``hints``
-    (``cache_modifier=".cg"``, ``eviction_policy="evict_first"``) go to the Triton load; the
-    interpreter ignores them.
+    never touched on the GPU, and interpret mode pads the array before slicing it.
     """
     if _plgpu is not None and hasattr(_plgpu, "load"):
-        return _plgpu.load(ref, mask=mask, other=other, **hints)
+        return _plgpu.load(ref, mask=mask, other=other)
     return pl.load(ref, _all_indices(ref), mask=mask, other=other)  # pragma: no cover - old jax
 
 

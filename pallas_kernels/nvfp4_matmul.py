@@ -291,16 +291,25 @@ def _nvfp4_tiled_kernel(
     compat.store(view, y, mask=_mask2(m_mask, n_mask, (bm, bn)))
 
 
-def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, weight_loads="plain"):
-    """The [bn, bw] uint32 words and [bn, bw / 2] scale bits of the K step at word column kw
-    (`weight_loads`: their cache hints, `_quant_common.WEIGHT_LOADS`)."""
-    bs, hints = bw // 2, qc.WEIGHT_LOADS[weight_loads]
+def _word_loads(words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, words_k, even_k, scale_spread="reshape"):
+    """The [bn, bw] uint32 words of the K step at word column kw and their scale bits: [bn, bw / 2]
+    (scale_spread "reshape": one byte per scale block), or [bn, bw] ("gather": each word's own
+    block byte, read through an index tile of the words' shape). The gather is for the
+    CUDA-core gemv: Triton gives the index tile the words' register layout, so no word waits on
+    a shared-memory round trip and barrier to meet its scale, where spreading the block bytes
+    over the words with a reshape costs both in every K step (bench.kernel_counters on an H100:
+    barrier stalls ~15% of the gemv_ws samples)."""
+    bs = bw // 2
     k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
     s_mask = None if even_k else (kw // 2 + jnp.arange(bs)) < words_k // 2
     view = words_ref.at[compat.ds(col0, bn), compat.ds(kw, bw)]
-    words = qc.load(view, _mask2(n_mask, k_mask, (bn, bw)), hints)
+    words = qc.load(view, _mask2(n_mask, k_mask, (bn, bw)))
+    if scale_spread == "gather":  # indices clamped in range: masked-off lanes read nothing anyway
+        rows_i = jnp.minimum(col0 + jnp.arange(bn), scale_ref.shape[0] - 1)[:, None]
+        blocks_i = jnp.minimum((kw + jnp.arange(bw)) // 2, scale_ref.shape[1] - 1)[None, :]
+        return words, qc.load(scale_ref.at[rows_i, blocks_i], _mask2(n_mask, k_mask, (bn, bw)))
     bits = qc.load(
-        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs)), hints
+        scale_ref.at[compat.ds(col0, bn), compat.ds(kw // 2, bs)], _mask2(n_mask, s_mask, (bn, bs))
     )
     return words, bits
 
@@ -339,9 +348,11 @@ def _word_dots(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, ro
 def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows, row0=0, last_row=None):
     """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
     word-decoded weight p times x row row0 + r's columns p * K/8 + kw ...), the sum in float16.
-    row0 may be traced (the grouped kernel's work item); rows past `last_row` read it instead."""
+    row0 may be traced (the grouped kernel's work item); rows past `last_row` read it instead.
+    `bits`: [bn, bw / 2] block bytes, or [bn, bw] already one per word (`_word_loads`' gather)."""
     scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+    if bits.shape[1] != bw:
+        scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
     weights = qc.e2m1_word_f16(words)
     x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
     out = []
@@ -371,7 +382,7 @@ def _nvfp4_word_kernel(
     steps: int,
     even_n: bool,
     even_k: bool,
-    weight_loads: str = "plain",
+    scale_spread: str = "reshape",
 ):
     i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     col0, bn, bw = j * block_n, block_n, block_w
@@ -384,8 +395,9 @@ def _nvfp4_word_kernel(
         return (split * steps + t) * bw
 
     def loads(t):
+        spread = scale_spread if qc.is_gemv(variant) else "reshape"  # the dots take block bytes
         return _word_loads(words_ref, scale_ref, kw=kw_of(t), col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                           words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
+                           words_k=words_k, even_k=even_k, scale_spread=spread)  # fmt: skip
 
     def products(acc, t, words, bits):
         return _word_gemv_products(acc, x_ref, words, bits, kw=kw_of(t), bn=bn, bw=bw, words_k=words_k,
@@ -419,14 +431,14 @@ def _nvfp4_word_kernel(
     )  # fmt: skip
 
 
-def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_k, weight_loads):
+def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_k, scale_spread="reshape"):
     """The `loads(col0, ks, valid)` of the streamed word formulations (`_quant_common.streamed_loop`):
     one unit's words and scale bits, nothing read for rows past N or where `valid` is false."""
 
     def loads(col0, ks, valid):
         n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
         return _word_loads(words_ref, scale_ref, kw=ks * bw, col0=col0, bn=bn, bw=bw, n_mask=n_mask,
-                           words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
+                           words_k=words_k, even_k=even_k, scale_spread=scale_spread)  # fmt: skip
 
     return loads
 
@@ -440,7 +452,7 @@ def _nvfp4_streamed_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
-    weight_loads: str,
+    scale_spread: str,
 ):
     """The "gemv_ws" formulation: gemv_w's loads and products over a streamed plan
     (`_quant_common.streamed_gemv`); out_ref [slots, M, segments.n_size] float32 partial sums."""
@@ -448,7 +460,7 @@ def _nvfp4_streamed_kernel(
 
     def per_segment(s):
         return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
-                                    words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
+                                    words_k=words_k, even_k=even_k, scale_spread=scale_spread)  # fmt: skip
 
     def products(acc, ks, loaded):
         return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
@@ -476,7 +488,6 @@ def _nvfp4_streamed_block_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
-    weight_loads: str,
     x_ahead: bool,
 ):
     """The "gemv_bs_ws" formulation: gemv_ws's loads and products on [bn, block_w / 2, 2] tiles (a
@@ -488,7 +499,6 @@ def _nvfp4_streamed_block_kernel(
     gemv_ws the products waited on activation loads issued in their own step)."""
     bn, bs, out_ref = segments.block_n, block_w // 2, refs[-1]
     blocks_k = words_k // 2
-    hints = qc.WEIGHT_LOADS[weight_loads]
 
     def x_loads(ks):
         x_mask = None if even_k else jnp.broadcast_to(((ks * bs + jnp.arange(bs)) < blocks_k)[:, None], (bs, 2))
@@ -503,8 +513,8 @@ def _nvfp4_streamed_block_kernel(
         def loads(col0, ks, valid):
             mask, rows_view, blocks_view = _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k)
             words3 = words_ref.at[rows_view, blocks_view, :]
-            words = qc.load(words3, jnp.broadcast_to(mask[:, :, None], (bn, bs, 2)), hints)
-            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask, hints)
+            words = qc.load(words3, jnp.broadcast_to(mask[:, :, None], (bn, bs, 2)))
+            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask)
             return (words, bits, *x_loads(ks)) if x_ahead else (words, bits)
 
         return loads
@@ -538,7 +548,6 @@ def _nvfp4_streamed_half2_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
-    weight_loads: str,
     interpret: bool,
 ):
     """The "gemv_h2_ws" formulation: the streamed plan of gemv_ws with [bn, block_w / 2]
@@ -551,10 +560,9 @@ def _nvfp4_streamed_half2_kernel(
 
         def loads(col0, ks, valid):
             mask, rows_view, blocks_view = _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k)
-            hints = qc.WEIGHT_LOADS[weight_loads]
-            even = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(0)], mask, hints)
-            odd = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(1)], mask, hints)
-            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask, hints)
+            even = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(0)], mask)
+            odd = qc.load(words_ref.at[rows_view, blocks_view, jnp.int32(1)], mask)
+            bits = qc.load(scale_ref.at[rows_view, blocks_view], mask)
             return even, odd, bits
 
         return loads
@@ -584,7 +592,6 @@ def _nvfp4_streamed_dot_kernel(
     words_k: int,
     block_w: int,
     even_k: bool,
-    weight_loads: str,
 ):
     """The "dot_ws" formulation: dot_w's float16 dots over a streamed plan (`_quant_common.streamed_loop`), one
     [block_m, block_n] accumulator per tile; grid axis 1 walks the M tiles; out_ref
@@ -595,7 +602,7 @@ def _nvfp4_streamed_dot_kernel(
 
     def per_segment(s):
         return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
-                                    words_k=words_k, even_k=even_k, weight_loads=weight_loads)  # fmt: skip
+                                    words_k=words_k, even_k=even_k)  # fmt: skip
 
     def products(acc, ks, loaded):
         return (_word_dots(acc[0], x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
@@ -705,7 +712,7 @@ def default_block_m(m: int) -> int:
         "num_stages",
         "group_m",
         "programs",
-        "weight_loads",
+        "scale_spread",
         "out_dtype",
         "interpret",
     ),
@@ -725,7 +732,7 @@ def nvfp4_matmul(
     num_stages: int | None = None,
     group_m: int | None = None,
     programs: int | None = None,
-    weight_loads: str | None = None,
+    scale_spread: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -737,7 +744,8 @@ def nvfp4_matmul(
     formulations (default: the table's, else M rounded up to a power of two in [16, 64]); "gemv"
     and "gemv_bs" take all M <= 8 rows in one program. group_m: M tiles per launch group of
     "tiled" (`_quant_common.grouped_tile`). programs: the grid of "gemv_ws" (default two per SM).
-    weight_loads: cache hints of the word formulations' weight loads (`_quant_common.WEIGHT_LOADS`).
+    scale_spread: how the CUDA-core word gemvs (gemv_w, gemv_wp, gemv_ws) meet each word with its
+    block scale: "gather" (default: read per word) or "reshape" (`_word_loads`).
     `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
@@ -755,7 +763,7 @@ def nvfp4_matmul(
         block_m=block_m,
         group_m=group_m,
         programs=programs,
-        weight_loads=weight_loads,
+        scale_spread=scale_spread,
     )
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
@@ -811,7 +819,7 @@ STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", 
 @functools.partial(
     jax.jit,
     static_argnames=("variant", "block_m", "block_n", "block_k", "num_warps", "num_stages", "programs",
-                     "weight_loads", "out_dtype", "interpret"),
+                     "scale_spread", "out_dtype", "interpret"),
 )  # fmt: skip
 def nvfp4_matmuls(
     x: jax.Array,
@@ -824,7 +832,7 @@ def nvfp4_matmuls(
     num_warps: int = 8,
     num_stages: int = 3,
     programs: int | None = None,
-    weight_loads: str | None = None,
+    scale_spread: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -843,7 +851,7 @@ def nvfp4_matmuls(
     block_m = default_block_m(m) if block_m is None else block_m
     cfg = qc.resolve_config(
         DEFAULT_CONFIGS, m, variants=VARIANTS, variant=variant, block_n=block_n, block_k=block_k, split_k=1,
-        num_warps=num_warps, num_stages=num_stages, block_m=block_m, programs=programs, weight_loads=weight_loads,
+        num_warps=num_warps, num_stages=num_stages, block_m=block_m, programs=programs, scale_spread=scale_spread,
     )  # fmt: skip
     for packed, block_scale, tensor_scale in weights:
         validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, 1, variant)
@@ -927,7 +935,7 @@ def _word_call(
     kernel = functools.partial(
         _nvfp4_word_kernel, variant=cfg.variant, rows=block_m, m_size=m, n_size=n, words_k=words_k,
         block_n=cfg.block_n, block_w=block_w, steps=steps, even_n=n % cfg.block_n == 0,
-        even_k=words_k % (block_w * cfg.split_k) == 0, weight_loads=cfg.weight_loads,
+        even_k=words_k % (block_w * cfg.split_k) == 0, scale_spread=cfg.scale_spread,
     )  # fmt: skip
     transposed = cfg.variant == "dot_t_w"
     out_shape = (cfg.split_k, n, m_pad) if transposed else (cfg.split_k, m_pad, n)
@@ -962,7 +970,7 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     steps = compat.cdiv(words_k, block_w)
     plan = qc.StreamedPlan.make(segments.n_size, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
     common = {"plan": plan, "segments": segments, "words_k": words_k, "block_w": block_w,
-              "even_k": words_k % block_w == 0, "weight_loads": cfg.weight_loads}  # fmt: skip
+              "even_k": words_k % block_w == 0}  # fmt: skip
     x16, inv = qc.f16_rows(x)
     x_in = qc.word_columns(x16)
     operands = []
@@ -972,7 +980,8 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
             words = words.reshape(words.shape[0], words_k // 2, 2)
         operands += [words, jax.lax.bitcast_convert_type(block_scale, jnp.uint8)]
     if cfg.variant == "gemv_ws":  # all M rows in one program
-        kernel, m_pad, m_tiles = functools.partial(_nvfp4_streamed_kernel, rows=m, **common), m, 1
+        kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, **common)
+        m_pad, m_tiles = m, 1
     elif cfg.variant == "gemv_h2_ws":
         kernel = functools.partial(_nvfp4_streamed_half2_kernel, rows=m, interpret=interpret, **common)
         m_pad, m_tiles, x_in = m, 1, h2.half2_x_pairs(x16)

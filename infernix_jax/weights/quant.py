@@ -56,7 +56,7 @@ import numpy as np
 
 from infernix_jax.switches import env_mode, switched
 from pallas_kernels import compat
-from pallas_kernels._quant_common import WEIGHT_LOADS
+from pallas_kernels._quant_common import SCALE_SPREADS
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, grouped_matmuls, resolve_config
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, STREAMED_WORD_VARIANTS, nvfp4_matmul, nvfp4_matmuls
@@ -261,7 +261,7 @@ class NVFP4Weight(QuantizedWeight):
             self.block_scale,
             self.tensor_scale,
             interpret=interpret,
-            weight_loads=_modes["nvfp4_weight_loads"],
+            scale_spread=_modes["nvfp4_scale_spread"],
             **nvfp4_tiles(*x2d.shape, self.shape[0], x2d.dtype),
         )
 
@@ -449,13 +449,13 @@ FUSED_PROJECTION_MODES = ("on", "off", "rows")
 STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
-# `streamed_experts`, `fused_experts`, `nvfp4_weight_loads`, `nvfp4_streamed_gemv`).
+# `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
     "streamed_experts": env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
-    "nvfp4_weight_loads": env_mode("INFERNIX_NVFP4_WEIGHT_LOADS", "plain", tuple(WEIGHT_LOADS)),
+    "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "gather", SCALE_SPREADS),
     "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
 }
 
@@ -774,7 +774,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
         else:
             return None
     tiles = {key: v for key, v in tiles.items() if key != "split_k"}
-    return {**tiles, "interpret": interpret, "weight_loads": _modes["nvfp4_weight_loads"]}
+    return {**tiles, "interpret": interpret, "scale_spread": _modes["nvfp4_scale_spread"]}
 
 
 def matmuls(x: Array, ws: tuple[Any, ...] | list[Any]) -> list[Array]:
@@ -916,11 +916,11 @@ def streamed_experts(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def nvfp4_weight_loads(mode: str) -> Iterator[None]:
-    """The cache hints of the NVFP4 decode kernels' weight loads while tracing inside this block
-    (`pallas_kernels._quant_common.WEIGHT_LOADS`: "plain", "cg", "evict_first",
-    "cg_evict_first"; default: INFERNIX_NVFP4_WEIGHT_LOADS, "plain")."""
-    with switched(_modes, "nvfp4_weight_loads", mode, tuple(WEIGHT_LOADS), "NVFP4 weight loads"):
+def nvfp4_scale_spread(mode: str) -> Iterator[None]:
+    """How the NVFP4 CUDA-core decode gemvs meet each word with its block scale while tracing
+    inside this block: "gather" (read per word) or "reshape" (block bytes spread over the words;
+    `pallas_kernels.nvfp4_matmul._word_loads`). Default: INFERNIX_NVFP4_SCALE_SPREAD, "gather"."""
+    with switched(_modes, "nvfp4_scale_spread", mode, SCALE_SPREADS, "NVFP4 scale spread"):
         yield
 
 

@@ -21,16 +21,16 @@ def test_streamed_configs_take_programs_instead_of_split_k():
     assert {c.variant for c in kernels.sweep_configs("nvfp4", 1024, 1024, 16, ("gemv_ws", "dot_ws"))} == {"dot_ws"}
 
 
-def test_word_configs_come_with_each_weight_load_hint_side_by_side_and_tiles_filter():
+def test_word_gemv_configs_come_with_each_scale_spread_side_by_side_and_tiles_filter():
     configs = kernels.sweep_configs(
-        "nvfp4", 34816, 5120, 1, ("gemv_ws", "dot"), weight_loads=("plain", "cg"), tiles=((32, 512),)
+        "nvfp4", 34816, 5120, 1, ("gemv_ws", "dot_w"), scale_spreads=("gather", "reshape"), tiles=((32, 512),)
     )
     assert {(c.block_n, c.block_k) for c in configs} == {(32, 512)}
     streamed = [c for c in configs if c.variant == "gemv_ws"]
-    assert [c.weight_loads for c in streamed[:2]] == ["plain", "cg"] and configs[0] == streamed[0]
+    assert [c.scale_spread for c in streamed[:2]] == ["gather", "reshape"] and configs[0] == streamed[0]
     assert len(streamed) == 2 * len(kernels.STREAMED_PROGRAMS)
-    assert all(c.weight_loads == "plain" for c in configs if c.variant == "dot")  # no word loads to hint
-    assert all(c.weight_loads == "plain" for c in kernels.sweep_configs("fp8", 1024, 1024, 1, weight_loads=("cg",)))
+    dots = [c for c in configs if c.variant == "dot_w"]  # the dots take block bytes: one config each
+    assert dots and len({(c.split_k, c.scale_spread) for c in dots}) == len(dots)
 
 
 def test_a_streamed_sweep_configuration_equals_the_xla_path():

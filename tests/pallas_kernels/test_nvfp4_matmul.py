@@ -237,16 +237,20 @@ def test_streamed_gemv_refuses_split_k():
         nvfp4_matmul(*args, variant="gemv_ws", split_k=2, block_k=128, interpret=True)
 
 
-@pytest.mark.parametrize("variant", ["gemv_ws", "gemv_bs_ws", "gemv_h2_ws", "gemv_wp", "dot_w"])
-def test_weight_load_cache_hints_leave_the_result_unchanged(variant):
-    """The hints (`_quant_common.WEIGHT_LOADS`) only tell the GPU where to cache the weights."""
-    args = _random_nvfp4(np.random.default_rng(5), 2, 70, 512)
+@pytest.mark.parametrize("variant", ["gemv_ws", "gemv_wp", "gemv_w", "dot_w"])
+@pytest.mark.parametrize("m,n,k", [(2, 70, 512), (1, 64, 544)])  # ragged N, ragged K
+def test_scales_gathered_per_word_give_the_same_result_as_spread_by_reshape(variant, m, n, k):
+    """`scale_spread` changes only how each word meets its block scale (the dots keep block bytes)."""
+    args = _random_nvfp4(np.random.default_rng(5), m, n, k)
     tiles = {"variant": variant, "block_n": 32, "block_k": 128, "out_dtype": jnp.float32, "interpret": True}
     if qc.is_streamed(variant):
         tiles["programs"] = 5
-    plain = nvfp4_matmul(*args, **tiles)
-    for hints in ("cg", "evict_first", "cg_evict_first"):
-        np.testing.assert_array_equal(np.asarray(nvfp4_matmul(*args, weight_loads=hints, **tiles)), np.asarray(plain))
+    gathered = nvfp4_matmul(*args, scale_spread="gather", **tiles)
+    spread = nvfp4_matmul(*args, scale_spread="reshape", **tiles)
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(spread))
+    tol = GEMV_W_TOLERANCE if variant in F16_SUM_VARIANTS else 1e-5
+    want = reference_nvfp4_matmul(*args)
+    np.testing.assert_allclose(np.asarray(gathered), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max()))
 
 
 @pytest.mark.parametrize(
@@ -262,7 +266,7 @@ def test_weight_load_cache_hints_leave_the_result_unchanged(variant):
         ({"tiles": {"block_k": 16}}, "block_k=16"),
         ({"tiles": {"split_k": 0}}, "split_k=0"),
         ({"tiles": {"variant": "gemv_ws", "block_k": 128, "programs": -1}}, "programs=-1"),
-        ({"tiles": {"variant": "gemv_ws", "block_k": 128, "weight_loads": "l1"}}, "weight_loads='l1'"),
+        ({"tiles": {"variant": "gemv_ws", "block_k": 128, "scale_spread": "l1"}}, "scale_spread='l1'"),
         ({"tiles": {"variant": "wide"}}, "variant='wide'"),
     ],
 )

@@ -306,12 +306,12 @@ def test_streamed_experts_give_the_block_output_of_the_default_kernel(fmt, token
         assert block_size % streamed_tiles["block_k"] == 0 and block_size % streamed_tiles["block_n"] == 0
 
 
-def test_nvfp4_weight_loads_switch_holds_inside_its_block_and_refuses_unknown_hints():
-    assert quant.current_modes()["nvfp4_weight_loads"] == "plain"
-    with quant.nvfp4_weight_loads("cg"):
-        assert quant.current_modes()["nvfp4_weight_loads"] == "cg"
-    assert quant.current_modes()["nvfp4_weight_loads"] == "plain"
-    with pytest.raises(ValueError, match="NVFP4 weight loads"), quant.nvfp4_weight_loads("l1"):
+def test_nvfp4_scale_spread_switch_holds_inside_its_block_and_refuses_unknown_ways():
+    assert quant.current_modes()["nvfp4_scale_spread"] == "gather"
+    with quant.nvfp4_scale_spread("reshape"):
+        assert quant.current_modes()["nvfp4_scale_spread"] == "reshape"
+    assert quant.current_modes()["nvfp4_scale_spread"] == "gather"
+    with pytest.raises(ValueError, match="NVFP4 scale spread"), quant.nvfp4_scale_spread("l1"):
         pass
 
 
