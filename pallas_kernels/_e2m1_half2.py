@@ -113,6 +113,60 @@ def _block_dot_jnp(even: jax.Array, odd: jax.Array, row: list[jax.Array]) -> jax
     return (acc_lo + acc_hi).astype(jnp.float32)
 
 
+def word_x_pairs(x16: jax.Array) -> jax.Array:
+    """x [M, K] float16 -> [M, K/2] uint32 whose column p * K/8 + j (p < 4) holds the float16 pair
+    (x[m, 8j + p], x[m, 8j + p + 4]), low half first: the activation operand of pair p of word j
+    in `word_dots` (the word order of `_quant_common.word_columns`, two elements to a column)."""
+    m, k = x16.shape
+    grouped = x16.reshape(m, k // 8, 2, 4).transpose(0, 3, 1, 2)  # [m, p, j, half]
+    return jax.lax.bitcast_convert_type(grouped, jnp.uint32).reshape(m, k // 2)
+
+
+def word_dot_asm() -> str:
+    """PTX for one word and one activation row: $0 is the float32 sum of the word's 8 products
+    (output), $1 the word, $2 .. $5 its 4 half2 activation pairs (`word_x_pairs`). The word's
+    pair p decoded in place is already the half2 operand (elements p and p + 4): 1 mul and 3
+    `fma.rn.f16x2`, the two halves added once, one conversion to float32."""
+    lines = ["{", ".reg .b32 a, b, acc;", ".reg .b16 lo, hi, s;"] + [f".reg .b32 p{i};" for i in range(4)]
+    for p, (mag, sign) in enumerate(_PAIR_SHIFTS):
+        lines.append(f"shl.b32 a, $1, {mag};" if mag >= 0 else f"shr.b32 a, $1, {-mag};")
+        lines.append(f"and.b32 a, a, {qc.E2M1_WORD_MAGNITUDE:#010x};")
+        lines.append(f"shl.b32 b, $1, {sign};" if sign else "mov.b32 b, $1;")
+        lines.append(f"and.b32 b, b, {qc.E2M1_WORD_SIGN:#010x};")
+        lines.append(f"or.b32 p{p}, a, b;")
+    lines.append("mul.rn.f16x2 acc, p0, $2;")
+    lines += [f"fma.rn.f16x2 acc, p{i}, ${2 + i}, acc;" for i in range(1, 4)]
+    lines += ["mov.b32 {lo, hi}, acc;", "add.rn.f16 s, lo, hi;", "cvt.f32.f16 $0, s;", "}"]
+    return "\n".join(lines)
+
+
+WORD_DOT_CONSTRAINTS = ",".join(["=f"] + ["r"] * 5)
+
+
+def word_dots(words: jax.Array, pairs: list[jax.Array], *, interpret: bool) -> jax.Array:
+    """The float32 sum of each word's 8 products weight * x, weights decoded from `words` (uint32)
+    and x from `pairs` (4 uint32 arrays of the words' shape: `word_x_pairs` columns p * K/8 + j).
+    Weights carry `_quant_common.E2M1_F16_SCALE` (they are E2M1 / 2**14)."""
+    if interpret:
+        decoded = qc.e2m1_word_f16(words)
+        acc_lo = acc_hi = None
+        for p in range(4):
+            x_lo, x_hi = _halves(pairs[p])
+            lo, hi = decoded[p] * x_lo, decoded[p + 4] * x_hi
+            acc_lo = lo if acc_lo is None else acc_lo + lo
+            acc_hi = hi if acc_hi is None else acc_hi + hi
+        return (acc_lo + acc_hi).astype(jnp.float32)
+    from jax.experimental.pallas import triton as plgpu  # GPU lowering only
+
+    return plgpu.elementwise_inline_asm(
+        word_dot_asm(),
+        args=[words, *pairs],
+        constraints=WORD_DOT_CONSTRAINTS,
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.float32)],
+    )[0]
+
+
 def pairs_view(pairs_ref, row: int, s0, size: int, mask):
     """The 8 [size] uint32 pair columns of activation row `row` for scale blocks s0 .. s0 + size."""
     return [qc.load(pairs_ref.at[jnp.int32(row), jnp.int32(q), compat.ds(s0, size)], mask) for q in range(8)]

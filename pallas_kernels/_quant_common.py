@@ -56,13 +56,13 @@ class MatmulConfig:
     block_m: int | None = None  # activation rows per program (None: the entry's default for M)
     group_m: int = 8  # "tiled": M tiles per launch group (programs sharing a weight tile run together)
     programs: int = 0  # streamed formulations ("gemv_ws"): programs in the grid (0: 2 per SM)
-    scale_spread: str = "gather"  # NVFP4 word gemvs: block scales read per word or spread by a reshape
+    scale_spread: str = "reshape"  # NVFP4 word gemvs: block scales spread by a reshape or read per word
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
 
-SCALE_SPREADS = ("gather", "reshape")  # MatmulConfig.scale_spread (nvfp4_matmul._word_loads)
+SCALE_SPREADS = ("reshape", "gather")  # MatmulConfig.scale_spread (nvfp4_matmul._word_loads)
 
 
 def pick_config(table: Mapping[int, MatmulConfig], m: int) -> MatmulConfig:

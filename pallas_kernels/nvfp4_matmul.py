@@ -43,6 +43,9 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              side): the 16 products of a block summed in float16, the block scale applied to the
              block sum in float32 (no spread of the scales over the words, half the conversions);
              "gemv_bsx_ws" also loads the unit's activation a unit ahead with its words;
+  "gemv_h2w_ws"
+             gemv_ws's loads and tiles with each word's 8 products in packed half2 PTX
+             (`_e2m1_half2.word_dots`); the interpreter computes the same float16 sums;
   "dot_ws"   dot_w's float16 dots on the same streamed plan (M in tiles of block_m);
   "gemv_h2_ws"
              gemv_ws with each 16-element scale block's products done in packed half2 PTX
@@ -82,12 +85,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 BLOCK = 16  # elements of K per block scale
 DECODE_VARIANTS = (
     "gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws",
-    "gemv_bs_ws", "gemv_bsx_ws",
+    "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws",
 )  # fmt: skip
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
 WORD_VARIANTS = (
     "dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws", "gemv_bs_ws", "gemv_bsx_ws",
+    "gemv_h2w_ws",
 )  # fmt: skip
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
@@ -478,6 +482,50 @@ def _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k):
     return _mask2(n_mask, k_mask, (bn, bs)), compat.ds(col0, bn), compat.ds(ks * bs, bs)
 
 
+def _nvfp4_streamed_half2_word_kernel(
+    pairs_ref,  # [M, K/2] uint32: half2 activation pairs, column p * K/8 + j (`_e2m1_half2.word_x_pairs`)
+    *refs,  # per segment: words [N_s, K/8] uint32, scale bits [N_s, K/16] uint8; then out_ref
+    plan: qc.StreamedPlan,
+    segments: qc.Segments,
+    rows: int,
+    words_k: int,
+    block_w: int,
+    even_k: bool,
+    scale_spread: str,
+    interpret: bool,
+):
+    """The "gemv_h2w_ws" formulation: gemv_ws's loads (whole [bn, block_w] word tiles) with each
+    word's 8 products in packed half2 PTX (`_e2m1_half2.word_dots`: 4 pair registers per word, 1 mul
+    and 3 `fma.rn.f16x2`, one conversion), where gemv_ws's float16 code unpacks every pair into
+    two halves first. An H100 profile of gemv_ws put it at ~64% issue use, bound by its ~44
+    instructions a word (docs/pallas.md)."""
+    bn, bw, out_ref = segments.block_n, block_w, refs[-1]
+
+    def per_segment(s):
+        return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
+                                    words_k=words_k, even_k=even_k, scale_spread=scale_spread)  # fmt: skip
+
+    def products(acc, ks, loaded):
+        words, bits = loaded
+        kw = ks * bw
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        if bits.shape[1] != bw:
+            scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+        x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
+        out = []
+        for r in range(rows):
+            pairs = [
+                jnp.broadcast_to(qc.load(pairs_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)], x_mask),
+                                 (bn, bw))
+                for p in range(4)
+            ]  # fmt: skip
+            out.append(acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale)
+        return tuple(out)
+
+    qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
+                     width=bw, out_ref=out_ref)  # fmt: skip
+
+
 def _nvfp4_streamed_block_kernel(
     x_ref,  # [M, 8, K/16, 2] float16, rows scaled (qc.f16_rows): x[m, 8w + p] at [m, p, w // 2, w % 2]
     *refs,  # per segment: words [N_s, K/16, 2] uint32 (a block's even and odd word), scale bits
@@ -813,7 +861,7 @@ def nvfp4_matmul(
     return y.astype(out_dtype)
 
 
-STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "dot_ws")  # the formulations `nvfp4_matmuls` takes
+STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "dot_ws")  # the formulations `nvfp4_matmuls` takes
 
 
 @functools.partial(
@@ -982,6 +1030,10 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     if cfg.variant == "gemv_ws":  # all M rows in one program
         kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, **common)
         m_pad, m_tiles = m, 1
+    elif cfg.variant == "gemv_h2w_ws":
+        kernel = functools.partial(_nvfp4_streamed_half2_word_kernel, rows=m, scale_spread=cfg.scale_spread,
+                                   interpret=interpret, **common)  # fmt: skip
+        m_pad, m_tiles, x_in = m, 1, h2.word_x_pairs(x16)
     elif cfg.variant == "gemv_h2_ws":
         kernel = functools.partial(_nvfp4_streamed_half2_kernel, rows=m, interpret=interpret, **common)
         m_pad, m_tiles, x_in = m, 1, h2.half2_x_pairs(x16)

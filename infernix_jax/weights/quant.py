@@ -445,8 +445,8 @@ FP8_DECODE_MODES = ("auto", "kernel", "xla")
 FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # The streamed NVFP4 gemv of single rows (pallas_kernels/nvfp4_matmul.py): products summed per word
 # with the block scale spread over the words ("gemv_ws"), or per 16-element block ("gemv_bs_ws";
-# "gemv_bsx_ws" also loads the activation a unit ahead).
-STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws")
+# "gemv_bsx_ws" also loads the activation a unit ahead), or per word in packed half2 ("gemv_h2w_ws").
+STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`).
@@ -455,7 +455,7 @@ _modes = {
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
     "streamed_experts": env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
-    "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "gather", SCALE_SPREADS),
+    "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "reshape", SCALE_SPREADS),
     "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
 }
 
@@ -918,8 +918,10 @@ def streamed_experts(enabled: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def nvfp4_scale_spread(mode: str) -> Iterator[None]:
     """How the NVFP4 CUDA-core decode gemvs meet each word with its block scale while tracing
-    inside this block: "gather" (read per word) or "reshape" (block bytes spread over the words;
-    `pallas_kernels.nvfp4_matmul._word_loads`). Default: INFERNIX_NVFP4_SCALE_SPREAD, "gather"."""
+    inside this block: "reshape" (block bytes spread over the words) or "gather" (read per word;
+    `pallas_kernels.nvfp4_matmul._word_loads`). Default: INFERNIX_NVFP4_SCALE_SPREAD, "reshape":
+    on an H100 the gather's extra instructions cost more than the barriers it saves (27B decode
+    84.3 against 89.3 tok/s, docs/pallas.md)."""
     with switched(_modes, "nvfp4_scale_spread", mode, SCALE_SPREADS, "NVFP4 scale spread"):
         yield
 

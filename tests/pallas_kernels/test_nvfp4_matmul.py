@@ -24,7 +24,7 @@ from pallas_kernels.nvfp4_matmul import (
 )
 
 # Formulations that sum products in float16 (exact products, rounded sums): GEMV_W_TOLERANCE.
-F16_SUM_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws")
+F16_SUM_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws")
 
 
 def _random_nvfp4(rng, m, n, k, x_dtype=jnp.bfloat16):
@@ -202,7 +202,7 @@ STREAMED_CASES = [  # m, n, k, block_n, block_k, programs
     "variant,m,n,k,block_n,block_k,programs",
     [
         (v, *c)
-        for v in ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "dot_ws")
+        for v in ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "dot_ws")
         for c in STREAMED_CASES
         if v == "dot_ws" or c[0] <= 8
     ],
@@ -237,7 +237,7 @@ def test_streamed_gemv_refuses_split_k():
         nvfp4_matmul(*args, variant="gemv_ws", split_k=2, block_k=128, interpret=True)
 
 
-@pytest.mark.parametrize("variant", ["gemv_ws", "gemv_wp", "gemv_w", "dot_w"])
+@pytest.mark.parametrize("variant", ["gemv_ws", "gemv_h2w_ws", "gemv_wp", "gemv_w", "dot_w"])
 @pytest.mark.parametrize("m,n,k", [(2, 70, 512), (1, 64, 544)])  # ragged N, ragged K
 def test_scales_gathered_per_word_give_the_same_result_as_spread_by_reshape(variant, m, n, k):
     """`scale_spread` changes only how each word meets its block scale (the dots keep block bytes)."""
