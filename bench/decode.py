@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None):
                         help="compare, sort or compare,sort: the MoE router's top-k at decode by comparisons "
                              "or lax.top_k's sort (model.mlp.router_top_k), measured in turn")  # fmt: skip
     parser.add_argument("--scale-spread", default=None,
-                        help="gather, reshape or gather,reshape: how the NVFP4 decode gemvs meet each word with its "
+                        help="reshape, gather or reshape,gather: how the NVFP4 decode gemvs meet each word with its "
                              "block scale (weights.quant.nvfp4_scale_spread; default: INFERNIX_NVFP4_SCALE_SPREAD), "
                              "measured in turn")  # fmt: skip
     parser.add_argument("--streamed-gemv", default=None,
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None):
                         record.name += " loop-graphs"
                     if top_k != "compare":
                         record.name += f" top-k-{top_k}"
-                    if spread and spread != "gather":
+                    if spread and spread != "reshape":
                         record.name += f" scale-spread-{spread}"
                     record.details["nvfp4_scale_spread"] = spread or current_modes()["nvfp4_scale_spread"]
                     if gemv and gemv != "gemv_ws":

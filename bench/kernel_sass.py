@@ -131,7 +131,7 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-k", type=int, default=512)
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--programs", type=int, default=None, help="streamed grid (default two per SM)")
-    parser.add_argument("--scale-spread", default="gather", help="word gemvs: gather or reshape (MatmulConfig)")
+    parser.add_argument("--scale-spread", default="reshape", help="word gemvs: reshape or gather (MatmulConfig)")
 
 
 def kernel_inputs(args):
@@ -154,7 +154,7 @@ def kernel_inputs(args):
         "block_n": args.block_n,
         "block_k": args.block_k,
         "num_warps": args.warps,
-        "scale_spread": getattr(args, "scale_spread", "gather"),
+        "scale_spread": getattr(args, "scale_spread", "reshape"),
     }
     if getattr(args, "programs", None):
         tiles["programs"] = args.programs

@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--sweep-budget-s", type=float, default=420.0, help="wall-clock cap of the sweep")
     parser.add_argument("--compile-threads", type=int, default=8, help="sweep: parallel XLA compiles")
     parser.add_argument("--variants", help="sweep: only these formulations (comma-separated; default all)")
-    parser.add_argument("--scale-spreads", default="gather",
+    parser.add_argument("--scale-spreads", default="reshape",
                         help="sweep: NVFP4 word gemvs with each of these ways of meeting words with their block "
-                             "scales (comma-separated: gather, reshape)")  # fmt: skip
+                             "scales (comma-separated: reshape, gather)")  # fmt: skip
     parser.add_argument("--tiles", help="sweep: only these block_n x block_k (e.g. 32x512,32x1024)")
     parser.add_argument("--prefill", action="store_true", help="GPU: the tiled kernel at prefill sizes")
     parser.add_argument("--prefill-ms", default="4096,1024", help="prefill: activation rows (M) per point")
@@ -283,7 +283,7 @@ STREAMED_PROGRAMS = (2 * SMS, 3 * SMS, SMS, 4 * SMS)  # "gemv_ws" grids tried, m
 
 def sweep_configs(
     fmt: str, n: int, k: int, batch: int, variants: tuple[str, ...] | None = None,
-    scale_spreads: tuple[str, ...] = ("gather",), tiles: tuple[tuple[int, int], ...] | None = None,
+    scale_spreads: tuple[str, ...] = ("reshape",), tiles: tuple[tuple[int, int], ...] | None = None,
 ) -> list[qc.MatmulConfig]:
     """Coarse grid for one point, most promising first and round-robin over formulations so a
     budget cut keeps every formulation represented (`variants`: only these). num_warps 4 (8 for

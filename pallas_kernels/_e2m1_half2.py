@@ -45,6 +45,19 @@ def half2_x_pairs(x16: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(grouped, jnp.uint32)
 
 
+def _pairs_ptx(word: str, first: int) -> list[str]:
+    """PTX placing the 4 pairs of `word` (`_quant_common.e2m1_word_f16`'s shifts and masks) in
+    registers p{first} .. p{first + 3} (scratch registers a, b)."""
+    lines = []
+    for p, (mag, sign) in enumerate(_PAIR_SHIFTS):
+        lines.append(f"shl.b32 a, {word}, {mag};" if mag >= 0 else f"shr.b32 a, {word}, {-mag};")
+        lines.append(f"and.b32 a, a, {qc.E2M1_WORD_MAGNITUDE:#010x};")
+        lines.append(f"shl.b32 b, {word}, {sign};" if sign else f"mov.b32 b, {word};")
+        lines.append(f"and.b32 b, b, {qc.E2M1_WORD_SIGN:#010x};")
+        lines.append(f"or.b32 p{first + p}, a, b;")
+    return lines
+
+
 def block_dot_asm() -> str:
     """PTX for one scale block and one activation row: operand $0 is the float32 sum (output),
     $1 and $2 the even and odd words, $3 .. $10 the 8 half2 pairs (`half2_x_pairs`' axis 1).
@@ -52,13 +65,7 @@ def block_dot_asm() -> str:
     sees the repeated word decode of several rows' instances as common code."""
     lines = ["{", ".reg .b32 a, b, acc;", ".reg .b16 lo, hi, s;"] + [f".reg .b32 p{i};" for i in range(8)]
     for w in range(2):
-        word = f"${1 + w}"
-        for p, (mag, sign) in enumerate(_PAIR_SHIFTS):
-            lines.append(f"shl.b32 a, {word}, {mag};" if mag >= 0 else f"shr.b32 a, {word}, {-mag};")
-            lines.append(f"and.b32 a, a, {qc.E2M1_WORD_MAGNITUDE:#010x};")
-            lines.append(f"shl.b32 b, {word}, {sign};" if sign else f"mov.b32 b, {word};")
-            lines.append(f"and.b32 b, b, {qc.E2M1_WORD_SIGN:#010x};")
-            lines.append(f"or.b32 p{4 * w + p}, a, b;")
+        lines += _pairs_ptx(f"${1 + w}", first=4 * w)
     lines.append("mul.rn.f16x2 acc, p0, $3;")
     lines += [f"fma.rn.f16x2 acc, p{i}, ${3 + i}, acc;" for i in range(1, 8)]
     lines += ["mov.b32 {lo, hi}, acc;", "add.rn.f16 s, lo, hi;", "cvt.f32.f16 $0, s;", "}"]
@@ -128,12 +135,7 @@ def word_dot_asm() -> str:
     pair p decoded in place is already the half2 operand (elements p and p + 4): 1 mul and 3
     `fma.rn.f16x2`, the two halves added once, one conversion to float32."""
     lines = ["{", ".reg .b32 a, b, acc;", ".reg .b16 lo, hi, s;"] + [f".reg .b32 p{i};" for i in range(4)]
-    for p, (mag, sign) in enumerate(_PAIR_SHIFTS):
-        lines.append(f"shl.b32 a, $1, {mag};" if mag >= 0 else f"shr.b32 a, $1, {-mag};")
-        lines.append(f"and.b32 a, a, {qc.E2M1_WORD_MAGNITUDE:#010x};")
-        lines.append(f"shl.b32 b, $1, {sign};" if sign else "mov.b32 b, $1;")
-        lines.append(f"and.b32 b, b, {qc.E2M1_WORD_SIGN:#010x};")
-        lines.append(f"or.b32 p{p}, a, b;")
+    lines += _pairs_ptx("$1", first=0)
     lines.append("mul.rn.f16x2 acc, p0, $2;")
     lines += [f"fma.rn.f16x2 acc, p{i}, ${2 + i}, acc;" for i in range(1, 4)]
     lines += ["mov.b32 {lo, hi}, acc;", "add.rn.f16 s, lo, hi;", "cvt.f32.f16 $0, s;", "}"]

@@ -448,7 +448,8 @@ def _streamed_word_loads(words_ref, scale_ref, *, bn, bw, n_size, words_k, even_
 
 
 def _nvfp4_streamed_kernel(
-    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns);
+    # half2: [M, K/2] uint32 activation pairs, column p * K/8 + j (`_e2m1_half2.word_x_pairs`)
     *refs,  # per segment: words [N_s, K/8] uint32, scale bits [N_s, K/16] uint8; then out_ref
     plan: qc.StreamedPlan,
     segments: qc.Segments,
@@ -457,9 +458,15 @@ def _nvfp4_streamed_kernel(
     block_w: int,
     even_k: bool,
     scale_spread: str,
+    half2: bool = False,
+    interpret: bool = False,
 ):
     """The "gemv_ws" formulation: gemv_w's loads and products over a streamed plan
-    (`_quant_common.streamed_gemv`); out_ref [slots, M, segments.n_size] float32 partial sums."""
+    (`_quant_common.streamed_gemv`); out_ref [slots, M, segments.n_size] float32 partial sums.
+    half2 ("gemv_h2w_ws"): each word's 8 products in packed half2 PTX (`_e2m1_half2.word_dots`:
+    the decoded pairs are the operands, 1 mul and 3 `fma.rn.f16x2` a word, one conversion), where
+    the float16 code unpacks every pair into two halves first; an H100 profile of gemv_ws put it
+    at ~64% issue use, bound by its ~44 instructions a word (docs/pallas.md)."""
     bn, bw, out_ref = segments.block_n, block_w, refs[-1]
 
     def per_segment(s):
@@ -467,8 +474,21 @@ def _nvfp4_streamed_kernel(
                                     words_k=words_k, even_k=even_k, scale_spread=scale_spread)  # fmt: skip
 
     def products(acc, ks, loaded):
-        return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
-                                   even_k=even_k, rows=rows)  # fmt: skip
+        if not half2:
+            return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
+                                       even_k=even_k, rows=rows)  # fmt: skip
+        words, bits = loaded
+        kw = ks * bw
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        if bits.shape[1] != bw:
+            scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+        x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
+        out = []
+        for r in range(rows):
+            views = [x_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)] for p in range(4)]
+            pairs = [jnp.broadcast_to(qc.load(v, x_mask), (bn, bw)) for v in views]
+            out.append(acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale)
+        return tuple(out)
 
     qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
                      width=bw, out_ref=out_ref)  # fmt: skip
@@ -480,50 +500,6 @@ def _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k):
     n_mask = ((col0 + jnp.arange(bn)) < n_size) & valid
     k_mask = None if even_k else (ks * bs + jnp.arange(bs)) < blocks_k
     return _mask2(n_mask, k_mask, (bn, bs)), compat.ds(col0, bn), compat.ds(ks * bs, bs)
-
-
-def _nvfp4_streamed_half2_word_kernel(
-    pairs_ref,  # [M, K/2] uint32: half2 activation pairs, column p * K/8 + j (`_e2m1_half2.word_x_pairs`)
-    *refs,  # per segment: words [N_s, K/8] uint32, scale bits [N_s, K/16] uint8; then out_ref
-    plan: qc.StreamedPlan,
-    segments: qc.Segments,
-    rows: int,
-    words_k: int,
-    block_w: int,
-    even_k: bool,
-    scale_spread: str,
-    interpret: bool,
-):
-    """The "gemv_h2w_ws" formulation: gemv_ws's loads (whole [bn, block_w] word tiles) with each
-    word's 8 products in packed half2 PTX (`_e2m1_half2.word_dots`: 4 pair registers per word, 1 mul
-    and 3 `fma.rn.f16x2`, one conversion), where gemv_ws's float16 code unpacks every pair into
-    two halves first. An H100 profile of gemv_ws put it at ~64% issue use, bound by its ~44
-    instructions a word (docs/pallas.md)."""
-    bn, bw, out_ref = segments.block_n, block_w, refs[-1]
-
-    def per_segment(s):
-        return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
-                                    words_k=words_k, even_k=even_k, scale_spread=scale_spread)  # fmt: skip
-
-    def products(acc, ks, loaded):
-        words, bits = loaded
-        kw = ks * bw
-        scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-        if bits.shape[1] != bw:
-            scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
-        x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
-        out = []
-        for r in range(rows):
-            pairs = [
-                jnp.broadcast_to(qc.load(pairs_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)], x_mask),
-                                 (bn, bw))
-                for p in range(4)
-            ]  # fmt: skip
-            out.append(acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale)
-        return tuple(out)
-
-    qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
-                     width=bw, out_ref=out_ref)  # fmt: skip
 
 
 def _nvfp4_streamed_block_kernel(
@@ -1031,7 +1007,7 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
         kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, **common)
         m_pad, m_tiles = m, 1
     elif cfg.variant == "gemv_h2w_ws":
-        kernel = functools.partial(_nvfp4_streamed_half2_word_kernel, rows=m, scale_spread=cfg.scale_spread,
+        kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, half2=True,
                                    interpret=interpret, **common)  # fmt: skip
         m_pad, m_tiles, x_in = m, 1, h2.word_x_pairs(x16)
     elif cfg.variant == "gemv_h2_ws":

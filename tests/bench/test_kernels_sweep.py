@@ -23,11 +23,11 @@ def test_streamed_configs_take_programs_instead_of_split_k():
 
 def test_word_gemv_configs_come_with_each_scale_spread_side_by_side_and_tiles_filter():
     configs = kernels.sweep_configs(
-        "nvfp4", 34816, 5120, 1, ("gemv_ws", "dot_w"), scale_spreads=("gather", "reshape"), tiles=((32, 512),)
+        "nvfp4", 34816, 5120, 1, ("gemv_ws", "dot_w"), scale_spreads=("reshape", "gather"), tiles=((32, 512),)
     )
     assert {(c.block_n, c.block_k) for c in configs} == {(32, 512)}
     streamed = [c for c in configs if c.variant == "gemv_ws"]
-    assert [c.scale_spread for c in streamed[:2]] == ["gather", "reshape"] and configs[0] == streamed[0]
+    assert [c.scale_spread for c in streamed[:2]] == ["reshape", "gather"] and configs[0] == streamed[0]
     assert len(streamed) == 2 * len(kernels.STREAMED_PROGRAMS)
     dots = [c for c in configs if c.variant == "dot_w"]  # the dots take block bytes: one config each
     assert dots and len({(c.split_k, c.scale_spread) for c in dots}) == len(dots)

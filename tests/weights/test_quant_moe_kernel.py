@@ -307,10 +307,10 @@ def test_streamed_experts_give_the_block_output_of_the_default_kernel(fmt, token
 
 
 def test_nvfp4_scale_spread_switch_holds_inside_its_block_and_refuses_unknown_ways():
-    assert quant.current_modes()["nvfp4_scale_spread"] == "gather"
-    with quant.nvfp4_scale_spread("reshape"):
-        assert quant.current_modes()["nvfp4_scale_spread"] == "reshape"
-    assert quant.current_modes()["nvfp4_scale_spread"] == "gather"
+    assert quant.current_modes()["nvfp4_scale_spread"] == "reshape"
+    with quant.nvfp4_scale_spread("gather"):
+        assert quant.current_modes()["nvfp4_scale_spread"] == "gather"
+    assert quant.current_modes()["nvfp4_scale_spread"] == "reshape"
     with pytest.raises(ValueError, match="NVFP4 scale spread"), quant.nvfp4_scale_spread("l1"):
         pass
 
