@@ -323,6 +323,11 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     streamed = {"variant": _modes["nvfp4_streamed_gemv"], "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
+        if streamed["variant"] == "gemv_h2w_ws":  # its H200 sweep (bf564ff): 1024-element steps on
+            # the widest layers, three programs per SM (64 registers a thread leave room) elsewhere
+            wide = n >= 16384
+            return {**streamed, "block_n": 32, "block_k": 1024 if wide else 512,
+                    "programs": (2 if wide else 3) * compat.sm_count()}  # fmt: skip
         return {**streamed, "block_n": 32, "block_k": 1024 if n < 16384 and k <= 8192 else 512}
     if words and m <= 8 and k >= 4096 and n * k < 1 << 24:
         return {**streamed, "block_n": 64 if m == 1 else 32, "block_k": 512}

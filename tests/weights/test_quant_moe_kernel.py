@@ -320,5 +320,8 @@ def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
     with quant.nvfp4_streamed_gemv("gemv_bs_ws"):
         assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_bs_ws"
         assert quant.nvfp4_tiles(8, 5120, 17408)["variant"] == "dot_w"  # more rows: not a gemv
+    with quant.nvfp4_streamed_gemv("gemv_h2w_ws"):  # its own tiles: long K steps on wide layers
+        assert quant.nvfp4_tiles(1, 5120, 17408)["block_k"] == 1024
+        assert quant.nvfp4_tiles(1, 17408, 5120)["block_k"] == 512
     with pytest.raises(ValueError, match="NVFP4 streamed gemv"), quant.nvfp4_streamed_gemv("gemv_w"):
         pass
