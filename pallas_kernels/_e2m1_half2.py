@@ -1,4 +1,5 @@
-"""NVFP4 block dot products in packed half2 arithmetic, for the "gemv_h2_ws" decode formulation.
+"""NVFP4 block and word dot products in packed half2 arithmetic, for the "gemv_h2_ws" and
+"gemv_h2w_ws" decode formulations (`block_dots`, `word_dots`).
 
 One NVFP4 scale block is 16 elements: two uint32 words of packed E2M1 nibbles (element i of a
 word in bits 4i..4i+3). `_quant_common.e2m1_word_f16`'s shifts and masks place two elements of a
@@ -18,8 +19,12 @@ activation) is exact in float16; the sums are rounded to float16. Each half of t
 sums 8 products, then the halves are added: 16 terms in float16 where gemv_w sums 8 (measured
 errors stay under `nvfp4_matmul.GEMV_W_TOLERANCE`).
 
+The word form (`word_dots`, "gemv_h2w_ws") takes one word and its 4 pairs
+(`word_x_pairs`: (x[8j + p], x[8j + p + 4])), so it keeps gemv_ws's whole-word tiles and 16-byte
+loads; its halves each sum 4 products (8 in all, as gemv_w).
+
 Only the compiled GPU kernel runs the PTX. The Pallas interpreter (CPU tests) cannot run inline
-assembly, so there `block_dots` computes the same sums with float16 jnp operations.
+assembly, so there `block_dots` and `word_dots` compute the same sums with float16 jnp operations.
 """
 
 from __future__ import annotations

@@ -516,11 +516,13 @@ def _nvfp4_streamed_block_kernel(
 ):
     """The "gemv_bs_ws" formulation: gemv_ws's loads and products on [bn, block_w / 2, 2] tiles (a
     scale block's two words side by side), the 16 products of a block summed in float16 and the
-    block scale applied to the block sum, with [bn, block_w / 2] float32 accumulators. Against
-    gemv_ws no scale is spread over the words (on the H100 that spread was a shared-memory round
-    trip and two barriers in every K step) and one conversion to float32 serves two words.
+    block scale applied to the block sum, with [bn, block_w / 2] float32 accumulators: one
+    conversion to float32 serves two words and no scale is spread over the words, but Triton
+    converts the block sums to the scale tile's layout instead (a shared-memory round trip again).
     x_ahead ("gemv_bsx_ws"): the unit's activation is loaded a unit ahead with its words (in
-    gemv_ws the products waited on activation loads issued in their own step)."""
+    gemv_ws the products wait on activation loads issued in their own step); Triton converts the
+    carried tiles at each use. Sweep variants: on the H100 they beat gemv_ws at 3-4 programs an
+    SM by 2-10% a layer and lost end to end at 2 (docs/pallas.md)."""
     bn, bs, out_ref = segments.block_n, block_w // 2, refs[-1]
     blocks_k = words_k // 2
 
@@ -769,7 +771,7 @@ def nvfp4_matmul(
     and "gemv_bs" take all M <= 8 rows in one program. group_m: M tiles per launch group of
     "tiled" (`_quant_common.grouped_tile`). programs: the grid of "gemv_ws" (default two per SM).
     scale_spread: how the CUDA-core word gemvs (gemv_w, gemv_wp, gemv_ws) meet each word with its
-    block scale: "gather" (default: read per word) or "reshape" (`_word_loads`).
+    block scale: "reshape" (default) or "gather" (read per word; `_word_loads`).
     `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
