@@ -265,7 +265,7 @@ def _variants(fmt: str, batch: int, only: tuple[str, ...] | None = None) -> list
     words = ["dot_w", "dot_ws", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
     if fmt == "nvfp4" and batch <= qc.GEMV_MAX_M:
         # word decode, float16 products on CUDA cores (gemv_bs_ws: block sums; gemv_h2_ws: packed half2 PTX)
-        words = ["gemv_h2w_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_ws", "gemv_wp", "gemv_w", *words]
+        words = ["gemv_h2w_ws", "gemv_h2wx_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_ws", "gemv_wp", "gemv_w", *words]
     out = words + (gemv if batch <= qc.GEMV_MAX_M else []) + ["dot_t", "dot"]
     return out if only is None else [v for v in out if v in only]
 
@@ -299,7 +299,7 @@ def sweep_configs(
                 block_ns, block_ks = [64, 32], [256, 512]
             if fmt == "fp8_block128":
                 block_ks = [b for b in block_ks if b <= 128]
-            warps = 8 if variant in ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws") and fmt == "nvfp4" else 4
+            warps = 8 if variant in ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "gemv_h2wx_ws") and fmt == "nvfp4" else 4
             per_variant[variant] = [
                 qc.MatmulConfig(variant, bn, bk, 1, warps, 3, programs=programs)
                 for programs in STREAMED_PROGRAMS

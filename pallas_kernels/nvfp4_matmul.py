@@ -43,9 +43,10 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              side): the 16 products of a block summed in float16, the block scale applied to the
              block sum in float32 (no spread of the scales over the words, half the conversions);
              "gemv_bsx_ws" also loads the unit's activation a unit ahead with its words;
-  "gemv_h2w_ws"
+  "gemv_h2w_ws", "gemv_h2wx_ws"
              gemv_ws's loads and tiles with each word's 8 products in packed half2 PTX
              (`_e2m1_half2.word_dots`); the interpreter computes the same float16 sums;
+             "gemv_h2wx_ws" also loads the activation pairs a unit ahead, in the words' layout;
   "dot_ws"   dot_w's float16 dots on the same streamed plan (M in tiles of block_m);
   "gemv_h2_ws"
              gemv_ws with each 16-element scale block's products done in packed half2 PTX
@@ -85,13 +86,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 BLOCK = 16  # elements of K per block scale
 DECODE_VARIANTS = (
     "gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws",
-    "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws",
+    "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws",
 )  # fmt: skip
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
 WORD_VARIANTS = (
     "dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws", "gemv_bs_ws", "gemv_bsx_ws",
-    "gemv_h2w_ws",
+    "gemv_h2w_ws", "gemv_h2wx_ws",
 )  # fmt: skip
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
@@ -459,6 +460,7 @@ def _nvfp4_streamed_kernel(
     even_k: bool,
     scale_spread: str,
     half2: bool = False,
+    x_ahead: bool = False,
     interpret: bool = False,
 ):
     """The "gemv_ws" formulation: gemv_w's loads and products over a streamed plan
@@ -466,18 +468,39 @@ def _nvfp4_streamed_kernel(
     half2 ("gemv_h2w_ws"): each word's 8 products in packed half2 PTX (`_e2m1_half2.word_dots`:
     the decoded pairs are the operands, 1 mul and 3 `fma.rn.f16x2` a word, one conversion), where
     the float16 code unpacks every pair into two halves first; an H100 profile of gemv_ws put it
-    at ~64% issue use, bound by its ~44 instructions a word (docs/pallas.md)."""
+    at ~64% issue use, bound by its ~44 instructions a word (docs/pallas.md).
+    x_ahead ("gemv_h2wx_ws", with half2): each unit's activation pairs are loaded a unit ahead with
+    its words, through index tiles of the words' shape, so Triton gives them the words' register
+    layout and carries them without a conversion (on the H200 the half2 form waits on memory:
+    long-scoreboard stalls 3.3 cycles an issue; bench.kernel_ir: 277 -> 297 SASS instructions a
+    unit, 64 -> 80 registers, no conversion)."""
     bn, bw, out_ref = segments.block_n, block_w, refs[-1]
 
     def per_segment(s):
         return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
                                     words_k=words_k, even_k=even_k, scale_spread=scale_spread)  # fmt: skip
 
+    weight_loads = segments.loads(per_segment)
+
+    def x_pairs(ks, valid):
+        """Unit ks's activation pairs, rows in the words' [bn, bw] shape (indices not clamped:
+        contiguous columns keep the loads vectorized; masked lanes read nothing)."""
+        cols = ks * bw + jnp.arange(bw)
+        mask = jnp.broadcast_to(((cols < words_k) & valid)[None, :], (bn, bw))
+        return tuple(
+            qc.load(x_ref.at[jnp.full((bn, 1), r, jnp.int32), (p * words_k + cols)[None, :]], mask)
+            for r in range(rows) for p in range(4)
+        )  # fmt: skip
+
+    def loads(col0, ks, valid):
+        loaded = weight_loads(col0, ks, valid)
+        return (*loaded, *x_pairs(ks, valid)) if x_ahead else loaded
+
     def products(acc, ks, loaded):
         if not half2:
             return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
                                        even_k=even_k, rows=rows)  # fmt: skip
-        words, bits = loaded
+        words, bits = loaded[:2]
         kw = ks * bw
         scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
         if bits.shape[1] != bw:
@@ -485,12 +508,15 @@ def _nvfp4_streamed_kernel(
         x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
         out = []
         for r in range(rows):
-            views = [x_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)] for p in range(4)]
-            pairs = [jnp.broadcast_to(qc.load(v, x_mask), (bn, bw)) for v in views]
+            if x_ahead:
+                pairs = list(loaded[2 + 4 * r : 6 + 4 * r])
+            else:
+                views = [x_ref.at[compat.ds(r, 1), compat.ds(p * words_k + kw, bw)] for p in range(4)]
+                pairs = [jnp.broadcast_to(qc.load(v, x_mask), (bn, bw)) for v in views]
             out.append(acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale)
         return tuple(out)
 
-    qc.streamed_gemv(segments.loads(per_segment), products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
+    qc.streamed_gemv(loads, products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
                      width=bw, out_ref=out_ref)  # fmt: skip
 
 
@@ -839,7 +865,8 @@ def nvfp4_matmul(
     return y.astype(out_dtype)
 
 
-STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "dot_ws")  # the formulations `nvfp4_matmuls` takes
+# the formulations `nvfp4_matmuls` takes
+STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "gemv_h2wx_ws", "dot_ws")
 
 
 @functools.partial(
@@ -1008,9 +1035,9 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     if cfg.variant == "gemv_ws":  # all M rows in one program
         kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, **common)
         m_pad, m_tiles = m, 1
-    elif cfg.variant == "gemv_h2w_ws":
+    elif cfg.variant in ("gemv_h2w_ws", "gemv_h2wx_ws"):
         kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, half2=True,
-                                   interpret=interpret, **common)  # fmt: skip
+                                   x_ahead=cfg.variant == "gemv_h2wx_ws", interpret=interpret, **common)  # fmt: skip
         m_pad, m_tiles, x_in = m, 1, h2.word_x_pairs(x16)
     elif cfg.variant == "gemv_h2_ws":
         kernel = functools.partial(_nvfp4_streamed_half2_kernel, rows=m, interpret=interpret, **common)

@@ -24,7 +24,7 @@ from pallas_kernels.nvfp4_matmul import (
 )
 
 # Formulations that sum products in float16 (exact products, rounded sums): GEMV_W_TOLERANCE.
-F16_SUM_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws")
+F16_SUM_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "gemv_h2wx_ws")
 
 
 def _random_nvfp4(rng, m, n, k, x_dtype=jnp.bfloat16):
@@ -202,7 +202,7 @@ STREAMED_CASES = [  # m, n, k, block_n, block_k, programs
     "variant,m,n,k,block_n,block_k,programs",
     [
         (v, *c)
-        for v in ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "dot_ws")
+        for v in ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_h2w_ws", "gemv_h2wx_ws", "dot_ws")
         for c in STREAMED_CASES
         if v == "dot_ws" or c[0] <= 8
     ],
