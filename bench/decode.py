@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None):
                              "block scale (weights.quant.nvfp4_scale_spread; default: INFERNIX_NVFP4_SCALE_SPREAD), "
                              "measured in turn")  # fmt: skip
     parser.add_argument("--streamed-gemv", default=None,
-                        help="comma-separated streamed NVFP4 gemvs of single rows to measure in turn (gemv_ws, "
-                             "gemv_bs_ws; weights.quant.nvfp4_streamed_gemv; default: INFERNIX_NVFP4_STREAMED_GEMV)")  # fmt: skip
+                        help="comma-separated streamed NVFP4 gemvs of single rows to measure in turn "
+                             "(weights.quant.STREAMED_GEMVS: gemv_ws, gemv_h2w_ws, gemv_h2wx_ws, ...; "
+                             "weights.quant.nvfp4_streamed_gemv; default: INFERNIX_NVFP4_STREAMED_GEMV)")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip

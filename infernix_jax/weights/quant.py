@@ -323,8 +323,9 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     streamed = {"variant": _modes["nvfp4_streamed_gemv"], "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
-        if streamed["variant"] in ("gemv_h2w_ws", "gemv_h2wx_ws"):  # the H200 sweep of gemv_h2w_ws (bf564ff): 1024-element steps on
-            # the widest layers, three programs per SM (64 registers a thread leave room) elsewhere
+        if streamed["variant"] in ("gemv_h2w_ws", "gemv_h2wx_ws"):
+            # the H200 sweep of gemv_h2w_ws (bf564ff): 1024-element steps on the widest layers,
+            # three programs per SM elsewhere (its 64 registers a thread leave room for them)
             wide = n >= 16384
             return {**streamed, "block_n": 32, "block_k": 1024 if wide else 512,
                     "programs": (2 if wide else 3) * compat.sm_count()}  # fmt: skip
@@ -450,7 +451,8 @@ FP8_DECODE_MODES = ("auto", "kernel", "xla")
 FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # The streamed NVFP4 gemv of single rows (pallas_kernels/nvfp4_matmul.py): products summed per word
 # with the block scale spread over the words ("gemv_ws"), or per 16-element block ("gemv_bs_ws";
-# "gemv_bsx_ws" also loads the activation a unit ahead), or per word in packed half2 ("gemv_h2w_ws").
+# "gemv_bsx_ws" also loads the activation a unit ahead), or per word in packed half2 ("gemv_h2w_ws";
+# "gemv_h2wx_ws" with the activation a unit ahead).
 STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
