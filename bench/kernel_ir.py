@@ -3,6 +3,8 @@
     pip install triton        # once, in any environment: the Triton compiler (ptxas and cuobjdump come with it)
     python -m bench.kernel_ir --variant gemv_ws --n 17408 --k 5120 --out-dir /tmp/ir
     python -m bench.kernel_ir --variant gemv_h2w_ws --out-dir /tmp/ir --triton-python /path/to/venv/bin/python
+    python -m bench.kernel_ir --experts 512 --rows 10 --n 512 --k 2048 --variant dot_w --block-n 64 \
+        --block-k 256 --warps 4 --out-dir /tmp/ir      # the grouped kernel (80B-A3B gate, one token)
 
 Why: on the GPU, `bench.kernel_counters` showed where the streamed gemv's cycles go (a shared-
 memory round trip and two barriers in every K step, for a layout conversion of the block scales).
@@ -78,27 +80,35 @@ def triton_module(debug_output: str) -> str:
 
 
 def lowered_module(args) -> str:
-    """Lower the configuration for CUDA with Pallas' debug printing on; return the Triton module."""
+    """Lower the configuration for CUDA with Pallas' debug printing on; return the Triton module.
+    With `args.experts`, the grouped kernel (`moe_matmul.grouped_matmul`) over NVFP4 stacks of that
+    many experts, `args.rows` routed rows; else the dense `nvfp4_matmul`."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels import compat
+    from pallas_kernels.moe_matmul import grouped_matmul
     from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
-    shapes = (
-        jax.ShapeDtypeStruct((args.rows, args.k), jnp.bfloat16),
-        jax.ShapeDtypeStruct((args.n, args.k // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((args.n, args.k // 16), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((), jnp.float32),
-    )
-    tiles = {"variant": args.variant, "block_n": args.block_n, "block_k": args.block_k, "num_warps": args.warps,
-             "scale_spread": args.scale_spread, "programs": args.programs or 264}  # fmt: skip
+    lead = (args.experts,) if args.experts else ()
+    x = jax.ShapeDtypeStruct((args.rows, args.k), jnp.bfloat16)
+    packed = jax.ShapeDtypeStruct((*lead, args.n, args.k // 2), jnp.uint8)
+    scales = jax.ShapeDtypeStruct((*lead, args.n, args.k // 16), jnp.float8_e4m3fn)
+    tensor_scale = jax.ShapeDtypeStruct(lead, jnp.float32)
+    tiles = {"variant": args.variant, "block_n": args.block_n, "block_k": args.block_k, "num_warps": args.warps}
+    if args.experts:
+        sizes = jax.ShapeDtypeStruct((args.experts,), jnp.int32)
+        fn = jax.jit(lambda x, p, s, t, g: grouped_matmul(x, (p, s, t), g, fmt="nvfp4", **tiles))
+        shapes = (x, packed, scales, tensor_scale, sizes)
+    else:
+        tiles.update(scale_spread=args.scale_spread, programs=args.programs or 264)
+        fn, shapes = jax.jit(functools.partial(nvfp4_matmul, **tiles)), (x, packed, scales, tensor_scale)
     real = compat.pallas_call
     compat.pallas_call = functools.partial(real, debug=True)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            compat.lower_for_cuda(jax.jit(functools.partial(nvfp4_matmul, **tiles)), *shapes)
+            compat.lower_for_cuda(fn, *shapes)
     finally:
         compat.pallas_call = real
     return triton_module(out.getvalue())
@@ -128,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_kernel_arguments(parser)
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--experts", type=int, default=0,
+                        help="the grouped kernel over NVFP4 stacks of this many experts (0: the dense kernel)")  # fmt: skip
     parser.add_argument("--triton-python", default=sys.executable,
                         help="interpreter whose `triton` package compiles the module (default: this one)")  # fmt: skip
     parser.add_argument("--out-dir", required=True)

@@ -46,3 +46,16 @@ def test_a_compiled_listing_reads_as_conversions_barriers_and_loops():
     assert result["bar_sync"] == 2
     assert [loop["instructions"] for loop in result["loops"]] == [3, 6]  # innermost first
     assert result["loops"][0]["ops"] == {"LOP3": 1, "HFMA2": 1, "BRA": 1}
+
+
+def test_the_dense_and_grouped_kernels_lower_to_a_module_a_parser_can_read():
+    """Pallas' own printing, cut and cleaned: what `triton.compile` is given (no triton needed here)."""
+    import argparse
+
+    common = {"rows": 2, "n": 64, "k": 256, "block_n": 32, "block_k": 128, "warps": 4, "programs": 4}
+    dense = argparse.Namespace(variant="gemv_ws", experts=0, scale_spread="reshape", **common)
+    grouped = argparse.Namespace(variant="dot_w", experts=4, scale_spread="reshape", **common)
+    for args, name in ((dense, "nvfp4_matmul_gemv_ws"), (grouped, "grouped_nvfp4_matmul_dot_w")):
+        module = kernel_ir.lowered_module(args)
+        assert module.startswith(f"module @{name}") and module.endswith("}\n")
+        assert "tt.func" in module and "#loc" not in module and "loc(" not in module
