@@ -262,7 +262,7 @@ SMS = 132  # H200 streaming multiprocessors: split-K is offered while programs <
 
 def _variants(fmt: str, batch: int, only: tuple[str, ...] | None = None) -> list[str]:
     gemv = ["gemv", "gemv_bs"] if fmt == "nvfp4" else ["gemv_ws", "gemv"]
-    words = ["dot_w", "dot_ws", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
+    words = ["dot_w", "dot_jw", "dot_ws", "dot_t_w"] if fmt == "nvfp4" else []  # word-decoded float16 dots first
     if fmt == "nvfp4" and batch <= qc.GEMV_MAX_M:
         # word decode, float16 products on CUDA cores (gemv_bs_ws: block sums; gemv_h2_ws: packed half2 PTX)
         words = ["gemv_h2w_ws", "gemv_h2wx_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", "gemv_ws", "gemv_wp", "gemv_w", *words]

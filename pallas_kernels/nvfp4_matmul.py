@@ -56,6 +56,9 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              tiles, even and odd, aligned with the scale tile (an [N, K/16, 2] view). Inline
              PTX runs only compiled on a GPU; the interpreter computes the same sums with
              float16 jnp operations;
+  "dot_jw"   dot_w with the 8 element tiles joined back into element order in registers and one
+             dot of depth block_k a K step, x in its natural order (`_joined_word_dot`; offline,
+             bench.kernel_ir: 638 against dot_w's 734 SASS a step);
   "dot_w", "dot_t_w", "tiled_w"
              the dot formulations on float16 tensor cores with the weight decoded from whole 32-bit
              words (`_quant_common.e2m1_word_f16`: no float conversion per element, which bounds
@@ -86,13 +89,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 BLOCK = 16  # elements of K per block scale
 DECODE_VARIANTS = (
     "gemv", "gemv_bs", "dot", "dot_t", "dot_w", "dot_t_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws",
-    "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws",
+    "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws", "dot_jw",
 )  # fmt: skip
 VARIANTS = (*DECODE_VARIANTS, "tiled", "tiled_w")
 # Weights decoded from uint32 words: float16 dots, or (gemv_w) float16 products on CUDA cores.
 WORD_VARIANTS = (
     "dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws", "gemv_bs_ws", "gemv_bsx_ws",
-    "gemv_h2w_ws", "gemv_h2wx_ws",
+    "gemv_h2w_ws", "gemv_h2wx_ws", "dot_jw",
 )  # fmt: skip
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
@@ -350,6 +353,25 @@ def _word_dots(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, ro
     return acc
 
 
+def _joined_word_dot(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, rows, m_mask):
+    """"dot_jw": `_word_dots`' 8 scaled element tiles interleaved back into element order in
+    registers (`jnp.stack` on a new last axis lowers to `tt.join`, kept in-thread: pairs (p, p + 4),
+    then two apart, then one apart give [bn, bw, 2, 2, 2] holding element p at (p // 4, p // 2 % 2,
+    p % 2), and a reshape puts element 8j + p at column 8j + p), then ONE float16 dot of depth
+    8 bw with x in its natural column order: no `word_columns` reorder of x before the kernel, and
+    no float32 add after each of 8 dots (Pallas starts every dot from a zero accumulator)."""
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
+    scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+    tiles = [w * scale for w in qc.e2m1_word_f16(words)]
+    pairs = [jnp.stack([tiles[k], tiles[k + 4]], axis=-1) for k in range(4)]
+    quads = [jnp.stack([pairs[k], pairs[k + 2]], axis=-1) for k in range(2)]
+    w_all = jnp.stack([quads[0], quads[1]], axis=-1).reshape(bn, 8 * bw)
+    k_mask = None if even_k else (8 * kw + jnp.arange(8 * bw)) < 8 * words_k
+    view = x_ref.at[compat.ds(row0, rows), compat.ds(8 * kw, 8 * bw)]
+    xn = qc.load(view, _mask2(m_mask, k_mask, (rows, 8 * bw)))
+    return acc + jax.lax.dot_general(xn, w_all, qc.dims_nt(), preferred_element_type=jnp.float32)
+
+
 def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows, row0=0, last_row=None):
     """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
     word-decoded weight p times x row row0 + r's columns p * K/8 + kw ...), the sum in float16.
@@ -425,6 +447,9 @@ def _nvfp4_word_kernel(
         kw = kw_of(t)
         if variant == "gemv_w":
             return products(acc, t, *loads(t))
+        if variant == "dot_jw":
+            return _joined_word_dot(acc, x_ref, *loads(t), kw=kw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
+                                    row0=i * rows, rows=rows, m_mask=m_mask)  # fmt: skip
         return _word_dots(
             acc, x_ref, *loads(t), kw=kw, bn=bn, bw=bw, words_k=words_k, even_k=even_k, row0=i * rows,
             rows=rows, m_mask=m_mask, transposed=variant == "dot_t_w",
@@ -999,7 +1024,7 @@ def _word_call(
         compiler_params=params,
         interpret=interpret,
         name=f"nvfp4_matmul_{cfg.variant}",
-    )(qc.word_columns(x16), words, scale_bits)
+    )(x16 if cfg.variant == "dot_jw" else qc.word_columns(x16), words, scale_bits)  # dot_jw: natural order
     y = qc.split_sum(partial)
     y = y.T[:m] if transposed else y[:m]
     return (y * row_scale[:, None]).astype(out_dtype)
