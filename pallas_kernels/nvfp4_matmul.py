@@ -336,12 +336,20 @@ def _word_step(acc, x_ref, words_ref, scale_ref, *, kw, col0, bn, bw, n_mask, wo
                       row0=row0, rows=rows, m_mask=m_mask, transposed=transposed)  # fmt: skip
 
 
+def _word_scales(bits: jax.Array, bn: int, bw: int, dtype) -> jax.Array:
+    """The [bn, bw] block scales of a word tile as `dtype`, from the e4m3 bits `_word_loads` gave:
+    one byte per block ([bn, bw / 2], spread over its two words) or already one per word."""
+    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(dtype)
+    if bits.shape[1] == bw:
+        return scale
+    return jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+
+
 def _word_dots(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, rows, m_mask, transposed):
     """`_word_step`'s 8 float16 dots on loaded words and scale bits."""
-    bs, f32 = bw // 2, jnp.float32
+    f32 = jnp.float32
     k_mask = None if even_k else (kw + jnp.arange(bw)) < words_k
-    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
-    scale = jnp.broadcast_to(scale[:, :, None], (bn, bs, 2)).reshape(bn, bw)
+    scale = _word_scales(bits, bn, bw, jnp.float16)
     x_mask = _mask2(m_mask, k_mask, (rows, bw))
     for p, w in enumerate(qc.e2m1_word_f16(words)):
         w = w * scale
@@ -360,8 +368,7 @@ def _joined_word_dot(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, ro
     p % 2), and a reshape puts element 8j + p at column 8j + p), then ONE float16 dot of depth
     8 bw with x in its natural column order: no `word_columns` reorder of x before the kernel, and
     no float32 add after each of 8 dots (Pallas starts every dot from a zero accumulator)."""
-    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float16)
-    scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+    scale = _word_scales(bits, bn, bw, jnp.float16)
     tiles = [w * scale for w in qc.e2m1_word_f16(words)]
     pairs = [jnp.stack([tiles[k], tiles[k + 4]], axis=-1) for k in range(4)]
     quads = [jnp.stack([pairs[k], pairs[k + 2]], axis=-1) for k in range(2)]
@@ -377,9 +384,7 @@ def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k,
     word-decoded weight p times x row row0 + r's columns p * K/8 + kw ...), the sum in float16.
     row0 may be traced (the grouped kernel's work item); rows past `last_row` read it instead.
     `bits`: [bn, bw / 2] block bytes, or [bn, bw] already one per word (`_word_loads`' gather)."""
-    scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-    if bits.shape[1] != bw:
-        scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+    scale = _word_scales(bits, bn, bw, jnp.float32)
     weights = qc.e2m1_word_f16(words)
     x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
     out = []
@@ -527,9 +532,7 @@ def _nvfp4_streamed_kernel(
                                        even_k=even_k, rows=rows)  # fmt: skip
         words, bits = loaded[:2]
         kw = ks * bw
-        scale = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
-        if bits.shape[1] != bw:
-            scale = jnp.broadcast_to(scale[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+        scale = _word_scales(bits, bn, bw, jnp.float32)
         x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
         out = []
         for r in range(rows):
