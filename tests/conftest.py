@@ -23,6 +23,12 @@ import jax
 import numpy as np
 import pytest
 
+pytest.register_assert_rewrite("tests.run_guard")
+from tests.run_guard import runs_tests
+
+# Per-test hang limit, a rerun for a test whose xdist worker died, and a stall watch (tests/run_guard.py).
+pytest_plugins = ("tests.run_guard",)
+
 # JAX's persistent compilation cache, for one test run only: a directory in the run's pytest
 # basetemp (an xdist worker's basetemp is `<the run's basetemp>/popen-gwN`, so the workers of a run
 # share it), removed when the run ends. Tests of different modules and workers build the same tiny
@@ -47,14 +53,9 @@ def _run_temp_dir(config: pytest.Config) -> Path:
     return base.parent if hasattr(config, "workerinput") else base
 
 
-def _runs_tests(config: pytest.Config) -> bool:
-    """A process that runs tests: an xdist worker, or pytest without workers (not xdist's controller)."""
-    return hasattr(config, "workerinput") or not config.pluginmanager.has_plugin("dsession")
-
-
 @pytest.hookimpl(trylast=True)  # after pytest's tmp_path plugin has set up the run's basetemp
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("INFERNIX_TEST_COMPILATION_CACHE", "1") == "0" or not _runs_tests(config):
+    if os.environ.get("INFERNIX_TEST_COMPILATION_CACHE", "1") == "0" or not runs_tests(config):
         jax.config.update("jax_enable_compilation_cache", False)
         return
     directory = _run_temp_dir(config) / CACHE_DIR_NAME
