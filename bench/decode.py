@@ -51,6 +51,7 @@ from infernix_jax.weights.quant import (
     fp8_decode_mode,
     fused_experts,
     fused_projections,
+    nvfp4_grouped_dot,
     nvfp4_scale_spread,
     nvfp4_streamed_gemv,
     streamed_experts,
@@ -182,6 +183,10 @@ def main(argv: list[str] | None = None):
                         help="comma-separated streamed NVFP4 gemvs of single rows to measure in turn "
                              "(weights.quant.STREAMED_GEMVS: gemv_ws, gemv_h2w_ws, gemv_h2wx_ws, ...; "
                              "weights.quant.nvfp4_streamed_gemv; default: INFERNIX_NVFP4_STREAMED_GEMV)")  # fmt: skip
+    parser.add_argument("--grouped-dot", default=None,
+                        help="dot_w, dot_jw or dot_w,dot_jw: the grouped kernel's float16 word dot for NVFP4 experts "
+                             "at decode (weights.quant.nvfp4_grouped_dot; default: INFERNIX_NVFP4_GROUPED_DOT), "
+                             "measured in turn")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
@@ -209,13 +214,14 @@ def main(argv: list[str] | None = None):
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
                 spreads = args.scale_spread.split(",") if args.scale_spread else [None]
                 gemvs = args.streamed_gemv.split(",") if args.streamed_gemv else [None]
+                dots = args.grouped_dot.split(",") if args.grouped_dot else [None]
                 modes = [
-                    (m, f, x, g, st, lg, tk, wl, gv) for m in args.fp8_decode.split(",")
+                    (m, f, x, g, st, lg, tk, wl, gv, gd) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
                     for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for wl in spreads
-                    for gv in gemvs
+                    for gv in gemvs for gd in dots
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, spread, gemv in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, spread, gemv, dot in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -225,9 +231,10 @@ def main(argv: list[str] | None = None):
                     gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
                     spread_ctx = nvfp4_scale_spread(spread) if spread else contextlib.nullcontext()
                     gemv_ctx = nvfp4_streamed_gemv(gemv) if gemv else contextlib.nullcontext()
+                    dot_ctx = nvfp4_grouped_dot(dot) if dot else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
-                        router_top_k(top_k), spread_ctx, gemv_ctx,
+                        router_top_k(top_k), spread_ctx, gemv_ctx, dot_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -252,6 +259,9 @@ def main(argv: list[str] | None = None):
                     if gemv and gemv != "gemv_ws":
                         record.name += f" {gemv.replace('_', '-')}"
                     record.details["nvfp4_streamed_gemv"] = gemv or current_modes()["nvfp4_streamed_gemv"]
+                    if dot and dot != "dot_w":
+                        record.name += f" grouped-{dot.replace('_', '-')}"
+                    record.details["nvfp4_grouped_dot"] = dot or current_modes()["nvfp4_grouped_dot"]
                     record.details["router_top_k"] = top_k
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):

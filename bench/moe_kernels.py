@@ -121,7 +121,8 @@ WIDE_WORD_TILES = [  # (block_n, block_k, split_k, num_warps, num_stages)
 def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> list[GroupedConfig]:
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
     most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two;
-    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w at two); every
+    NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w and the joined
+    dot_jw at two each); every
     format the streamed gemv_ws at four."""
     gemv_m = min(batch, 8)
     words = fmt == "nvfp4"
@@ -135,6 +136,7 @@ def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> li
             out += [
                 GroupedConfig("dot_t_w", 16, 32, WORD_MIN_BLOCK_K),
                 GroupedConfig("dot_w", 16, 32, WORD_MIN_BLOCK_K),
+                GroupedConfig("dot_jw", 16, 32, WORD_MIN_BLOCK_K),
             ]
         out.append(GroupedConfig("gemv_ws", gemv_m, 32, WORD_MIN_BLOCK_K if words else 64, programs=4))
         return out
@@ -156,7 +158,7 @@ def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> li
             ("dot_t_w", 64, 512),
             ("dot_t_w", 128, 512),
         ]
-        word_tiles += [("dot_w", 64, 256), ("dot_w", 128, 512)]
+        word_tiles += [("dot_w", 64, 256), ("dot_w", 128, 512), ("dot_jw", 64, 256), ("dot_jw", 128, 512)]
         out += [GroupedConfig(v, 16, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax))) for v, bn, bk in word_tiles]
     # the dense layers' streamed gemv over the work items (8 KB weight tiles, as their 27B defaults)
     if words:

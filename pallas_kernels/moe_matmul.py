@@ -50,6 +50,10 @@ Formulations (`variant`):
            (`_quant_common.word_columns`); the kernel multiplies each row back by its factor, the
            expert's tensor scale and 2**14 before the store. float32 x is refused (float16 would
            round it); block_k >= WORD_MIN_BLOCK_K.
+  "dot_jw" dot_w with the 8 decoded element tiles joined back into element order in registers
+           and one float16 dot of depth block_k a K step, x in its natural column order (the
+           dense kernel's `_joined_word_dot`: no `word_columns` reorder before the kernel, no
+           float32 add after each of 8 dots; bench.kernel_ir on the 80B gate: docs/pallas.md).
   "gemv_ws"
            NVFP4 and FP8: the dense kernels' streamed gemv (nvfp4_matmul / fp8_matmul "gemv_ws":
            word-decoded float16 products, or float32 products of the e4m3 weight, on CUDA cores,
@@ -90,6 +94,7 @@ from pallas_kernels.fp8_matmul import reference_fp8_matmul
 from pallas_kernels.nvfp4_matmul import BLOCK as NVFP4_BLOCK
 from pallas_kernels.nvfp4_matmul import (
     WORD_MIN_BLOCK_K,
+    _joined_word_dot,
     _mask2,
     _word_gemv_products,
     _word_loads,
@@ -97,7 +102,7 @@ from pallas_kernels.nvfp4_matmul import (
     reference_nvfp4_matmul,
 )
 
-WORD_VARIANTS = ("dot_w", "dot_t_w")  # NVFP4 only: float16 dots on weights decoded from uint32 words
+WORD_VARIANTS = ("dot_w", "dot_t_w", "dot_jw")  # NVFP4 only: float16 dots on weights decoded from uint32 words
 # NVFP4 and FP8: the dense "gemv_ws" (CUDA-core products over a streamed plan) over work items
 STREAMED_VARIANTS = ("gemv_ws",)
 VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS, *STREAMED_VARIANTS)
@@ -111,7 +116,7 @@ PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # weights the "plain" f
 class GroupedConfig:
     """One configuration of the grouped kernel."""
 
-    variant: str  # "gemv", "dot", "dot_t", "dot_w" or "dot_t_w" (module docstring)
+    variant: str  # VARIANTS (module docstring)
     block_m: int  # rows per work item: gemv 1..8 (unrolled), dot* a power of two >= 16
     block_n: int  # weight rows (output columns) per program; power of two >= 16
     block_k: int  # K elements per loop step; power of two
@@ -257,7 +262,8 @@ def _grouped_kernel(
     # [E, N, K]): its per-expert scale [E] float32 (multiplying the float32 sum; 1 for FP8 blocks)
     # and its stored refs; last the output.
     # nvfp4: x_even [M, K/2], x_odd [M, K/2] | packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
-    # nvfp4 dot_w / dot_t_w: x [M, K] f16 (qc.f16_rows, qc.word_columns), row factors [M, 1] f32
+    # nvfp4 dot_w / dot_t_w / dot_jw: x [M, K] f16 (qc.f16_rows; in word order by qc.word_columns
+    #        except for dot_jw), row factors [M, 1] f32
     #        | words [E*N, K/8] u32 (4 packed bytes each), block scale bits [E*N, K/16] u8
     # fp8:   x [M, K] | data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
     # plain: x [M, K] | w [E*N, K] (bf16 / f16 / f32)
@@ -369,7 +375,14 @@ def _grouped_tile(
 
     def step(i, acc):
         kw = (split * steps + i) * bw
-        if word:  # x [M, K] f16, row factors, words, scale bits
+        if variant == "dot_jw":  # x [M, K] f16 in natural order, row factors, words, scale bits
+            words, bits = _word_loads(
+                in_refs[2], in_refs[3], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask, words_k=k_width,
+                even_k=even_k,
+            )  # fmt: skip
+            return _joined_word_dot(acc, in_refs[0], words, bits, kw=kw, bn=bn, bw=bw, words_k=k_width,
+                                    even_k=even_k, row0=r0, rows=bm, m_mask=rows_ok)  # fmt: skip
+        if word:  # x [M, K] f16 in word order, row factors, words, scale bits
             return _word_step(
                 acc, in_refs[0], in_refs[2], in_refs[3], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask,
                 words_k=k_width, even_k=even_k, row0=r0, rows=bm, m_mask=rows_ok,
@@ -653,9 +666,9 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
         return _grouped_streamed_call(x, weights, group_sizes, fmt, block_size, cfg, out_dtype, interpret)
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
-    if word:  # one XLA op before the kernel: float16 rows in word order
+    if word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw)
         x16, row_factor = qc.f16_rows(x)
-        x_inputs = (qc.word_columns(x16), row_factor[:, None])
+        x_inputs = (x16 if cfg.variant == "dot_jw" else qc.word_columns(x16), row_factor[:, None])
         k_width, step_width = k // 8, cfg.block_k // 8
     elif fmt == "nvfp4":
         x_inputs = (xp[:, 0::2], xp[:, 1::2])

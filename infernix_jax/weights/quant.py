@@ -454,9 +454,14 @@ FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # "gemv_bsx_ws" also loads the activation a unit ahead), or per word in packed half2 ("gemv_h2w_ws";
 # "gemv_h2wx_ws" with the activation a unit ahead).
 STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws")
+# The grouped kernel's float16 word dot for NVFP4 experts at decode batches: 8 dots a K step on
+# x in word order ("dot_w"), or the 8 element tiles joined into one dot on x in natural order
+# ("dot_jw"; pallas_kernels/moe_matmul.py).
+GROUPED_DOTS = ("dot_w", "dot_jw")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
-# `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`).
+# `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
+# `nvfp4_grouped_dot`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
@@ -464,6 +469,7 @@ _modes = {
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
     "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "reshape", SCALE_SPREADS),
     "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
+    "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", GROUPED_DOTS),
 }
 
 
@@ -874,7 +880,7 @@ def grouped_tiles(
     """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
 
     NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w"
-    16 x 64 x 256, block_m 16 >= the rows any expert can get, so each routed expert is streamed
+    (or the joined "dot_jw": `nvfp4_grouped_dot`) 16 x 64 x 256, block_m 16 >= the rows any expert can get, so each routed expert is streamed
     once (the word-decoded float16 dots: 1202 against 668 GB/s on the 80B gate_up at batch 8,
     997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json; at one token too:
     the 80B gate_up 28.0 against the gemv's 43.7 us on the H200, 19.7 against 26.8 on an H100,
@@ -893,7 +899,7 @@ def grouped_tiles(
         tiles = {"variant": "gemv_ws", "block_m": min(tokens, 2), "block_n": 32,
                  "block_k": 512 if fmt == "nvfp4" else 256, "num_warps": 8}  # fmt: skip
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
-        tiles = {"variant": "dot_w", "block_m": 16, "block_n": 64, "block_k": 256}
+        tiles = {"variant": _modes["nvfp4_grouped_dot"], "block_m": 16, "block_n": 64, "block_k": 256}
     elif tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS:
@@ -938,6 +944,15 @@ def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
     """The streamed formulation `nvfp4_tiles` gives single NVFP4 rows while tracing inside this
     block (STREAMED_GEMVS; default: INFERNIX_NVFP4_STREAMED_GEMV, "gemv_ws")."""
     with switched(_modes, "nvfp4_streamed_gemv", variant, STREAMED_GEMVS, "NVFP4 streamed gemv"):
+        yield
+
+
+@contextlib.contextmanager
+def nvfp4_grouped_dot(variant: str) -> Iterator[None]:
+    """The float16 word dot `grouped_tiles` gives NVFP4 experts at decode batches while tracing
+    inside this block (GROUPED_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w" until a GPU
+    measures "dot_jw": docs/gpu_runs.md row 6s)."""
+    with switched(_modes, "nvfp4_grouped_dot", variant, GROUPED_DOTS, "NVFP4 grouped dot"):
         yield
 
 

@@ -155,6 +155,10 @@ WORD_CASES = [
     # a group of 37 rows cut into three items; 48 words in two splits of one 16-word step each
     (37, 4, 48, 384, [0, 37, 0, 0], jnp.bfloat16, {"variant": "dot_t_w", "block_n": 16, "split_k": 2}),
     (13, 6, 70, 128, [3, 0, 5, 1, 0, 3], jnp.float16, {"variant": "dot_w", "block_n": 64, "split_k": 2}),
+    # the joined dot (x in natural order): ragged N and K, rows past the groups; a 37-row group
+    # cut into three items with K split in two
+    (21, 5, 40, 160, [4, 0, 0, 9, 5], jnp.bfloat16, {"variant": "dot_jw", "block_n": 32, "block_k": 128}),
+    (37, 4, 48, 384, [0, 37, 0, 0], jnp.float16, {"variant": "dot_jw", "block_n": 16, "split_k": 2}),
 ]
 
 
@@ -345,6 +349,8 @@ def test_kernel_lowers_to_a_triton_call_for_cuda(fmt, variant, block_m):
         ("dot_w", 512, 1024, 2048, 80, 1, jnp.bfloat16),  # 80B gate_up, batch 8 x top-10: no masks
         ("dot_t_w", 512, 2048, 512, 80, 1, jnp.bfloat16),  # 80B down
         ("dot_t_w", 60, 1000, 2064, 37, 2, jnp.float16),  # N, K and the group sizes masked; split K
+        ("dot_jw", 512, 1024, 2048, 80, 1, jnp.bfloat16),
+        ("dot_jw", 60, 1000, 2064, 37, 2, jnp.float16),
     ],
 )
 def test_word_variants_lower_to_a_triton_call_for_cuda(variant, e, n, k, m, split_k, dtype):

@@ -16,6 +16,7 @@ from infernix_jax.model.params import MoEParams
 from infernix_jax.weights import quant
 from infernix_jax.weights.quant import (
     GROUPED_DECODE_MAX_TOKENS,
+    GROUPED_DOTS,
     grouped_expert_matmul,
     grouped_kernel_ready,
     grouped_tiles,
@@ -313,6 +314,31 @@ def test_nvfp4_scale_spread_switch_holds_inside_its_block_and_refuses_unknown_wa
     assert quant.current_modes()["nvfp4_scale_spread"] == "reshape"
     with pytest.raises(ValueError, match="NVFP4 scale spread"), quant.nvfp4_scale_spread("l1"):
         pass
+
+
+def test_the_grouped_dot_switch_picks_the_decode_formulation_of_nvfp4_experts():
+    assert grouped_tiles("nvfp4", 1, TOP_K, None, jnp.bfloat16)["variant"] == "dot_w"
+    with quant.nvfp4_grouped_dot("dot_jw"):
+        assert grouped_tiles("nvfp4", 4, 4 * TOP_K, None, jnp.bfloat16)["variant"] == "dot_jw"
+        assert grouped_tiles("nvfp4", 256, 256 * TOP_K, None, jnp.bfloat16)["variant"] == "dot"  # prefill
+        assert grouped_tiles("fp8", 4, 4 * TOP_K, None, jnp.bfloat16)["variant"] == "dot_t"
+    with pytest.raises(ValueError, match="NVFP4 grouped dot"), quant.nvfp4_grouped_dot("dot_t_w"):
+        pass
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_joined_grouped_dot_gives_the_block_output_of_dot_w(tokens):
+    """NVFP4 experts at decode through "dot_jw" (x in natural order, one dot a K step) give the
+    MoE block's output of "dot_w" (both float16 products of the same exact weights, summed in
+    a different order)."""
+    cfg, p = _config(), _block("nvfp4", seed=11)
+    x = jax.random.normal(jax.random.key(12), (1, tokens, D), jnp.bfloat16)
+    out = {}
+    for variant in GROUPED_DOTS:
+        with kernel_mode("interpret"), quant.nvfp4_grouped_dot(variant):
+            assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["variant"] == variant
+            out[variant] = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
+    _close(out["dot_jw"], out["dot_w"])
 
 
 def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
