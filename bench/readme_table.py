@@ -2,7 +2,9 @@
 
 Every row carries its ceiling and the fraction of it, as the records do. The files named in `FILES`
 come first, in that order; any other result file follows in name order, so a new benchmark shows
-up without an edit here.
+up without an edit here. A file gains records run after run (each names its commit); the table
+shows the newest record of each benchmark on each machine, where its last measurement stands in
+the file, and bench/results keeps the history.
 """
 
 from __future__ import annotations
@@ -28,11 +30,23 @@ def result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
     return known + others
 
 
+def newest(records: list[dict]) -> list[dict]:
+    """The last record of each (name, machine) in file order (records are appended as they are
+    measured), each where that last one stands."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for r in reversed(records):
+        if (r["name"], r["machine"]) not in seen:
+            seen.add((r["name"], r["machine"]))
+            kept.append(r)
+    return kept[::-1]
+
+
 def table(results_dir: Path = RESULTS_DIR, kernel_rows: int = 4) -> str:
     lines = ["| measured | machine | figure | ceiling | fraction | commit |", "|---|---|---|---|---|---|"]
     for path in result_files(results_dir):
         try:
-            records = read_records(path)
+            records = newest(read_records(path))
         except (ValueError, KeyError, TypeError) as exc:  # not a records file: leave it out, say so
             sys.stderr.write(f"readme_table: skipping {path.name}: {exc}\n")
             continue

@@ -6,8 +6,8 @@ from bench.readme_table import table
 from bench.record import make_record, write_records
 
 
-def record(name: str):
-    return make_record(name, 2.0, "tok/s", 4.0, "tok/s", machine="m", commit="abcdef123")
+def record(name: str, figure: float = 2.0, machine: str = "m", commit: str = "abcdef123"):
+    return make_record(name, figure, "tok/s", 4.0, "tok/s", machine=machine, commit=commit)
 
 
 def test_known_files_come_first_and_unknown_ones_are_listed_after(tmp_path):
@@ -48,3 +48,17 @@ def test_experiment_files_stay_out_of_the_table(tmp_path):
     write_records([record("experts decode 8GiB batch1")], tmp_path / "experts-no-routing-report-nvidia-h200.json")
     write_records([record("experts decode 8GiB batch1")], tmp_path / "experts-deferred-routing-nvidia-h200.json")
     assert len(table(tmp_path).splitlines()[2:]) == 1
+
+
+def test_a_benchmark_measured_again_shows_its_newest_record_per_machine(tmp_path):
+    write_records(
+        [record("decode 27b", 1.0, commit="1111111"), record("decode 80b", 1.5),
+         record("decode 27b", 3.0, machine="h100", commit="2222222"), record("decode 27b", 2.0, commit="3333333")],
+        tmp_path / "decode-nvidia-h200.json",
+    )  # fmt: skip
+    rows = [[c.strip() for c in row.split("|")[1:-1]] for row in table(tmp_path).splitlines()[2:]]
+    assert [(r[0], r[1], r[2], r[5]) for r in rows] == [
+        ("decode 80b", "m", "1.5 tok/s", "abcdef12"),
+        ("decode 27b", "h100", "3 tok/s", "2222222"),
+        ("decode 27b", "m", "2 tok/s", "3333333"),
+    ]
