@@ -1,7 +1,8 @@
 """A pytest plugin that keeps one hung or crashed test from stalling a whole run.
 
-jaxlib 0.10.2's CPU runtime can deadlock (every thread waiting on a futex: docs/model_config.md),
-and a deadlock inside C++ code that holds the GIL is out of reach of anything written in Python:
+jaxlib 0.10.2's CPU runtime has deadlocked (every thread waiting on a futex: docs/model_config.md
+names a cause, now fixed), and a hang inside C++ code that holds the GIL is out of reach of anything
+written in Python:
 pytest-timeout's "thread" method never ran in such a case, and two CI runs printed nothing after
 97-98% of the tests until their 90-minute limit. Three guards, each small:
 

@@ -185,8 +185,8 @@ def create_engine(model_dir: str | os.PathLike | None = None, *, dtype=None, **o
     if options.get("max_context") is None:
         options["max_context"] = model.max_context
     if options.get("prefill_chunk") is None and jax.default_backend() == "cpu":
-        # jaxlib 0.10.2 on the CPU can deadlock running the engine's 1024+-token prefill programs
-        # (docs/model_config.md); smaller chunks run reliably there.
+        # fewer and smaller programs to compile at start on a CPU (they once also dodged a jaxlib
+        # 0.10.2 deadlock in long prefills, since fixed at its cause: docs/model_config.md)
         options["prefill_chunk"] = CPU_PREFILL_CHUNK
     options = {k: v for k, v in options.items() if v is not None}
     config = EngineConfig(**options)

@@ -192,11 +192,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, capture_
     strictly_lower = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system = jnp.where(strictly_lower, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
     unit = system + jnp.eye(chunk, dtype=system.dtype)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(
-        unit, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
-    new_values = solve(v_beta)  # [B, H, N, C, Dv]
-    k_cumdecay = solve(k_beta * jnp.exp(cum)[..., None])  # [B, H, N, C, Dk]
+    # ONE solve for both right-hand sides (each column is solved on its own, so this equals two
+    # solves): two independent solves in a program deadlock jaxlib 0.10.2's CPU runtime when
+    # they run at once, each LAPACK call blocked on work queued behind the other in the same
+    # thread pool (docs/model_config.md).
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(unit, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]  # [B, H, N, C, Dv], [B, H, N, C, Dk]
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
@@ -250,8 +252,9 @@ def _rule_with_snapshots(q, k, v, g, beta, state, offsets):
         return jnp.where(mask, rows, 0).reshape((b * s, CHUNK) + a.shape[2:])
 
     flat = lambda a: a.reshape((b * s,) + a.shape[2:])
-    # jaxlib 0.10.2's CPU runtime deadlocks running the batched chunk form here (docs/prefix_cache.md);
-    # the per-token recurrence computes the same state (the GPU keeps the parallel form).
+    # On the CPU the chunk form here would put a second triangular solve beside the one above, and
+    # jaxlib 0.10.2 deadlocks when two run at once (docs/model_config.md); the per-token
+    # recurrence computes the same state (the GPU keeps the parallel form).
     finish = recurrent_gated_delta_rule if jax.default_backend() == "cpu" else chunk_gated_delta_rule
     _, finished = finish(window(q), window(k), window(v), window(g), window(beta), flat(starts))
     return out, final, finished.reshape(starts.shape)
