@@ -122,8 +122,7 @@ def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> li
     """The small sweep of one point: gemv with one item per expert (block_m = tokens, which is the
     most rows a decode group can hold) at three tile shapes and one split-K, and dot_t at two;
     NVFP4 adds the word-decoded float16 formulations (dot_t_w at four tiles, dot_w and the joined
-    dot_jw at two each); every
-    format the streamed gemv_ws at four."""
+    dot_jw at two each); every format the streamed gemv_ws at four."""
     gemv_m = min(batch, 8)
     words = fmt == "nvfp4"
     if quick:

@@ -879,17 +879,17 @@ def grouped_tiles(
 ) -> dict[str, Any]:
     """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
 
-    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w"
-    (or the joined "dot_jw": `nvfp4_grouped_dot`) 16 x 64 x 256, block_m 16 >= the rows any expert can get, so each routed expert is streamed
-    once (the word-decoded float16 dots: 1202 against 668 GB/s on the 80B gate_up at batch 8,
-    997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json; at one token too:
-    the 80B gate_up 28.0 against the gemv's 43.7 us on the H200, 19.7 against 26.8 on an H100,
-    the down projection 27.2 against 24.3 and 12.3 against 16.1, moe-kernels-nvidia-h100-80gb-hbm3.json).
-    Everything else: one token "gemv", one row per item (no expert holds two rows); up to
-    GROUPED_DECODE_MAX_TOKENS tokens "dot_t" with block_m 16 (it won every batch 2-8 point before
-    the word variants). More tokens (prefill): "dot" with block_m 64. Block-scaled FP8 tiles are cut to divide the scale block. With
-    `streamed_experts` on, NVFP4 (16-bit rows) and FP8 stacks take the streamed "gemv_ws" up to
-    STREAMED_EXPERTS_MAX_TOKENS tokens instead.
+    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w" (or
+    the joined "dot_jw" under `nvfp4_grouped_dot`) 16 x 64 x 256, block_m 16 >= the rows any expert can
+    get, so each routed expert is streamed once (the word-decoded float16 dots: 1202 against 668 GB/s on
+    the 80B gate_up at batch 8, 997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json;
+    at one token too: the 80B gate_up 28.0 against the gemv's 43.7 us on the H200, 19.7 against 26.8 on
+    an H100, the down projection 27.2 against 24.3 and 12.3 against 16.1,
+    moe-kernels-nvidia-h100-80gb-hbm3.json). Everything else: one token "gemv", one row per item (no
+    expert holds two rows); up to GROUPED_DECODE_MAX_TOKENS tokens "dot_t" with block_m 16 (it won every
+    batch 2-8 point before the word variants). More tokens (prefill): "dot" with block_m 64.
+    Block-scaled FP8 tiles are cut to divide the scale block. With `streamed_experts` on, NVFP4 (16-bit
+    rows) and FP8 stacks take the streamed "gemv_ws" up to STREAMED_EXPERTS_MAX_TOKENS tokens instead.
     """
     sixteen_bit = x_dtype is not None and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     streamed = _modes["streamed_experts"] == "on" and tokens <= STREAMED_EXPERTS_MAX_TOKENS
@@ -951,7 +951,7 @@ def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
 def nvfp4_grouped_dot(variant: str) -> Iterator[None]:
     """The float16 word dot `grouped_tiles` gives NVFP4 experts at decode batches while tracing
     inside this block (GROUPED_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w" until a GPU
-    measures "dot_jw": docs/gpu_runs.md row 6s)."""
+    measures "dot_jw": docs/gpu_runs.md row 6t)."""
     with switched(_modes, "nvfp4_grouped_dot", variant, GROUPED_DOTS, "NVFP4 grouped dot"):
         yield
 
