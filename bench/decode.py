@@ -54,6 +54,7 @@ from infernix_jax.weights.quant import (
     nvfp4_grouped_dot,
     nvfp4_scale_spread,
     nvfp4_streamed_gemv,
+    nvfp4_word_dot,
     streamed_experts,
 )
 
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None):
                         help="dot_w, dot_jw or dot_w,dot_jw: the grouped kernel's float16 word dot for NVFP4 experts "
                              "at decode (weights.quant.nvfp4_grouped_dot; default: INFERNIX_NVFP4_GROUPED_DOT), "
                              "measured in turn")  # fmt: skip
+    parser.add_argument("--word-dot", default=None,
+                        help="dot_w, dot_jw or dot_w,dot_jw: the float16 word dot of NVFP4 weights at rows past one "
+                             "(weights.quant.nvfp4_word_dot; default: INFERNIX_NVFP4_WORD_DOT), measured in turn")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
@@ -215,13 +219,14 @@ def main(argv: list[str] | None = None):
                 spreads = args.scale_spread.split(",") if args.scale_spread else [None]
                 gemvs = args.streamed_gemv.split(",") if args.streamed_gemv else [None]
                 dots = args.grouped_dot.split(",") if args.grouped_dot else [None]
+                word_dots = args.word_dot.split(",") if args.word_dot else [None]
                 modes = [
-                    (m, f, x, g, st, lg, tk, wl, gv, gd) for m in args.fp8_decode.split(",")
+                    (m, f, x, g, st, lg, tk, wl, gv, gd, wd) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
                     for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for wl in spreads
-                    for gv in gemvs for gd in dots
+                    for gv in gemvs for gd in dots for wd in word_dots
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, spread, gemv, dot in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, spread, gemv, dot, word_dot in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -232,9 +237,10 @@ def main(argv: list[str] | None = None):
                     spread_ctx = nvfp4_scale_spread(spread) if spread else contextlib.nullcontext()
                     gemv_ctx = nvfp4_streamed_gemv(gemv) if gemv else contextlib.nullcontext()
                     dot_ctx = nvfp4_grouped_dot(dot) if dot else contextlib.nullcontext()
+                    word_dot_ctx = nvfp4_word_dot(word_dot) if word_dot else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
-                        router_top_k(top_k), spread_ctx, gemv_ctx, dot_ctx,
+                        router_top_k(top_k), spread_ctx, gemv_ctx, dot_ctx, word_dot_ctx,
                     ):  # read at trace  # fmt: skip
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
@@ -262,6 +268,9 @@ def main(argv: list[str] | None = None):
                     if dot and dot != "dot_w":
                         record.name += f" grouped-{dot.replace('_', '-')}"
                     record.details["nvfp4_grouped_dot"] = dot or current_modes()["nvfp4_grouped_dot"]
+                    if word_dot and word_dot != "dot_w":
+                        record.name += f" word-{word_dot.replace('_', '-')}"
+                    record.details["nvfp4_word_dot"] = word_dot or current_modes()["nvfp4_word_dot"]
                     record.details["router_top_k"] = top_k
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):

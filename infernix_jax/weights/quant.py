@@ -318,8 +318,8 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
       (the 80B gdn_in 12288 x 2048: 1043 GB/s against 680 at two);
     - one row on a layer of <= 2**24 weights takes the bf16-decode "dot" 64 x 256 with K split
       up to four ways (it beat dot_w on every such 80B layer: 569 against 348 GB/s on q_gated);
-    - the rest take the word-decoded float16 dot ("dot_w"), split K until there are ~2 programs
-      per SM. float32 activations keep "dot" (float16 would round them)."""
+    - the rest take the word-decoded float16 dot ("dot_w", or the joined "dot_jw" under
+      `nvfp4_word_dot`), split K until there are ~2 programs per SM. float32 activations keep "dot" (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     streamed = {"variant": _modes["nvfp4_streamed_gemv"], "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
@@ -343,7 +343,8 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     block_n = 32 if words and n >= 32 * 4 * 132 else 64
     n_tiles = -(-n // block_n)
     split_k = max(1, min(k_steps // 4, -(-264 // n_tiles)))
-    return {"variant": "dot_w" if words else "dot", "block_n": block_n, "block_k": block_k, "split_k": split_k}
+    return {"variant": _modes["nvfp4_word_dot"] if words else "dot", "block_n": block_n, "block_k": block_k,
+            "split_k": split_k}  # fmt: skip
 
 
 def _cast_e2m1(scaled: Array) -> Array:
@@ -454,14 +455,15 @@ FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # "gemv_bsx_ws" also loads the activation a unit ahead), or per word in packed half2 ("gemv_h2w_ws";
 # "gemv_h2wx_ws" with the activation a unit ahead).
 STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws")
-# The grouped kernel's float16 word dot for NVFP4 experts at decode batches: 8 dots a K step on
-# x in word order ("dot_w"), or the 8 element tiles joined into one dot on x in natural order
-# ("dot_jw"; pallas_kernels/moe_matmul.py).
-GROUPED_DOTS = ("dot_w", "dot_jw")
+# The float16 word dot of NVFP4 weights at 2-64 rows (`nvfp4_word_dot`) and of NVFP4 experts at
+# decode batches (`nvfp4_grouped_dot`): 8 dots a K step on x in word order ("dot_w"), or the 8
+# element tiles joined into one dot on x in natural order ("dot_jw"; pallas_kernels/nvfp4_matmul.py,
+# moe_matmul.py).
+WORD_DOTS = ("dot_w", "dot_jw")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
-# `nvfp4_grouped_dot`).
+# `nvfp4_word_dot`, `nvfp4_grouped_dot`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
@@ -469,7 +471,8 @@ _modes = {
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
     "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "reshape", SCALE_SPREADS),
     "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
-    "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", GROUPED_DOTS),
+    "nvfp4_word_dot": env_mode("INFERNIX_NVFP4_WORD_DOT", "dot_w", WORD_DOTS),
+    "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", WORD_DOTS),
 }
 
 
@@ -950,9 +953,18 @@ def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
 @contextlib.contextmanager
 def nvfp4_grouped_dot(variant: str) -> Iterator[None]:
     """The float16 word dot `grouped_tiles` gives NVFP4 experts at decode batches while tracing
-    inside this block (GROUPED_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w" until a GPU
+    inside this block (WORD_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w" until a GPU
     measures "dot_jw": docs/gpu_runs.md row 6t)."""
-    with switched(_modes, "nvfp4_grouped_dot", variant, GROUPED_DOTS, "NVFP4 grouped dot"):
+    with switched(_modes, "nvfp4_grouped_dot", variant, WORD_DOTS, "NVFP4 grouped dot"):
+        yield
+
+
+@contextlib.contextmanager
+def nvfp4_word_dot(variant: str) -> Iterator[None]:
+    """The float16 word dot `nvfp4_tiles` gives NVFP4 weights at 16-bit rows past one (one row
+    takes a gemv or the bf16-decode dot) while tracing inside this block (WORD_DOTS; default: INFERNIX_NVFP4_WORD_DOT, "dot_w" until a GPU measures "dot_jw":
+    docs/gpu_runs.md row 6s)."""
+    with switched(_modes, "nvfp4_word_dot", variant, WORD_DOTS, "NVFP4 word dot"):
         yield
 
 

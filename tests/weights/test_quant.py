@@ -389,6 +389,25 @@ def test_the_block_sum_gemv_serves_a_fused_decode_row_when_switched_on(monkeypat
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_the_word_dot_switch_gives_rows_past_one_the_joined_dot():
+    """`nvfp4_word_dot("dot_jw")`: four 16-bit rows through an NVFP4 weight launch the joined word
+    dot (x in natural order) and give the reference's output; one row keeps its own formulation."""
+    rng = np.random.default_rng(23)
+    w = quantize_nvfp4(_weight(rng, 96, 512))
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    assert quant.nvfp4_tiles(4, 512, 96)["variant"] == "dot_w"
+    with kernel_mode("interpret"), quant.nvfp4_word_dot("dot_jw"):
+        assert quant.nvfp4_tiles(4, 512, 96)["variant"] == "dot_jw"
+        assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_ws"
+        assert "nvfp4_matmul_dot_jw" in str(jax.make_jaxpr(matmul)(x, w))
+        got = jax.jit(matmul)(x, w)
+    with kernel_mode("reference"):
+        want = matmul(x, w)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="NVFP4 word dot"), quant.nvfp4_word_dot("dot_t_w"):
+        pass
+
+
 def test_matmuls_keep_weights_apart_for_several_rows_switched_off_or_on_the_reference_path(monkeypatch):
     """Rows past one on shapes whose table entry is a tensor-core dot (the default "on" mode),
     `fused_projections(False)` and the reference path (no kernel) all run one matmul per weight."""

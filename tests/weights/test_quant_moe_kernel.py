@@ -16,7 +16,7 @@ from infernix_jax.model.params import MoEParams
 from infernix_jax.weights import quant
 from infernix_jax.weights.quant import (
     GROUPED_DECODE_MAX_TOKENS,
-    GROUPED_DOTS,
+    WORD_DOTS,
     grouped_expert_matmul,
     grouped_kernel_ready,
     grouped_tiles,
@@ -334,7 +334,7 @@ def test_the_joined_grouped_dot_gives_the_block_output_of_dot_w(tokens):
     cfg, p = _config(), _block("nvfp4", seed=11)
     x = jax.random.normal(jax.random.key(12), (1, tokens, D), jnp.bfloat16)
     out = {}
-    for variant in GROUPED_DOTS:
+    for variant in WORD_DOTS:
         with kernel_mode("interpret"), quant.nvfp4_grouped_dot(variant):
             assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["variant"] == variant
             out[variant] = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
