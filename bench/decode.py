@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import os
 import time
 
@@ -140,6 +141,16 @@ def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int):
     return (time.perf_counter() - start) / dispatches, decode
 
 
+# The NVFP4 kernel switches of weights.quant that a run measures in turn: (argument, switch, its
+# `current_modes` key, the value whose records keep the plain name, the name's tag before the value)
+NVFP4_VARIANT_SWITCHES = (
+    ("scale_spread", nvfp4_scale_spread, "nvfp4_scale_spread", "reshape", "scale-spread-"),
+    ("streamed_gemv", nvfp4_streamed_gemv, "nvfp4_streamed_gemv", "gemv_ws", ""),
+    ("grouped_dot", nvfp4_grouped_dot, "nvfp4_grouped_dot", "dot_w", "grouped-"),
+    ("word_dot", nvfp4_word_dot, "nvfp4_word_dot", "dot_w", "word-"),
+)
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -216,17 +227,15 @@ def main(argv: list[str] | None = None):
                 experts = args.fused_experts.split(",") if args.fused_experts else [None]
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
-                spreads = args.scale_spread.split(",") if args.scale_spread else [None]
-                gemvs = args.streamed_gemv.split(",") if args.streamed_gemv else [None]
-                dots = args.grouped_dot.split(",") if args.grouped_dot else [None]
-                word_dots = args.word_dot.split(",") if args.word_dot else [None]
+                variants = [getattr(args, flag).split(",") if getattr(args, flag) else [None]
+                            for flag, *_ in NVFP4_VARIANT_SWITCHES]  # fmt: skip
                 modes = [
-                    (m, f, x, g, st, lg, tk, wl, gv, gd, wd) for m in args.fp8_decode.split(",")
+                    (m, f, x, g, st, lg, tk, vs) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
-                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for wl in spreads
-                    for gv in gemvs for gd in dots for wd in word_dots
+                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",")
+                    for vs in itertools.product(*variants)
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, spread, gemv, dot, word_dot in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, picked in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -234,14 +243,13 @@ def main(argv: list[str] | None = None):
                         streamed_experts(streamed_x == "on") if streamed_x else contextlib.nullcontext()
                     )
                     gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
-                    spread_ctx = nvfp4_scale_spread(spread) if spread else contextlib.nullcontext()
-                    gemv_ctx = nvfp4_streamed_gemv(gemv) if gemv else contextlib.nullcontext()
-                    dot_ctx = nvfp4_grouped_dot(dot) if dot else contextlib.nullcontext()
-                    word_dot_ctx = nvfp4_word_dot(word_dot) if word_dot else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
-                        router_top_k(top_k), spread_ctx, gemv_ctx, dot_ctx, word_dot_ctx,
+                        router_top_k(top_k), contextlib.ExitStack() as variant_ctx,
                     ):  # read at trace  # fmt: skip
+                        for (_, switch, *_), v in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
+                            if v:
+                                variant_ctx.enter_context(switch(v))
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
                                          args.profile_top, args.profile_engine, loops == "on")  # fmt: skip
@@ -259,18 +267,10 @@ def main(argv: list[str] | None = None):
                         record.name += " loop-graphs"
                     if top_k != "compare":
                         record.name += f" top-k-{top_k}"
-                    if spread and spread != "reshape":
-                        record.name += f" scale-spread-{spread}"
-                    record.details["nvfp4_scale_spread"] = spread or current_modes()["nvfp4_scale_spread"]
-                    if gemv and gemv != "gemv_ws":
-                        record.name += f" {gemv.replace('_', '-')}"
-                    record.details["nvfp4_streamed_gemv"] = gemv or current_modes()["nvfp4_streamed_gemv"]
-                    if dot and dot != "dot_w":
-                        record.name += f" grouped-{dot.replace('_', '-')}"
-                    record.details["nvfp4_grouped_dot"] = dot or current_modes()["nvfp4_grouped_dot"]
-                    if word_dot and word_dot != "dot_w":
-                        record.name += f" word-{word_dot.replace('_', '-')}"
-                    record.details["nvfp4_word_dot"] = word_dot or current_modes()["nvfp4_word_dot"]
+                    for (_, _, key, plain, tag), v in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
+                        if v and v != plain:
+                            record.name += f" {tag}{v.replace('_', '-')}"
+                        record.details[key] = v or current_modes()[key]
                     record.details["router_top_k"] = top_k
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):

@@ -128,21 +128,21 @@ class StallGuard:
         self.stream = stream
         self.limit_s = float(os.environ.get("INFERNIX_TEST_STALL_LIMIT", STALL_LIMIT_S)) if limit_s is None else limit_s
         self.last_report = time.monotonic()
-        self.in_flight: dict[str, float] = {}
+        self.in_flight: set[str] = set()
         self.aborted_workers = False
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="infernix-stall-guard", daemon=True)
         self.thread.start()
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
-        self.in_flight[nodeid] = time.monotonic()
+        self.in_flight.add(nodeid)
         self.last_report = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.last_report = time.monotonic()
         self.aborted_workers = False
         if report.when == "teardown" or report.outcome == "rerun" or report.when == "???":
-            self.in_flight.pop(report.nodeid, None)
+            self.in_flight.discard(report.nodeid)
 
     def pytest_unconfigure(self) -> None:
         self.stop.set()
