@@ -19,6 +19,8 @@ inputs. Every node's state is returned, so the caller keeps the one after the la
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -165,6 +167,50 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, capture_at=None, keep_st
     return jnp.swapaxes(out, 0, 1), state, buffer
 
 
+def unit_lower_inverse(strict: jax.Array) -> jax.Array:
+    """(I + strict)^-1 for strictly lower triangular [..., C, C] (float32), from matmuls alone.
+
+    The inverses of the diagonal blocks double in size each round: [[A, 0], [L, D]]^-1 is
+    [[A^-1, 0], [-D^-1 L A^-1, D^-1]] (log2 C rounds of two batched matmuls; FLA's `solve_tril`
+    merges blocks the same way). No LAPACK call, hence no CPU thread-pool deadlock (see
+    `solve_unit_lower`); on random delta-rule systems it is as accurate as the triangular solve.
+    """
+    c = strict.shape[-1]
+    size = 1 << max(c - 1, 0).bit_length()  # pad to a power of two with the identity
+    if size != c:
+        pad = [(0, 0)] * (strict.ndim - 2) + [(0, size - c), (0, size - c)]
+        return unit_lower_inverse(jnp.pad(strict, pad))[..., :c, :c]
+    lead = strict.shape[:-2]
+    dot = partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    inverse = jnp.ones(lead + (c, 1, 1), strict.dtype)  # [..., blocks, s, s]: the 1 x 1 diagonal
+    s = 1
+    while s < c:
+        n = c // (2 * s)
+        blocks = strict.reshape(lead + (n, 2 * s, n, 2 * s))
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., n, 2s, 2s]
+        first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        corner = -dot(second, dot(blocks[..., s:, :s], first))
+        inverse = jnp.concatenate(
+            [jnp.concatenate([first, jnp.zeros_like(first)], -1), jnp.concatenate([corner, second], -1)], -2
+        )
+        s *= 2
+    return inverse[..., 0, :, :]
+
+
+def solve_unit_lower(strict: jax.Array, rhs: jax.Array) -> jax.Array:
+    """X with (I + strict) X = rhs, for the chunked rule's [..., C, C] systems.
+
+    On the CPU through `unit_lower_inverse`: jaxlib's CPU `triangular_solve` is a LAPACK call that
+    splits its batch over XLA's intra-op pool and blocks until the pieces finish, and two of them
+    running at once (in one program or in two in flight) deadlock a 2-thread pool
+    (docs/model_config.md). Elsewhere the library's triangular solve.
+    """
+    if jax.default_backend() == "cpu":
+        return jnp.matmul(unit_lower_inverse(strict), rhs, precision=jax.lax.Precision.HIGHEST)
+    unit = strict + jnp.eye(strict.shape[-1], dtype=strict.dtype)
+    return jax.lax.linalg.triangular_solve(unit, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, capture_chunks=None):
     """Chunked form of the same recurrence (WY representation within each chunk); same contract.
 
@@ -191,13 +237,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, capture_
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
     strictly_lower = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system = jnp.where(strictly_lower, jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay, 0.0)
-    unit = system + jnp.eye(chunk, dtype=system.dtype)
-    # ONE solve for both right-hand sides (each column is solved on its own, so this equals two
-    # solves): two independent solves in a program deadlock jaxlib 0.10.2's CPU runtime when
-    # they run at once, each LAPACK call blocked on work queued behind the other in the same
-    # thread pool (docs/model_config.md).
+    # One system, both right-hand sides: the values and the decayed keys.
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(unit, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = solve_unit_lower(system, rhs)
     new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]  # [B, H, N, C, Dv], [B, H, N, C, Dk]
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
@@ -252,11 +294,9 @@ def _rule_with_snapshots(q, k, v, g, beta, state, offsets):
         return jnp.where(mask, rows, 0).reshape((b * s, CHUNK) + a.shape[2:])
 
     flat = lambda a: a.reshape((b * s,) + a.shape[2:])
-    # On the CPU the chunk form here would put a second triangular solve beside the one above, and
-    # jaxlib 0.10.2 deadlocks when two run at once (docs/model_config.md); the per-token
-    # recurrence computes the same state (the GPU keeps the parallel form).
-    finish = recurrent_gated_delta_rule if jax.default_backend() == "cpu" else chunk_gated_delta_rule
-    _, finished = finish(window(q), window(k), window(v), window(g), window(beta), flat(starts))
+    _, finished = chunk_gated_delta_rule(
+        window(q), window(k), window(v), window(g), window(beta), flat(starts)
+    )
     return out, final, finished.reshape(starts.shape)
 
 
