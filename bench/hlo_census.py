@@ -1,0 +1,233 @@
+"""Which source lines a compiled program's kernels come from: a census of XLA's optimized HLO.
+
+    XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_program.*" \\
+        python -m bench.decode --shapes moe --weights nvfp4 --batches 1 --contexts 8192
+    python -m bench.hlo_census DIR/module_*.jit_decode_program.*after_optimizations.txt --top 40
+
+A profile names kernels by XLA's fusion names ("loop_add_fusion.123"), which say little about
+the Python that made them. The optimized HLO keeps, for every instruction, the stack of the trace
+(`stack_frame_id` into the module's StackFrames table). This tool counts the instructions that
+launch work on the device (fusions, custom calls such as Pallas / Triton kernels, copies, sorts,
+...) in every computation that runs as a program step (the entry, loop bodies and conditions,
+conditional branches, called computations) and groups them by the innermost frame in the
+project's own files, with the chain of project frames above it. The counts are per execution of
+each computation: the decode step's loop body is what runs once a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+import sys
+
+# opcodes that launch nothing of their own on a GPU (aliases, tuples, control flow that is counted
+# through its bodies, parameters and constants)
+NO_LAUNCH = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "iota",
+}  # fmt: skip
+PROJECT_PARTS = ("/infernix_jax/", "/pallas_kernels/", "/bench/", "/tests/")
+CHAIN_DEPTH = 4  # callers shown above a site
+
+_HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
+_OPCODE = re.compile(r"(?<![\w.\-%])([a-z][a-z0-9\-]*)\(")
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    opcode: str
+    text: str  # everything after "=": shape, opcode, operands, attributes
+
+    def attribute(self, key: str) -> str | None:
+        found = re.search(rf"\b{key}=([^,\s}}]+)", self.text)
+        return found.group(1) if found else None
+
+    def callees(self, key: str) -> list[str]:
+        found = re.search(rf"\b{key}=\{{([^}}]*)\}}", self.text)
+        if found:
+            return [c.strip().lstrip("%") for c in found.group(1).split(",") if c.strip()]
+        single = self.attribute(key)
+        return [single.lstrip("%")] if single else []
+
+
+@dataclasses.dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str
+    frames: dict[int, tuple[str, str, int, int]]  # frame id -> (file, function, line, parent id or 0)
+
+    def stack(self, frame_id: int | None) -> list[tuple[str, str, int]]:
+        """(file, function, line) from the innermost frame outwards."""
+        out, seen = [], set()
+        while frame_id and frame_id in self.frames and frame_id not in seen:
+            seen.add(frame_id)
+            file, function, line, parent = self.frames[frame_id]
+            out.append((file, function, line))
+            frame_id = parent
+        return out
+
+
+def _tables(lines: list[str]) -> dict[str, dict[int, str]]:
+    tables, current = {}, None
+    for line in lines:
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+            continue
+        row = _TABLE_ROW.match(line) if current is not None else None
+        if row:
+            current[int(row.group(1))] = row.group(2)
+        elif current is not None and line.strip():
+            current = None
+    return tables
+
+
+def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[str, str, int, int]]:
+    files = {i: v.strip('"') for i, v in tables.get("FileNames", {}).items()}
+    functions = {i: v.strip('"') for i, v in tables.get("FunctionNames", {}).items()}
+    locations = {
+        i: {k: int(n) for k, n in _FIELD.findall(v)} for i, v in tables.get("FileLocations", {}).items()
+    }
+    raw = {i: {k: int(n) for k, n in _FIELD.findall(v)} for i, v in tables.get("StackFrames", {}).items()}
+    # Some XLA versions print a frame's parent one past its id (frame 1, the outermost, shows
+    # parent 1; a callee of frame 3 shows 4): a frame that names itself as parent gives it away.
+    shifted = any(f.get("parent_frame_id") == i for i, f in raw.items())
+    frames = {}
+    for i, f in raw.items():
+        loc = locations.get(f.get("file_location_id", 0), {})
+        parent = f.get("parent_frame_id", 0) - (1 if shifted else 0)
+        frames[i] = (
+            files.get(loc.get("file_name_id", 0), "?"),
+            functions.get(loc.get("function_name_id", 0), "?"),
+            loc.get("line", 0),
+            parent if 0 < parent < i else 0,
+        )
+    return frames
+
+
+def parse(text: str) -> Module:
+    """The computations, entry and stack frames of one HLO text dump."""
+    lines = text.splitlines()
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in lines:
+        header = _HEADER.match(line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+            if line.startswith("ENTRY "):
+                entry = header.group(1)
+            continue
+        if line == "}":
+            current = None
+            continue
+        found = _INSTRUCTION.match(line) if current is not None else None
+        if found:
+            opcode = _OPCODE.search(found.group(2))
+            current.append(Instruction(found.group(1), opcode.group(1) if opcode else "?", found.group(2)))
+    if not entry:
+        raise ValueError("no ENTRY computation: not an HLO text dump")
+    return Module(computations, entry, _frames(_tables(lines)))
+
+
+def step_computations(module: Module) -> dict[str, str]:
+    """Computations that run as program steps (not fused bodies or reducers) -> how they are reached."""
+    reached = {module.entry: "entry"}
+    todo = [module.entry]
+    while todo:
+        name = todo.pop()
+        for ins in module.computations.get(name, []):
+            for key, how in (("body", "loop body"), ("condition", "loop condition"),
+                             ("branch_computations", "branch"), ("true_computation", "branch"),
+                             ("false_computation", "branch")):  # fmt: skip
+                for callee in ins.callees(key):
+                    if callee in module.computations and callee not in reached:
+                        reached[callee] = f"{how} of {name}"
+                        todo.append(callee)
+            if ins.opcode == "call":
+                for callee in ins.callees("to_apply"):
+                    if callee in module.computations and callee not in reached:
+                        reached[callee] = f"called from {name}"
+                        todo.append(callee)
+    return reached
+
+
+def _site(module: Module, ins: Instruction) -> tuple[str, str]:
+    """(innermost project frame "file:line function", the chain of project functions above it)."""
+    frame = ins.attribute("stack_frame_id")
+    stack = module.stack(int(frame)) if frame and frame.isdigit() else []
+    own = [f for f in stack if any(part in f[0] for part in PROJECT_PARTS)]
+    if not own:
+        op_name = re.search(r'op_name="([^"]*)"', ins.text)
+        return (op_name.group(1).split("/")[-1] if op_name else "(no metadata)"), ""
+    file, function, line = own[0]
+    short = file
+    for part in PROJECT_PARTS:
+        short = short.split(part)[-1]
+    return f"{short}:{line} {function}", " < ".join(f[1] for f in own[1 : 1 + CHAIN_DEPTH])
+
+
+def launch_kind(ins: Instruction) -> str:
+    if ins.opcode == "custom-call":
+        target = ins.attribute("custom_call_target") or "?"
+        name = re.search(r'"name":\s*"([^"]+)"|name=\\?"?([\w.\-]+)', ins.text)
+        return f"custom-call {target.strip(chr(34))}" + (f" {name.group(1) or name.group(2)}" if name else "")
+    if ins.opcode == "fusion":
+        return f"fusion {ins.attribute('kind') or ''}".strip()
+    return ins.opcode
+
+
+def census(module: Module) -> list[dict]:
+    """One row per step computation: its launches, grouped by source site."""
+    rows = []
+    for name, how in step_computations(module).items():
+        launches = [ins for ins in module.computations[name] if ins.opcode not in NO_LAUNCH]
+        sites: dict[str, dict] = {}
+        for ins in launches:
+            site, chain = _site(module, ins)
+            row = sites.setdefault(
+                site, {"site": site, "chain": chain, "launches": 0, "kinds": collections.Counter()}
+            )
+            row["launches"] += 1
+            row["kinds"][launch_kind(ins)] += 1
+        ordered = sorted(sites.values(), key=lambda r: -r["launches"])
+        for row in ordered:
+            row["kinds"] = dict(row["kinds"].most_common())
+        rows.append({"computation": name, "reached": how, "launches": len(launches), "sites": ordered})
+    return sorted(rows, key=lambda r: -r["launches"])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("dump", help="an *after_optimizations.txt file of XLA's dump")
+    parser.add_argument("--top", type=int, default=30, help="sites shown for each computation")
+    parser.add_argument(
+        "--min-launches", type=int, default=2, help="computations with fewer launches are left out"
+    )
+    parser.add_argument("--json", default=None, help="also write the full census here")
+    args = parser.parse_args(argv)
+    with open(args.dump) as f:
+        rows = census(parse(f.read()))
+    for row in rows:
+        if row["launches"] < args.min_launches:
+            continue
+        print(f"\n{row['computation']} ({row['reached']}): {row['launches']} launches")
+        for site in row["sites"][: args.top]:
+            kinds = ", ".join(f"{n} {k}" for k, n in site["kinds"].items())
+            chain = f"  [< {site['chain']}]" if site["chain"] else ""
+            print(f"  {site['launches']:5d}  {site['site']}{chain}  ({kinds})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
