@@ -202,6 +202,42 @@ def census(module: Module) -> list[dict]:
     return sorted(rows, key=lambda r: -r["launches"])
 
 
+def time_by_site(module: Module, kernels: list[dict]) -> list[dict]:
+    """A profile's kernels (`bench.profile_summary`'s "top": name, ms, count) summed by source site.
+
+    XLA names a fusion's kernel after the instruction with '.' made '_' ("input_reduce_fusion.25"
+    runs as "input_reduce_fusion_25"); kernels of custom calls (Pallas, cuBLAS) and names not in
+    the module keep their own name, without the "__N" suffix of repeated launches."""
+    sites_of = {}
+    for name in step_computations(module):
+        for ins in module.computations[name]:
+            if ins.opcode not in NO_LAUNCH:
+                sites_of[ins.name.replace(".", "_")] = _site(module, ins)
+    rows: dict[str, dict] = {}
+    for kernel in kernels:
+        base = re.sub(r"__\d+$", "", kernel["name"])
+        site, chain = sites_of.get(base, (f"kernel {base}", ""))
+        row = rows.setdefault(site, {"site": site, "chain": chain, "ms": 0.0, "count": 0, "kernels": 0})
+        row["ms"] += kernel["ms"]
+        row["count"] += kernel["count"]
+        row["kernels"] += 1
+    return sorted(rows.values(), key=lambda r: -r["ms"])
+
+
+def profile_kernels(path: str, record_name: str | None) -> list[dict]:
+    """The "top" kernels of one record's device profile in a bench JSON file (the first record
+    with a profile, or the one named)."""
+    with open(path) as f:
+        records = json.load(f)
+    for record in records:
+        profile = record.get("details", {}).get("profile")
+        if profile and profile.get("devices") and record_name in (None, record["name"]):
+            return profile["devices"][0]["top"]
+    raise ValueError(
+        f"no record with a device profile{' named ' + repr(record_name) if record_name else ''} in {path}"
+    )
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -212,9 +248,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--min-launches", type=int, default=2, help="computations with fewer launches are left out"
     )
     parser.add_argument("--json", default=None, help="also write the full census here")
+    parser.add_argument("--profile", default=None,
+                        help="a bench JSON whose record has a device profile (bench.decode --profile): "
+                             "its kernels' time summed by source site")  # fmt: skip
+    parser.add_argument("--record", default=None, help="with --profile: the record's name (else the first)")
     args = parser.parse_args(argv)
     with open(args.dump) as f:
-        rows = census(parse(f.read()))
+        module = parse(f.read())
+    rows = census(module)
     for row in rows:
         if row["launches"] < args.min_launches:
             continue
@@ -223,6 +264,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             kinds = ", ".join(f"{n} {k}" for k, n in site["kinds"].items())
             chain = f"  [< {site['chain']}]" if site["chain"] else ""
             print(f"  {site['launches']:5d}  {site['site']}{chain}  ({kinds})")
+    if args.profile:
+        timed = time_by_site(module, profile_kernels(args.profile, args.record))
+        total = sum(r["ms"] for r in timed) or 1.0
+        print(f"\nprofiled kernel time by site ({args.profile}):")
+        for row in timed[: args.top]:
+            chain = f"  [< {row['chain']}]" if row["chain"] else ""
+            print(
+                f"  {row['ms']:9.3f} ms {row['ms'] / total:6.1%}  {row['count']:6d} launches  {row['site']}{chain}"
+            )
+        rows.append({"profile": args.profile, "time_by_site": timed})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

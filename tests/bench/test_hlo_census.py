@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import glob
+import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from bench.hlo_census import census, main, parse
+from bench.hlo_census import _site, census, main, parse, time_by_site
 
 
 def _norm(x):
@@ -47,3 +48,23 @@ def test_the_command_prints_each_step_computation(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "launches" in out and "loop body" in out
     assert glob.glob(str(tmp_path / "c.json"))
+
+
+def test_profiled_kernels_add_up_by_the_site_of_their_fusion(tmp_path, capsys):
+    module = parse(Path(_dump(tmp_path)).read_text())
+    body = next(r for r in census(module) if r["reached"].startswith("loop body"))
+    step_names = [
+        ins.name
+        for ins in module.computations[body["computation"]]
+        if ins.opcode == "fusion" and "step" in _site(module, ins)[0]
+    ]
+    kernels = [{"name": n.replace(".", "_"), "ms": 1.5, "count": 3} for n in step_names]
+    kernels.append({"name": "my_kernel__2", "ms": 0.5, "count": 1})
+    rows = {r["site"]: r for r in time_by_site(module, kernels)}
+    step_rows = [r for site, r in rows.items() if site.endswith("step")]
+    assert sum(r["ms"] for r in step_rows) == 1.5 * len(step_names) > 0
+    assert rows["kernel my_kernel"]["count"] == 1
+    record = [{"name": "decode x", "details": {"profile": {"devices": [{"top": kernels}]}}}]
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    main([_dump(tmp_path), "--profile", str(tmp_path / "r.json")])
+    assert "kernel my_kernel" in capsys.readouterr().out
