@@ -259,8 +259,8 @@ def _grouped_kernel(
     group_sizes_ref,  # [E] int32
     *refs,
     # refs: the activation refs (`n_x` of them), then per weight (`segments` of them, each
-    # [E, N, K]): its per-expert scale [E] float32 (multiplying the float32 sum; 1 for FP8 blocks)
-    # and its stored refs; last the output.
+    # [E, N, K]): its per-expert scale [E] float32 (multiplying the float32 sum; 1 for FP8 blocks;
+    # the word variants also multiply it by E2M1_F16_SCALE) and its stored refs; last the output.
     # nvfp4: x_even [M, K/2], x_odd [M, K/2] | packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
     # nvfp4 dot_w / dot_t_w / dot_jw: x [M, K] f16 (qc.f16_rows; in word order by qc.word_columns
     #        except for dot_jw), row factors [M, 1] f32
@@ -418,6 +418,8 @@ def _grouped_tile(
 
     def work():
         expert_scale = expert_scale_ref[e]
+        if word:  # the word decode yields e2m1 values / 2**14 (exact: a power of two)
+            expert_scale = expert_scale * qc.E2M1_F16_SCALE
         if gemv:
             init = tuple(jnp.zeros((bn, bw), jnp.float32) for _ in range(bm))
             acc = jax.lax.fori_loop(0, steps, step, init)
@@ -686,7 +688,9 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
             expert_scale = jnp.asarray(tensor_scale, jnp.float32)
             if word:
                 words = jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k // 8, 4), jnp.uint32)
-                weight_inputs += [expert_scale * qc.E2M1_F16_SCALE, words, scale_bits]
+                # the tensor scale as stored: the kernel multiplies in E2M1_F16_SCALE (a multiply
+                # here would be one more XLA launch per stack and call, 3 a MoE layer in decode)
+                weight_inputs += [expert_scale, words, scale_bits]
             else:
                 weight_inputs += [expert_scale, packed.reshape(num_experts * n, k // 2), scale_bits]
         elif fmt == "plain":

@@ -185,6 +185,23 @@ def test_nvfp4_word_variants_match_reference(m, e, n, k, sizes, dtype, options):
     assert not got[int(sizes.sum()) :].any()
 
 
+@pytest.mark.parametrize("variant", ["dot_w", "dot_jw"])
+def test_word_variants_take_the_tensor_scales_as_stored(variant):
+    """The word variants' E2M1 factor (2**14) multiplies the tensor scale inside the kernel: a
+    multiply before it would be one more XLA launch per stack and call (3 a MoE layer a decode
+    step). The kernel's operands hold each stack's tensor scale itself."""
+    e, n, k, m = 8, 32, 256, 10
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    stack = _nvfp4_shapes(e, n, k)
+    fn = functools.partial(grouped_matmuls, fmt="nvfp4", variant=variant, block_m=16, block_n=32, block_k=128)
+    jaxpr = jax.make_jaxpr(lambda x, g, u, s: fn(x, (g, u), s))(x, stack, stack, sizes).jaxpr
+    inner = jaxpr.eqns[0].params["jaxpr"]  # the jitted grouped_matmuls
+    call = next(eq for eq in inner.eqns if eq.primitive.name == "pallas_call")
+    scales = [inner.invars[1 + 2], inner.invars[1 + 5]]  # x, (gate leaves), (up leaves), sizes
+    assert all(any(v is s for v in call.invars) for s in scales)
+
+
 STREAMED_CASES = [
     # (m, e, n, k, group sizes, options) of "gemv_ws": a few programs so that runs span several
     # units and tiles are shared by programs (their slots), or more programs than units (idle ones)
