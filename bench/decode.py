@@ -53,6 +53,7 @@ from infernix_jax.weights.quant import (
     fused_experts,
     fused_projections,
     nvfp4_grouped_dot,
+    nvfp4_grouped_rows,
     nvfp4_scale_spread,
     nvfp4_streamed_gemv,
     nvfp4_word_dot,
@@ -147,6 +148,7 @@ NVFP4_VARIANT_SWITCHES = (
     ("scale_spread", nvfp4_scale_spread, "nvfp4_scale_spread", "reshape", "scale-spread-"),
     ("streamed_gemv", nvfp4_streamed_gemv, "nvfp4_streamed_gemv", "gemv_ws", ""),
     ("grouped_dot", nvfp4_grouped_dot, "nvfp4_grouped_dot", "dot_w", "grouped-"),
+    ("grouped_rows", nvfp4_grouped_rows, "nvfp4_grouped_rows", "xla", "grouped-rows-"),
     ("word_dot", nvfp4_word_dot, "nvfp4_word_dot", "dot_w", "word-"),
 )
 
@@ -199,6 +201,10 @@ def main(argv: list[str] | None = None):
                         help="dot_w, dot_jw or dot_w,dot_jw: the grouped kernel's float16 word dot for NVFP4 experts "
                              "at decode (weights.quant.nvfp4_grouped_dot; default: INFERNIX_NVFP4_GROUPED_DOT), "
                              "measured in turn")  # fmt: skip
+    parser.add_argument("--grouped-rows", default=None,
+                        help="xla, kernel or xla,kernel: where the grouped dot_jw makes its float16 rows "
+                             "(weights.quant.nvfp4_grouped_rows; default: INFERNIX_NVFP4_GROUPED_ROWS; "
+                             "with --grouped-dot dot_jw), measured in turn")  # fmt: skip
     parser.add_argument("--word-dot", default=None,
                         help="dot_w, dot_jw or dot_w,dot_jw: the float16 word dot of NVFP4 weights at rows past one "
                              "(weights.quant.nvfp4_word_dot; default: INFERNIX_NVFP4_WORD_DOT), measured in turn")  # fmt: skip

@@ -223,10 +223,21 @@ def f16_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     caller multiplies row m of its float32 result by the second output. The exponent is clipped
     to +-60 (all-zero and denormal rows stay finite)."""
     xf = x.astype(jnp.float32)
-    _, e = jnp.frexp(jnp.max(jnp.abs(xf), axis=1))  # max |x| in [2**(e-1), 2**e)
-    s = jnp.clip(14 - e, -60, 60).astype(jnp.int32)
-    one = jnp.ones(s.shape, jnp.float32)
-    return (xf * jnp.ldexp(one, s)[:, None]).astype(jnp.float16), jnp.ldexp(one, -s)
+    factor, inverse = f16_row_factors(jnp.max(jnp.abs(xf), axis=1))
+    return (xf * factor[:, None]).astype(jnp.float16), inverse
+
+
+def f16_row_factors(max_abs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 max |x| of each row -> (2**s, 2**-s) float32 with s = clip(14 - e, -60, 60), where
+    max |x| is in [2**(e-1), 2**e): `f16_rows`' factors, from the exponent bits alone (integer and
+    bit ops that kernels lower too, so a kernel that scales its own rows gets the same bits). Zero
+    and denormal maxima give s = 60 (their rows stay zero or tiny either way)."""
+    bits = jax.lax.bitcast_convert_type(max_abs.astype(jnp.float32), jnp.int32)
+    e = jax.lax.shift_right_logical(bits, 23) - 126  # frexp's exponent of a normal float (sign bit 0)
+    s = jnp.clip(14 - e, -60, 60)
+    factor = jax.lax.bitcast_convert_type(jax.lax.shift_left(s + 127, 23), jnp.float32)
+    inverse = jax.lax.bitcast_convert_type(jax.lax.shift_left(127 - s, 23), jnp.float32)
+    return factor, inverse
 
 
 def word_columns(x: jax.Array) -> jax.Array:

@@ -54,6 +54,9 @@ Formulations (`variant`):
            and one float16 dot of depth block_k a K step, x in its natural column order (the
            dense kernel's `_joined_word_dot`: no `word_columns` reorder before the kernel, no
            float32 add after each of 8 dots; bench.kernel_ir on the 80B gate: docs/pallas.md).
+           With x_rows="kernel" x enters as given (bf16 / f16): each program finds its rows'
+           max |x| over all of K first and scales them to float16 itself, with `f16_rows`'
+           factors (`_quant_common.f16_row_factors`), so no XLA op runs before the launch.
   "gemv_ws"
            NVFP4 and FP8: the dense kernels' streamed gemv (nvfp4_matmul / fp8_matmul "gemv_ws":
            word-decoded float16 products, or float32 products of the e4m3 weight, on CUDA cores,
@@ -107,6 +110,7 @@ WORD_VARIANTS = ("dot_w", "dot_t_w", "dot_jw")  # NVFP4 only: float16 dots on we
 STREAMED_VARIANTS = ("gemv_ws",)
 VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS, *STREAMED_VARIANTS)
 TRANSPOSED = ("dot_t", "dot_t_w")  # [block_n, block_m] accumulators
+X_ROWS = ("xla", "kernel")  # where "dot_jw" makes its float16 rows (GroupedConfig.x_rows)
 ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
 FORMATS = ("nvfp4", "fp8", "plain")
 PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # weights the "plain" format takes
@@ -124,6 +128,9 @@ class GroupedConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs: int = 0  # "gemv_ws": programs in its fixed grid (0: two per SM)
+    # "dot_jw": where x becomes float16 rows (each scaled by a power of two): "xla", an op before
+    # the kernel (`qc.f16_rows`), or "kernel", each program for its own rows (no launch before it)
+    x_rows: str = "xla"
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
@@ -300,6 +307,7 @@ def _grouped_kernel(
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     gemv = variant == "gemv"
     word = variant in WORD_VARIANTS
+    raw_rows = word and n_x == 1  # dot_jw with x_rows="kernel": x as given, no row factors
     compute_dtype = x_refs[0].dtype
 
     def weight_refs(s):
@@ -312,7 +320,7 @@ def _grouped_kernel(
         _grouped_tile(
             expert_scale_ref, in_refs, out_ref, e=e, r0=r0, r1=r1, sizes=sizes, col0=col0, out_col0=out_col0,
             w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
-            compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
+            raw_rows=raw_rows, compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
             n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k,
         )  # fmt: skip
 
@@ -326,11 +334,13 @@ def _grouped_kernel(
 
 def _grouped_tile(
     expert_scale_ref, in_refs, out_ref, *, e, r0, r1, sizes, col0, out_col0, w_row0, n_mask, split, t, fmt, variant,
-    gemv, word, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block, even_k,
+    gemv, word, raw_rows, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block,
+    even_k,
 ):  # fmt: skip
     """One program's work on one weight (`_grouped_kernel`): its work item's rows times its N tile,
     and on the last item the zeros of rows past the groups."""
     x_refs = in_refs[:2] if fmt == "nvfp4" and not word else in_refs[:1]
+    wi = 1 if raw_rows else 2  # word variants: where the words and scale bits start in in_refs
 
     def decode(kw):
         """The weight tiles of one K step, float32 [bn, bw] each, paired with their activation
@@ -373,15 +383,15 @@ def _grouped_tile(
     # float32 activations (the tests' models): exact float32 products, not TF32's 10-bit mantissa
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
-    def step(i, acc):
+    def step(i, acc, x_factor=None):
         kw = (split * steps + i) * bw
-        if variant == "dot_jw":  # x [M, K] f16 in natural order, row factors, words, scale bits
+        if variant == "dot_jw":  # x [M, K] in natural order (f16 rows, or raw with x_factor), words, bits
             words, bits = _word_loads(
-                in_refs[2], in_refs[3], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask, words_k=k_width,
+                in_refs[wi], in_refs[wi + 1], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask, words_k=k_width,
                 even_k=even_k,
             )  # fmt: skip
             return _joined_word_dot(acc, in_refs[0], words, bits, kw=kw, bn=bn, bw=bw, words_k=k_width,
-                                    even_k=even_k, row0=r0, rows=bm, m_mask=rows_ok)  # fmt: skip
+                                    even_k=even_k, row0=r0, rows=bm, m_mask=rows_ok, x_factor=x_factor)  # fmt: skip
         if word:  # x [M, K] f16 in word order, row factors, words, scale bits
             return _word_step(
                 acc, in_refs[0], in_refs[2], in_refs[3], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask,
@@ -432,10 +442,16 @@ def _grouped_tile(
                 )
             return
         shape = (bn, bm) if variant in TRANSPOSED else (bm, bn)
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32)) * expert_scale
+        body, inverse = step, None
+        if raw_rows:  # this program's rows to float16 itself: qc.f16_rows' factors, the same bits
+            factor, inverse = qc.f16_row_factors(_row_max_abs(in_refs[0], r0, bm, rows_ok, 8 * k_width, 8 * bw))
+            body = functools.partial(step, x_factor=factor)
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32)) * expert_scale
         if variant in TRANSPOSED:
             acc = acc.T
-        if word:  # each row's power-of-two factor (qc.f16_rows) undone
+        if raw_rows:
+            acc = acc * inverse[:, None]
+        elif word:  # each row's power-of-two factor (qc.f16_rows) undone
             acc = acc * qc.load(in_refs[1].at[compat.ds(r0, bm), compat.ds(0, 1)], rows_ok[:, None])
         compat.store(
             out_ref.at[split, compat.ds(r0, bm), compat.ds(out_col0, bn)],
@@ -462,6 +478,19 @@ def _grouped_tile(
     covered = jnp.minimum(jnp.sum(sizes), m_size)
     last_item = t == max_work_items(m_size, num_experts, bm) - 1
     jax.lax.cond(last_item & (covered < m_size), zero_uncovered_rows, lambda: None)
+
+
+def _row_max_abs(x_ref, r0, bm: int, rows_ok, k: int, width: int) -> jax.Array:
+    """float32 max |x| over all K columns of rows r0 .. r0 + bm (masked rows: 0), `width` columns
+    a step: the rows' float16 factors need the whole row, whatever K part the program sums."""
+
+    def body(i, running):
+        c0 = i * width
+        k_mask = None if k % width == 0 else (c0 + jnp.arange(width)) < k
+        tile = qc.load(x_ref.at[compat.ds(r0, bm), compat.ds(c0, width)], _mask2(rows_ok, k_mask, (bm, width)))
+        return jnp.maximum(running, jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1))
+
+    return jax.lax.fori_loop(0, compat.cdiv(k, width), body, jnp.zeros((bm,), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -549,6 +578,12 @@ def validate_grouped_matmul(
         )
     if cfg.programs < 0:
         raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
+    if cfg.x_rows not in X_ROWS:
+        raise ValueError(f"x_rows={cfg.x_rows!r} must be one of {X_ROWS}")
+    if cfg.x_rows == "kernel" and cfg.variant != "dot_jw":
+        raise ValueError(
+            f"x_rows='kernel' is dot_jw's (x in natural order, its rows scaled in the kernel); got variant={cfg.variant!r}"
+        )
     if cfg.variant in STREAMED_VARIANTS and fmt == "plain":
         raise ValueError(f"variant={cfg.variant!r} streams NVFP4 or FP8 stacks, not fmt='plain'")
     if cfg.variant in (*WORD_VARIANTS, *STREAMED_VARIANTS) and (fmt == "nvfp4" or cfg.variant in WORD_VARIANTS):
@@ -598,6 +633,7 @@ _STATIC = (
     "num_warps",
     "num_stages",
     "programs",
+    "x_rows",
     "out_dtype",
     "interpret",
 )
@@ -633,6 +669,7 @@ def grouped_matmuls(
     num_warps: int | None = None,
     num_stages: int | None = None,
     programs: int | None = None,
+    x_rows: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -647,7 +684,8 @@ def grouped_matmuls(
     if len(shapes) != 1:
         raise ValueError(f"grouped_matmuls takes stacks of one shape; got {sorted(shapes)}")
     options = dict(block_size=block_size, variant=variant, block_m=block_m, block_n=block_n, block_k=block_k,  # noqa: C408
-                   split_k=split_k, num_warps=num_warps, num_stages=num_stages, programs=programs)  # fmt: skip
+                   split_k=split_k, num_warps=num_warps, num_stages=num_stages, programs=programs,
+                   x_rows=x_rows)  # fmt: skip
     return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret)
 
 
@@ -668,7 +706,9 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
         return _grouped_streamed_call(x, weights, group_sizes, fmt, block_size, cfg, out_dtype, interpret)
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
-    if word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw)
+    if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
+        x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
+    elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw)
         x16, row_factor = qc.f16_rows(x)
         x_inputs = (x16 if cfg.variant == "dot_jw" else qc.word_columns(x16), row_factor[:, None])
         k_width, step_width = k // 8, cfg.block_k // 8

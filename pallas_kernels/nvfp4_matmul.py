@@ -361,13 +361,15 @@ def _word_dots(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, ro
     return acc
 
 
-def _joined_word_dot(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, rows, m_mask):
+def _joined_word_dot(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, row0, rows, m_mask, x_factor=None):
     """"dot_jw": `_word_dots`' 8 scaled element tiles interleaved back into element order in
     registers (`jnp.stack` on a new last axis lowers to `tt.join`, kept in-thread: pairs (p, p + 4),
     then two apart, then one apart give [bn, bw, 2, 2, 2] holding element p at (p // 4, p // 2 % 2,
     p % 2), and a reshape puts element 8j + p at column 8j + p), then ONE float16 dot of depth
     8 bw with x in its natural column order: no `word_columns` reorder of x before the kernel, and
-    no float32 add after each of 8 dots (Pallas starts every dot from a zero accumulator)."""
+    no float32 add after each of 8 dots (Pallas starts every dot from a zero accumulator).
+    With `x_factor` (float32 [rows]) x holds the raw rows, scaled here to float16 as `qc.f16_rows`
+    does (the grouped kernel's x_rows="kernel")."""
     scale = _word_scales(bits, bn, bw, jnp.float16)
     tiles = [w * scale for w in qc.e2m1_word_f16(words)]
     pairs = [jnp.stack([tiles[k], tiles[k + 4]], axis=-1) for k in range(4)]
@@ -376,6 +378,8 @@ def _joined_word_dot(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, ro
     k_mask = None if even_k else (8 * kw + jnp.arange(8 * bw)) < 8 * words_k
     view = x_ref.at[compat.ds(row0, rows), compat.ds(8 * kw, 8 * bw)]
     xn = qc.load(view, _mask2(m_mask, k_mask, (rows, 8 * bw)))
+    if x_factor is not None:
+        xn = (xn.astype(jnp.float32) * x_factor[:, None]).astype(jnp.float16)
     return acc + jax.lax.dot_general(xn, w_all, qc.dims_nt(), preferred_element_type=jnp.float32)
 
 

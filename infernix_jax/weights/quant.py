@@ -460,10 +460,13 @@ STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h
 # element tiles joined into one dot on x in natural order ("dot_jw"; pallas_kernels/nvfp4_matmul.py,
 # moe_matmul.py).
 WORD_DOTS = ("dot_w", "dot_jw")
+# Where the grouped "dot_jw" makes its float16 rows: "xla" (`f16_rows`, a reduce and a convert
+# launched before each grouped call) or "kernel" (each program scales its own rows; the same bits).
+GROUPED_ROWS = ("xla", "kernel")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
-# `nvfp4_word_dot`, `nvfp4_grouped_dot`).
+# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
@@ -473,6 +476,7 @@ _modes = {
     "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
     "nvfp4_word_dot": env_mode("INFERNIX_NVFP4_WORD_DOT", "dot_w", WORD_DOTS),
     "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", WORD_DOTS),
+    "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
 }
 
 
@@ -903,6 +907,8 @@ def grouped_tiles(
                  "block_k": 512 if fmt == "nvfp4" else 256, "num_warps": 8}  # fmt: skip
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
         tiles = {"variant": _modes["nvfp4_grouped_dot"], "block_m": 16, "block_n": 64, "block_k": 256}
+        if tiles["variant"] == "dot_jw":
+            tiles["x_rows"] = _modes["nvfp4_grouped_rows"]
     elif tokens <= 1:
         tiles = {"variant": "gemv", "block_m": 1, "block_n": 32}
     elif tokens <= GROUPED_DECODE_MAX_TOKENS:
@@ -956,6 +962,16 @@ def nvfp4_grouped_dot(variant: str) -> Iterator[None]:
     inside this block (WORD_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w" until a GPU
     measures "dot_jw": docs/gpu_runs.md row 6t)."""
     with switched(_modes, "nvfp4_grouped_dot", variant, WORD_DOTS, "NVFP4 grouped dot"):
+        yield
+
+
+@contextlib.contextmanager
+def nvfp4_grouped_rows(where: str) -> Iterator[None]:
+    """Where the grouped "dot_jw" (`nvfp4_grouped_dot`) scales x to float16 rows while tracing
+    inside this block: "xla", an op before each grouped call, or "kernel", each program for its
+    own rows, which drops a reduce and a convert launch per call (GROUPED_ROWS; default:
+    INFERNIX_NVFP4_GROUPED_ROWS, "xla" until a GPU measures it: docs/gpu_runs.md row 6t)."""
+    with switched(_modes, "nvfp4_grouped_rows", where, GROUPED_ROWS, "NVFP4 grouped rows"):
         yield
 
 

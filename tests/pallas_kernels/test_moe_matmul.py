@@ -383,6 +383,61 @@ def test_word_variants_lower_to_a_triton_call_for_cuda(variant, e, n, k, m, spli
 
 
 @pytest.mark.parametrize(
+    "m,e,n,k,sizes,dtype,options",
+    [
+        (21, 5, 40, 160, [4, 0, 0, 9, 5], jnp.bfloat16, {"block_n": 32, "block_k": 128}),  # ragged N, K
+        (37, 4, 48, 384, [0, 37, 0, 0], jnp.float16, {"block_n": 16, "block_k": 128, "split_k": 2}),
+        (10, 32, 64, 256, "decode", jnp.bfloat16, {"block_n": 32, "block_k": 128}),
+    ],
+)
+def test_dot_jw_rows_made_in_the_kernel_equal_those_made_before_it(m, e, n, k, sizes, dtype, options):
+    """x_rows="kernel": each program scales its own rows to float16 (no XLA op before the launch).
+    Rows of very different sizes, an all-zero row, split K and rows past the groups give the same
+    bits as the rows made by `f16_rows` before the kernel."""
+    rng = np.random.default_rng(m + k)
+    weight = _nvfp4_stack(rng, e, n, k)
+    if sizes == "decode":
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    row_size = np.resize([1.0, 3e3, 2e-3, 40.0, 0.0], m)[:, None]
+    x = jnp.asarray(rng.standard_normal((m, k)) * row_size, dtype)
+    options = {"variant": "dot_jw", "block_m": 16, **options}
+    want = grouped_nvfp4_matmul(x, *weight, sizes, out_dtype=jnp.float32, interpret=True, **options)
+    got = grouped_nvfp4_matmul(x, *weight, sizes, out_dtype=jnp.float32, interpret=True, x_rows="kernel", **options)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.abs(np.asarray(want)).max() > 0
+
+
+@pytest.mark.parametrize("e,n,k,m,split_k", [(512, 1024, 2048, 10, 1), (60, 1000, 2064, 37, 2)])
+def test_dot_jw_rows_made_in_the_kernel_lower_for_cuda_with_nothing_before_it(e, n, k, m, split_k):
+    """The 80B gate_up at one token, and masked N, K, expert count and split K: one Triton call,
+    and no XLA op on x before it (the jaxpr hands x to the kernel as given)."""
+    fn = jax.jit(
+        functools.partial(grouped_matmul, fmt="nvfp4", variant="dot_jw", block_m=16, block_n=64, block_k=256,
+                          split_k=split_k, x_rows="kernel")
+    )  # fmt: skip
+    shapes = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), _nvfp4_shapes(e, n, k), jax.ShapeDtypeStruct((e,), jnp.int32))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_dot_jw" in text
+    jaxpr = jax.make_jaxpr(fn)(*shapes).jaxpr
+    while not any(eq.primitive.name == "pallas_call" for eq in jaxpr.eqns):  # into the nested jits
+        jaxpr = next(eq.params["jaxpr"] for eq in jaxpr.eqns if "jaxpr" in eq.params).jaxpr
+    call = next(eq for eq in jaxpr.eqns if eq.primitive.name == "pallas_call")
+    assert call.invars[1] is jaxpr.invars[0]  # after the group sizes: x itself
+
+
+def test_rows_made_in_the_kernel_are_dot_jw_s_only():
+    rng = np.random.default_rng(3)
+    weight = _nvfp4_stack(rng, 4, 32, 128)
+    x, sizes = _x(rng, 8, 128), jnp.asarray([2, 2, 2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="x_rows='kernel' is dot_jw's"):
+        grouped_nvfp4_matmul(x, *weight, sizes, variant="dot_w", block_m=16, x_rows="kernel", interpret=True)
+    with pytest.raises(ValueError, match="x_rows='gpu' must be one of"):
+        grouped_nvfp4_matmul(x, *weight, sizes, variant="dot_jw", block_m=16, x_rows="gpu", interpret=True)
+
+
+@pytest.mark.parametrize(
     "fmt,stacks,e,n,k,m,block_m",
     [("nvfp4", 1, 512, 2048, 512, 10, 1), ("nvfp4", 2, 512, 512, 2048, 80, 2), ("nvfp4", 1, 60, 1000, 2064, 37, 8),
      ("fp8", 2, 512, 512, 2048, 10, 1), ("fp8_block128", 1, 512, 2048, 512, 80, 2)],

@@ -341,6 +341,28 @@ def test_the_joined_grouped_dot_gives_the_block_output_of_dot_w(tokens):
     _close(out["dot_jw"], out["dot_w"])
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_grouped_rows_made_in_the_kernel_give_the_same_block_output(tokens):
+    """`nvfp4_grouped_rows("kernel")`: the grouped dot_jw scales its own rows to float16 (no op
+    before each grouped call), and the MoE block's output stays that of the rows made before the
+    call; "dot_w" ignores it. Not bit for bit here: XLA may keep an activation it fuses into its
+    own row scaling in float32 (`xla_allow_excess_precision`, on by default; with it off the two
+    agree exactly), while a kernel's operand is rounded to bf16. The kernel call alone is exact:
+    tests/pallas_kernels/test_moe_matmul.py."""
+    cfg, p = _config(), _block("nvfp4", seed=13)
+    x = jax.random.normal(jax.random.key(14), (1, tokens, D), jnp.bfloat16) * 30.0
+    out = {}
+    for where in quant.GROUPED_ROWS:
+        with kernel_mode("interpret"), quant.nvfp4_grouped_dot("dot_jw"), quant.nvfp4_grouped_rows(where):
+            assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["x_rows"] == where
+            out[where] = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
+    _close(out["kernel"], out["xla"])
+    with quant.nvfp4_grouped_rows("kernel"):  # dot_w (the default) makes its rows before the call
+        assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["x_rows"] == "xla"
+    with pytest.raises(ValueError, match="NVFP4 grouped rows"), quant.nvfp4_grouped_rows("gpu"):
+        pass
+
+
 def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
     assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_ws"
     with quant.nvfp4_streamed_gemv("gemv_bs_ws"):
