@@ -30,6 +30,8 @@ import gc
 import itertools
 import os
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,10 @@ from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
 from infernix_jax.model.mlp import router_top_k
 from infernix_jax.weights.quant import (
+    GROUPED_ROWS,
+    SCALE_SPREADS,
+    STREAMED_GEMVS,
+    WORD_DOTS,
     current_modes,
     fp8_decode_mode,
     fused_experts,
@@ -142,15 +148,36 @@ def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int):
     return (time.perf_counter() - start) / dispatches, decode
 
 
-# The NVFP4 kernel switches of weights.quant that a run measures in turn: (argument, switch, its
-# `current_modes` key, the value whose records keep the plain name, the name's tag before the value)
+class VariantSwitch(NamedTuple):
+    """An NVFP4 kernel switch of weights.quant that a run measures in turn. Its `current_modes`
+    key, its environment variable (INFERNIX_ + key) and the flag (--key without "nvfp4_") all
+    follow from the context manager's name."""
+
+    switch: Callable[[str], contextlib.AbstractContextManager[None]]
+    plain: str  # the value whose records keep the plain name
+    tag: str  # the record name's tag before any other value
+    choices: tuple[str, ...]
+    what: str  # the flag's help
+
+    @property
+    def key(self) -> str:
+        return self.switch.__name__
+
+    @property
+    def arg(self) -> str:
+        return self.key.removeprefix("nvfp4_")
+
+
 NVFP4_VARIANT_SWITCHES = (
-    ("scale_spread", nvfp4_scale_spread, "nvfp4_scale_spread", "reshape", "scale-spread-"),
-    ("streamed_gemv", nvfp4_streamed_gemv, "nvfp4_streamed_gemv", "gemv_ws", ""),
-    ("grouped_dot", nvfp4_grouped_dot, "nvfp4_grouped_dot", "dot_w", "grouped-"),
-    ("grouped_rows", nvfp4_grouped_rows, "nvfp4_grouped_rows", "xla", "grouped-rows-"),
-    ("word_dot", nvfp4_word_dot, "nvfp4_word_dot", "dot_w", "word-"),
-)
+    VariantSwitch(nvfp4_scale_spread, "reshape", "scale-spread-", SCALE_SPREADS,
+                  "how the NVFP4 decode gemvs meet each word with its block scale"),
+    VariantSwitch(nvfp4_streamed_gemv, "gemv_ws", "", STREAMED_GEMVS, "the streamed NVFP4 gemv of single rows"),
+    VariantSwitch(nvfp4_grouped_dot, "dot_w", "grouped-", WORD_DOTS,
+                  "the grouped kernel's float16 word dot for NVFP4 experts at decode"),
+    VariantSwitch(nvfp4_grouped_rows, "xla", "grouped-rows-", GROUPED_ROWS,
+                  "where the grouped dot_jw makes its float16 rows (with --grouped-dot dot_jw)"),
+    VariantSwitch(nvfp4_word_dot, "dot_w", "word-", WORD_DOTS, "the float16 word dot of NVFP4 weights at rows past one"),
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None):
@@ -189,25 +216,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--router-top-k", default="compare",
                         help="compare, sort or compare,sort: the MoE router's top-k at decode by comparisons "
                              "or lax.top_k's sort (model.mlp.router_top_k), measured in turn")  # fmt: skip
-    parser.add_argument("--scale-spread", default=None,
-                        help="reshape, gather or reshape,gather: how the NVFP4 decode gemvs meet each word with its "
-                             "block scale (weights.quant.nvfp4_scale_spread; default: INFERNIX_NVFP4_SCALE_SPREAD), "
-                             "measured in turn")  # fmt: skip
-    parser.add_argument("--streamed-gemv", default=None,
-                        help="comma-separated streamed NVFP4 gemvs of single rows to measure in turn "
-                             "(weights.quant.STREAMED_GEMVS: gemv_ws, gemv_h2w_ws, gemv_h2wx_ws, ...; "
-                             "weights.quant.nvfp4_streamed_gemv; default: INFERNIX_NVFP4_STREAMED_GEMV)")  # fmt: skip
-    parser.add_argument("--grouped-dot", default=None,
-                        help="dot_w, dot_jw or dot_w,dot_jw: the grouped kernel's float16 word dot for NVFP4 experts "
-                             "at decode (weights.quant.nvfp4_grouped_dot; default: INFERNIX_NVFP4_GROUPED_DOT), "
-                             "measured in turn")  # fmt: skip
-    parser.add_argument("--grouped-rows", default=None,
-                        help="xla, kernel or xla,kernel: where the grouped dot_jw makes its float16 rows "
-                             "(weights.quant.nvfp4_grouped_rows; default: INFERNIX_NVFP4_GROUPED_ROWS; "
-                             "with --grouped-dot dot_jw), measured in turn")  # fmt: skip
-    parser.add_argument("--word-dot", default=None,
-                        help="dot_w, dot_jw or dot_w,dot_jw: the float16 word dot of NVFP4 weights at rows past one "
-                             "(weights.quant.nvfp4_word_dot; default: INFERNIX_NVFP4_WORD_DOT), measured in turn")  # fmt: skip
+    for v in NVFP4_VARIANT_SWITCHES:
+        parser.add_argument(f"--{v.arg.replace('_', '-')}", default=None,
+                            help=f"comma-separated values of {', '.join(v.choices)}: {v.what} (weights.quant.{v.key}; "
+                                 f"default: INFERNIX_{v.key.upper()}), measured in turn")  # fmt: skip
     parser.add_argument("--loop-graphs", default="off",
                         help="on, off or on,off: the decode program's step loop inside one CUDA graph "
                              "(EngineConfig.decode_loop_graphs), measured in turn")  # fmt: skip
@@ -234,7 +246,7 @@ def main(argv: list[str] | None = None):
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
                 variants = [getattr(args, flag).split(",") if getattr(args, flag) else [None]
-                            for flag, *_ in NVFP4_VARIANT_SWITCHES]  # fmt: skip
+                            for flag in (v.arg for v in NVFP4_VARIANT_SWITCHES)]  # fmt: skip
                 modes = [
                     (m, f, x, g, st, lg, tk, vs) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
@@ -253,9 +265,9 @@ def main(argv: list[str] | None = None):
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
                         router_top_k(top_k), contextlib.ExitStack() as variant_ctx,
                     ):  # read at trace  # fmt: skip
-                        for (_, switch, *_), v in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
-                            if v:
-                                variant_ctx.enter_context(switch(v))
+                        for v, value in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
+                            if value:
+                                variant_ctx.enter_context(v.switch(value))
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
                                          args.profile_top, args.profile_engine, loops == "on")  # fmt: skip
@@ -273,10 +285,10 @@ def main(argv: list[str] | None = None):
                         record.name += " loop-graphs"
                     if top_k != "compare":
                         record.name += f" top-k-{top_k}"
-                    for (_, _, key, plain, tag), v in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
-                        if v and v != plain:
-                            record.name += f" {tag}{v.replace('_', '-')}"
-                        record.details[key] = v or current_modes()[key]
+                    for v, value in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
+                        if value and value != v.plain:
+                            record.name += f" {v.tag}{value.replace('_', '-')}"
+                        record.details[v.key] = value or current_modes()[v.key]
                     record.details["router_top_k"] = top_k
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):

@@ -319,7 +319,8 @@ def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     - one row on a layer of <= 2**24 weights takes the bf16-decode "dot" 64 x 256 with K split
       up to four ways (it beat dot_w on every such 80B layer: 569 against 348 GB/s on q_gated);
     - the rest take the word-decoded float16 dot ("dot_w", or the joined "dot_jw" under
-      `nvfp4_word_dot`), split K until there are ~2 programs per SM. float32 activations keep "dot" (float16 would round them)."""
+      `nvfp4_word_dot`), split K until there are ~2 programs per SM. float32 activations keep
+      "dot" (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     streamed = {"variant": _modes["nvfp4_streamed_gemv"], "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
@@ -978,8 +979,8 @@ def nvfp4_grouped_rows(where: str) -> Iterator[None]:
 @contextlib.contextmanager
 def nvfp4_word_dot(variant: str) -> Iterator[None]:
     """The float16 word dot `nvfp4_tiles` gives NVFP4 weights at 16-bit rows past one (one row
-    takes a gemv or the bf16-decode dot) while tracing inside this block (WORD_DOTS; default: INFERNIX_NVFP4_WORD_DOT, "dot_w" until a GPU measures "dot_jw":
-    docs/gpu_runs.md row 6s)."""
+    takes a gemv or the bf16-decode dot) while tracing inside this block (WORD_DOTS; default:
+    INFERNIX_NVFP4_WORD_DOT, "dot_w" until a GPU measures "dot_jw": docs/gpu_runs.md row 6s)."""
     with switched(_modes, "nvfp4_word_dot", variant, WORD_DOTS, "NVFP4 word dot"):
         yield
 
