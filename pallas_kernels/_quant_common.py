@@ -57,12 +57,18 @@ class MatmulConfig:
     group_m: int = 8  # "tiled": M tiles per launch group (programs sharing a weight tile run together)
     programs: int = 0  # streamed formulations ("gemv_ws"): programs in the grid (0: 2 per SM)
     scale_spread: str = "reshape"  # NVFP4 word gemvs: block scales spread by a reshape or read per word
+    x_rows: str = "xla"  # NVFP4 word kernels: x's float16 rows made by XLA before the kernel, or inside it
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
 
 SCALE_SPREADS = ("reshape", "gather")  # MatmulConfig.scale_spread (nvfp4_matmul._word_loads)
+# MatmulConfig.x_rows (and the grouped kernel's): where a word kernel's float16 rows are made.
+# "xla": `f16_rows` (and `word_columns`) before the launch; "kernel": x enters as given, in
+# natural order, and the kernel scales its rows itself (`row_max_abs`, `f16_row_factors`): the
+# same bits, and no reduce / convert / transpose launches before the kernel.
+X_ROWS = ("xla", "kernel")
 
 
 def pick_config(table: Mapping[int, MatmulConfig], m: int) -> MatmulConfig:
@@ -89,6 +95,7 @@ def resolve_config(
     group_m: int | None = None,
     programs: int | None = None,
     scale_spread: str | None = None,
+    x_rows: str | None = None,
 ) -> MatmulConfig:
     """The default configuration for M rows with every explicitly given field overriding it.
 
@@ -115,6 +122,7 @@ def resolve_config(
         "group_m": group_m,
         "programs": programs,
         "scale_spread": scale_spread,
+        "x_rows": x_rows,
     }
     cfg = dataclasses.replace(base, **{k: v for k, v in chosen.items() if v is not None})
     if is_gemv(cfg.variant) and m > GEMV_MAX_M:
@@ -125,6 +133,8 @@ def resolve_config(
         raise ValueError(f"group_m={cfg.group_m} must be >= 1")
     if cfg.scale_spread not in SCALE_SPREADS:
         raise ValueError(f"scale_spread={cfg.scale_spread!r} must be one of {SCALE_SPREADS}")
+    if cfg.x_rows not in X_ROWS:
+        raise ValueError(f"x_rows={cfg.x_rows!r} must be one of {X_ROWS}")
     if cfg.programs < 0:
         raise ValueError(f"programs={cfg.programs} must be >= 0 (0: two per SM)")
     if is_streamed(cfg.variant) and cfg.split_k != 1:
@@ -240,6 +250,26 @@ def f16_row_factors(max_abs: jax.Array) -> tuple[jax.Array, jax.Array]:
     return factor, inverse
 
 
+def row_max_abs(x_ref, r0, rows: int, rows_ok: jax.Array | None, k: int, width: int) -> jax.Array:
+    """Inside a kernel: float32 max |x| over all K columns of rows r0 .. r0 + rows of x_ref (rows
+    where `rows_ok` is False: 0), `width` columns (a power of two) a step: the input of
+    `f16_row_factors` for a kernel that makes its own float16 rows (x_rows="kernel"), which need
+    the whole row whatever part of K the program sums."""
+
+    def body(i, running):
+        c0 = i * width
+        mask = None if k % width == 0 else ((c0 + jnp.arange(width)) < k)[None, :]
+        if rows_ok is not None:
+            mask = rows_ok[:, None] if mask is None else mask & rows_ok[:, None]
+            mask = jnp.broadcast_to(mask, (rows, width))
+        elif mask is not None:
+            mask = jnp.broadcast_to(mask, (rows, width))
+        tile = load(x_ref.at[compat.ds(r0, rows), compat.ds(c0, width)], mask)
+        return jnp.maximum(running, jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1))
+
+    return jax.lax.fori_loop(0, compat.cdiv(k, width), body, jnp.zeros((rows,), jnp.float32))
+
+
 def word_columns(x: jax.Array) -> jax.Array:
     """x [M, K] -> [M, K] with column p * K/8 + j holding x[:, 8j + p]: the activation columns in
     the order `e2m1_word_f16` yields weight elements (element p of word j), so a kernel reads the
@@ -280,25 +310,31 @@ def split_sum(partial: jax.Array) -> jax.Array:
 
 
 def accumulate_and_store(
-    step, steps, *, variant, rows, bn, gemv_width, out_ref, split, row0, col0, n_mask, carry_extra=()
-):
+    step, steps, *, variant, rows, bn, gemv_width, out_ref, split, row0, col0, n_mask, carry_extra=(),
+    row_scale=None,
+):  # fmt: skip
     """Run a decode kernel's K loop (`step(t, acc)`) and store its float32 partial sums in
     out_ref [split_k, M, N] ("dot": [M, N] tiles; "dot_t": [N, M] tiles; gemv formulations: one
     [bn, gemv_width] accumulator per activation row, summed over K once after the loop). gemv
-    formulations may carry more values after the accumulators (`carry_extra`: their start)."""
+    formulations may carry more values after the accumulators (`carry_extra`: their start).
+    row_scale: float32 [rows] multiplying each row's sums before the store (a kernel that made its
+    own float16 rows undoes their factors; gemv: a tuple of scalars; not with "dot_t")."""
     if is_gemv(variant):
         zeros = tuple(jnp.zeros((bn, gemv_width), jnp.float32) for _ in range(rows))
         acc = jax.lax.fori_loop(0, steps, step, (*zeros, *carry_extra))
         for r in range(rows):
+            value = acc[r].sum(axis=1)[None, :]
             compat.store(
                 out_ref.at[split, compat.ds(r, 1), compat.ds(col0, bn)],
-                acc[r].sum(axis=1)[None, :],
+                value if row_scale is None else value * row_scale[r],
                 mask=None if n_mask is None else n_mask[None, :],
             )
         return
     transposed = variant.startswith("dot_t")  # "dot_t" and NVFP4's "dot_t_w": [N, M] tiles
     shape = (bn, rows) if transposed else (rows, bn)
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    if row_scale is not None:
+        acc = acc * row_scale[:, None]
     if not transposed:
         view = out_ref.at[split, compat.ds(row0, rows), compat.ds(col0, bn)]
         mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)
@@ -427,9 +463,10 @@ def streamed_loop(loads, products, *, plan: StreamedPlan, n_size, bn, init, stor
     jax.lax.fori_loop(first_tile, last_tile + 1, tile_body, unit_loads(start, start < end))
 
 
-def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, width, out_ref):
+def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, width, out_ref, row_scale=None):
     """`streamed_loop` for a gemv formulation: one [bn, width] float32 accumulator per activation
-    row, summed over its width once per tile into out_ref [slots, M, N]."""
+    row, summed over its width once per tile into out_ref [slots, M, N] (times row_scale[r], a
+    float32 scalar per row, when given)."""
 
     def init():
         return tuple(jnp.zeros((bn, width), jnp.float32) for _ in range(rows))
@@ -437,6 +474,8 @@ def streamed_gemv(loads, products, *, plan: StreamedPlan, n_size, rows, bn, widt
     def store(acc, slot, col0, mask):
         for r in range(rows):
             value = jnp.zeros((1, bn), jnp.float32) if acc is None else acc[r].sum(axis=1)[None, :]
+            if acc is not None and row_scale is not None:
+                value = value * row_scale[r]
             compat.store(out_ref.at[slot, compat.ds(r, 1), compat.ds(col0, bn)], value, mask=mask[None, :])
 
     streamed_loop(loads, products, plan=plan, n_size=n_size, bn=bn, init=init, store=store)

@@ -110,7 +110,7 @@ WORD_VARIANTS = ("dot_w", "dot_t_w", "dot_jw")  # NVFP4 only: float16 dots on we
 STREAMED_VARIANTS = ("gemv_ws",)
 VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS, *STREAMED_VARIANTS)
 TRANSPOSED = ("dot_t", "dot_t_w")  # [block_n, block_m] accumulators
-X_ROWS = ("xla", "kernel")  # where "dot_jw" makes its float16 rows (GroupedConfig.x_rows)
+X_ROWS = qc.X_ROWS  # where "dot_jw" makes its float16 rows (GroupedConfig.x_rows)
 ZERO_ROWS = 16  # rows per masked store when zeroing rows past the groups
 FORMATS = ("nvfp4", "fp8", "plain")
 PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)  # weights the "plain" format takes
@@ -444,7 +444,7 @@ def _grouped_tile(
         shape = (bn, bm) if variant in TRANSPOSED else (bm, bn)
         body, inverse = step, None
         if raw_rows:  # this program's rows to float16 itself: qc.f16_rows' factors, the same bits
-            factor, inverse = qc.f16_row_factors(_row_max_abs(in_refs[0], r0, bm, rows_ok, 8 * k_width, 8 * bw))
+            factor, inverse = qc.f16_row_factors(qc.row_max_abs(in_refs[0], r0, bm, rows_ok, 8 * k_width, 8 * bw))
             body = functools.partial(step, x_factor=factor)
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(shape, jnp.float32)) * expert_scale
         if variant in TRANSPOSED:
@@ -478,19 +478,6 @@ def _grouped_tile(
     covered = jnp.minimum(jnp.sum(sizes), m_size)
     last_item = t == max_work_items(m_size, num_experts, bm) - 1
     jax.lax.cond(last_item & (covered < m_size), zero_uncovered_rows, lambda: None)
-
-
-def _row_max_abs(x_ref, r0, bm: int, rows_ok, k: int, width: int) -> jax.Array:
-    """float32 max |x| over all K columns of rows r0 .. r0 + bm (masked rows: 0), `width` columns
-    a step: the rows' float16 factors need the whole row, whatever K part the program sums."""
-
-    def body(i, running):
-        c0 = i * width
-        k_mask = None if k % width == 0 else (c0 + jnp.arange(width)) < k
-        tile = qc.load(x_ref.at[compat.ds(r0, bm), compat.ds(c0, width)], _mask2(rows_ok, k_mask, (bm, width)))
-        return jnp.maximum(running, jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1))
-
-    return jax.lax.fori_loop(0, compat.cdiv(k, width), body, jnp.zeros((bm,), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------ validation

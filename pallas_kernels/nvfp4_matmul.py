@@ -65,6 +65,10 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              the nibble decode above); the activation enters as float16, each row scaled by a
              power of two (`_quant_common.f16_rows`: exact for bf16 inputs) and its columns
              reordered to the words' element order (`_quant_common.word_columns`).
+  With x_rows="kernel" (KERNEL_ROWS_VARIANTS) x enters as given, in natural order: the kernel
+  takes its rows' max |x| first, scales what it loads to float16 with `f16_rows`' factors (the
+  same bits) and undoes them before its store, and the word gemvs read element p of a run of
+  words as a stride-8 gather. XLA's reduce, convert and transpose launches before each call go.
 The entry picks the formulation by M from `DEFAULT_CONFIGS` unless told.
 
 Grid: (M tiles, N tiles, split_k). split_k > 1 splits the K loop over programs (more programs
@@ -97,6 +101,9 @@ WORD_VARIANTS = (
     "dot_w", "dot_t_w", "tiled_w", "gemv_w", "gemv_wp", "gemv_ws", "dot_ws", "gemv_h2_ws", "gemv_bs_ws", "gemv_bsx_ws",
     "gemv_h2w_ws", "gemv_h2wx_ws", "dot_jw",
 )  # fmt: skip
+# The word variants that can take x as given and make its float16 rows themselves
+# (MatmulConfig.x_rows="kernel", `_x_word_tile`); the others need XLA's `f16_rows` before the launch.
+KERNEL_ROWS_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "dot_jw")
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -383,27 +390,69 @@ def _joined_word_dot(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, ro
     return acc + jax.lax.dot_general(xn, w_all, qc.dims_nt(), preferred_element_type=jnp.float32)
 
 
-def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows, row0=0, last_row=None):
+def _x_word_tiles(x_ref, row, kw, bw: int, words_k: int, even_k: bool, x_factor) -> list[jax.Array]:
+    """x_rows="kernel" for the word gemvs: row `row` of x as given (natural order) at words kw ..
+    kw + bw, as the 8 float16 [1, bw] tiles of element positions p = 0..7 (columns 8 (kw + j) + p):
+    one contiguous load of the 8 bw columns, scaled to float16 with the row's factor (float32 [1],
+    `qc.f16_row_factors`) as `qc.f16_rows` does, then split in registers (a reshape to
+    [1, bw, 2, 2, 2] and three `unstack`s of the last axis, which lower to `tt.split`: p = 4a + 2b + c
+    for the indices (a, b, c) of those three axes)."""
+    mask = None if even_k else ((8 * kw + jnp.arange(8 * bw)) < 8 * words_k)[None, :]
+    xn = qc.load(x_ref.at[compat.ds(row, 1), compat.ds(8 * kw, 8 * bw)], mask)
+    xn = (xn.astype(jnp.float32) * x_factor[:, None]).astype(jnp.float16).reshape(1, bw, 2, 2, 2)
+    by_c = jax.lax.unstack(xn, axis=4)
+    by_bc = [jax.lax.unstack(t, axis=3) for t in by_c]  # [c][b] -> [1, bw, 2] over a
+    tiles = {}
+    for c in range(2):
+        for b in range(2):
+            for a, t in enumerate(jax.lax.unstack(by_bc[c][b], axis=2)):
+                tiles[4 * a + 2 * b + c] = t
+    return [tiles[p] for p in range(8)]
+
+
+ROW_MAX_WIDTH = 8192  # the widest tile of the row-max pass of the gemvs that make their own rows
+
+
+def _own_row_factors(x_ref, rows: int, k: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """x_rows="kernel" for the gemvs (all M rows in one program): each row's (factor, inverse),
+    float32 [1] each, from its max |x| over all of K (`qc.row_max_abs`, `qc.f16_row_factors`),
+    in tiles as wide as the row up to ROW_MAX_WIDTH columns: every program pays this pass's
+    latency before its first product, so it takes as few steps as the registers allow."""
+    width = min(compat.pow2_at_least(k, 16), ROW_MAX_WIDTH)
+    pairs = [qc.f16_row_factors(qc.row_max_abs(x_ref, r, 1, None, k, width)) for r in range(rows)]
+    return tuple(f for f, _ in pairs), tuple(i for _, i in pairs)
+
+
+def _word_gemv_products(acc, x_ref, words, bits, *, kw, bn, bw, words_k, even_k, rows, row0=0, last_row=None,
+                        x_factors=None):  # fmt: skip
     """gemv_w: acc[r] [bn, bw] float32 += block scale * (sum over the 8 element positions p of
     word-decoded weight p times x row row0 + r's columns p * K/8 + kw ...), the sum in float16.
     row0 may be traced (the grouped kernel's work item); rows past `last_row` read it instead.
-    `bits`: [bn, bw / 2] block bytes, or [bn, bw] already one per word (`_word_loads`' gather)."""
+    `bits`: [bn, bw / 2] block bytes, or [bn, bw] already one per word (`_word_loads`' gather).
+    x_factors (one float32 [1] per row): x holds the rows as given, in natural order
+    (`_x_word_tiles`)."""
     scale = _word_scales(bits, bn, bw, jnp.float32)
     weights = qc.e2m1_word_f16(words)
     x_mask = None if even_k else ((kw + jnp.arange(bw)) < words_k)[None, :]
     out = []
     for r in range(rows):
         row = row0 + r if last_row is None else jnp.minimum(row0 + r, last_row)
+        if x_factors is not None:
+            x_tiles = _x_word_tiles(x_ref, row, kw, bw, words_k, even_k, x_factors[r])
         total = None
         for p, w in enumerate(weights):
-            xp = qc.load(x_ref.at[compat.ds(row, 1), compat.ds(p * words_k + kw, bw)], x_mask)
+            if x_factors is None:
+                xp = qc.load(x_ref.at[compat.ds(row, 1), compat.ds(p * words_k + kw, bw)], x_mask)
+            else:
+                xp = x_tiles[p]
             total = w * xp if total is None else total + w * xp
         out.append(acc[r] + total.astype(jnp.float32) * scale)
     return tuple(out)
 
 
 def _nvfp4_word_kernel(
-    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns)
+    x_ref,  # [M, K] float16, rows scaled (qc.f16_rows), columns in word order (qc.word_columns);
+    # raw_rows: x as given, natural order (dot_jw: natural order either way)
     words_ref,  # [N, K/8] uint32: bytes 4j .. 4j+3 of each packed row (elements 8j .. 8j+7)
     scale_ref,  # [N, K/16] uint8: the bits of the float8_e4m3fn block scales
     out_ref,  # float32 partial sums: [split_k, Mp, N] (dot_w) or [split_k, N, Mp] (dot_t_w)
@@ -419,13 +468,22 @@ def _nvfp4_word_kernel(
     even_n: bool,
     even_k: bool,
     scale_spread: str = "reshape",
+    raw_rows: bool = False,
 ):
+    """raw_rows (x_rows="kernel"): the program scales its x rows to float16 itself, with factors
+    from their max |x| over all of K, and multiplies its partial sums back before the store."""
     i, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     col0, bn, bw = j * block_n, block_n, block_w
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     # x rows past M are masked, not padded: at decode (M = 1 in a 16-row dot) the padding would
     # be read on every K step, twice the weight tile's bytes.
     m_mask = None if m_size % rows == 0 else (i * rows + jnp.arange(rows)) < m_size
+    x_factors = row_scale = None
+    if raw_rows and variant == "dot_jw":
+        factor, row_scale = qc.f16_row_factors(qc.row_max_abs(x_ref, i * rows, rows, m_mask, 8 * words_k, 8 * bw))
+        x_factors = factor
+    elif raw_rows:
+        x_factors, row_scale = _own_row_factors(x_ref, rows, 8 * words_k)
 
     def kw_of(t):
         return (split * steps + t) * bw
@@ -437,7 +495,7 @@ def _nvfp4_word_kernel(
 
     def products(acc, t, words, bits):
         return _word_gemv_products(acc, x_ref, words, bits, kw=kw_of(t), bn=bn, bw=bw, words_k=words_k,
-                                   even_k=even_k, rows=rows)  # fmt: skip
+                                   even_k=even_k, rows=rows, x_factors=x_factors)  # fmt: skip
 
     if variant == "gemv_wp":  # the next step's words are loaded before this step's products
 
@@ -448,7 +506,7 @@ def _nvfp4_word_kernel(
 
         qc.accumulate_and_store(
             prefetching_step, steps, variant=variant, rows=rows, bn=bn, gemv_width=bw, out_ref=out_ref,
-            split=split, row0=i * rows, col0=col0, n_mask=n_mask, carry_extra=loads(0),
+            split=split, row0=i * rows, col0=col0, n_mask=n_mask, carry_extra=loads(0), row_scale=row_scale,
         )  # fmt: skip
         return
 
@@ -458,7 +516,7 @@ def _nvfp4_word_kernel(
             return products(acc, t, *loads(t))
         if variant == "dot_jw":
             return _joined_word_dot(acc, x_ref, *loads(t), kw=kw, bn=bn, bw=bw, words_k=words_k, even_k=even_k,
-                                    row0=i * rows, rows=rows, m_mask=m_mask)  # fmt: skip
+                                    row0=i * rows, rows=rows, m_mask=m_mask, x_factor=x_factors)  # fmt: skip
         return _word_dots(
             acc, x_ref, *loads(t), kw=kw, bn=bn, bw=bw, words_k=words_k, even_k=even_k, row0=i * rows,
             rows=rows, m_mask=m_mask, transposed=variant == "dot_t_w",
@@ -466,7 +524,7 @@ def _nvfp4_word_kernel(
 
     qc.accumulate_and_store(
         step, steps, variant=variant, rows=rows, bn=bn, gemv_width=bw,
-        out_ref=out_ref, split=split, row0=i * rows, col0=col0, n_mask=n_mask,
+        out_ref=out_ref, split=split, row0=i * rows, col0=col0, n_mask=n_mask, row_scale=row_scale,
     )  # fmt: skip
 
 
@@ -496,6 +554,7 @@ def _nvfp4_streamed_kernel(
     half2: bool = False,
     x_ahead: bool = False,
     interpret: bool = False,
+    raw_rows: bool = False,
 ):
     """The "gemv_ws" formulation: gemv_w's loads and products over a streamed plan
     (`_quant_common.streamed_gemv`); out_ref [slots, M, segments.n_size] float32 partial sums.
@@ -507,8 +566,13 @@ def _nvfp4_streamed_kernel(
     its words, through index tiles of the words' shape, so Triton gives them the words' register
     layout and carries them without a conversion (on the H200 the half2 form waits on memory:
     long-scoreboard stalls 3.3 cycles an issue; bench.kernel_ir: 277 -> 297 SASS instructions a
-    unit, 64 -> 80 registers, no conversion)."""
+    unit, 64 -> 80 registers, no conversion).
+    raw_rows (x_rows="kernel", gemv_ws only): x as given in natural order; each program takes the
+    rows' factors first and scales its stores back (`_own_row_factors`)."""
     bn, bw, out_ref = segments.block_n, block_w, refs[-1]
+    x_factors = row_scale = None
+    if raw_rows:
+        x_factors, row_scale = _own_row_factors(x_ref, rows, 8 * words_k)
 
     def per_segment(s):
         return _streamed_word_loads(refs[2 * s], refs[2 * s + 1], bn=bn, bw=bw, n_size=segments.sizes[s],
@@ -533,7 +597,7 @@ def _nvfp4_streamed_kernel(
     def products(acc, ks, loaded):
         if not half2:
             return _word_gemv_products(acc, x_ref, *loaded, kw=ks * bw, bn=bn, bw=bw, words_k=words_k,
-                                       even_k=even_k, rows=rows)  # fmt: skip
+                                       even_k=even_k, rows=rows, x_factors=x_factors)  # fmt: skip
         words, bits = loaded[:2]
         kw = ks * bw
         scale = _word_scales(bits, bn, bw, jnp.float32)
@@ -549,7 +613,7 @@ def _nvfp4_streamed_kernel(
         return tuple(out)
 
     qc.streamed_gemv(loads, products, plan=plan, n_size=segments.n_size, rows=rows, bn=bn,
-                     width=bw, out_ref=out_ref)  # fmt: skip
+                     width=bw, out_ref=out_ref, row_scale=row_scale)  # fmt: skip
 
 
 def _block_tile(col0, ks, valid, n_size, bn, bs, blocks_k, even_k):
@@ -779,6 +843,14 @@ def validate_nvfp4_matmul(
         )
 
 
+def _check_x_rows(cfg: qc.MatmulConfig) -> None:
+    if cfg.x_rows == "kernel" and cfg.variant not in KERNEL_ROWS_VARIANTS:
+        raise ValueError(
+            f"x_rows='kernel' is for {KERNEL_ROWS_VARIANTS} (x in natural order, rows scaled in the kernel); "
+            f"got variant={cfg.variant!r}"
+        )
+
+
 def default_block_m(m: int) -> int:
     """Smallest power-of-two row tile >= M, between 16 (Triton's minimum dot) and 64."""
     return min(compat.pow2_at_least(m, 16), 64)
@@ -797,6 +869,7 @@ def default_block_m(m: int) -> int:
         "group_m",
         "programs",
         "scale_spread",
+        "x_rows",
         "out_dtype",
         "interpret",
     ),
@@ -817,6 +890,7 @@ def nvfp4_matmul(
     group_m: int | None = None,
     programs: int | None = None,
     scale_spread: str | None = None,
+    x_rows: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -830,6 +904,8 @@ def nvfp4_matmul(
     "tiled" (`_quant_common.grouped_tile`). programs: the grid of "gemv_ws" (default two per SM).
     scale_spread: how the CUDA-core word gemvs (gemv_w, gemv_wp, gemv_ws) meet each word with its
     block scale: "reshape" (default) or "gather" (read per word; `_word_loads`).
+    x_rows: "xla" (default) or "kernel": KERNEL_ROWS_VARIANTS take x as given and make its
+    float16 rows themselves (module docstring); the result is the same.
     `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
@@ -848,7 +924,9 @@ def nvfp4_matmul(
         group_m=group_m,
         programs=programs,
         scale_spread=scale_spread,
+        x_rows=x_rows,
     )
+    _check_x_rows(cfg)
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
     block_m = default_block_m(m) if cfg.block_m is None else cfg.block_m
@@ -904,7 +982,7 @@ STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", 
 @functools.partial(
     jax.jit,
     static_argnames=("variant", "block_m", "block_n", "block_k", "num_warps", "num_stages", "programs",
-                     "scale_spread", "out_dtype", "interpret"),
+                     "scale_spread", "x_rows", "out_dtype", "interpret"),
 )  # fmt: skip
 def nvfp4_matmuls(
     x: jax.Array,
@@ -918,6 +996,7 @@ def nvfp4_matmuls(
     num_stages: int = 3,
     programs: int | None = None,
     scale_spread: str | None = None,
+    x_rows: str | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -937,7 +1016,9 @@ def nvfp4_matmuls(
     cfg = qc.resolve_config(
         DEFAULT_CONFIGS, m, variants=VARIANTS, variant=variant, block_n=block_n, block_k=block_k, split_k=1,
         num_warps=num_warps, num_stages=num_stages, block_m=block_m, programs=programs, scale_spread=scale_spread,
+        x_rows=x_rows,
     )  # fmt: skip
+    _check_x_rows(cfg)
     for packed, block_scale, tensor_scale in weights:
         validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, 1, variant)
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -985,16 +1066,21 @@ def _word_call(
     x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret
 ):
     """The word-decoded formulations: one XLA op before the kernel (x scaled per row to float16 and
-    its columns put in word order), and for "dot_w" / "dot_t_w" the split-K sum and the per-row
-    scales after it; "tiled_w" writes y itself."""
+    its columns put in word order; none with x_rows="kernel"), and for "dot_w" / "dot_t_w" the
+    split-K sum and the per-row scales after it; "tiled_w" writes y itself."""
     m = x.shape[0]
     n, half_k = packed.shape
     words_k = half_k // 4
     words = _words(packed)
     scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8)
     block_w = cfg.block_k // 8
-    x16, inv = qc.f16_rows(x)
-    row_scale = inv * (jnp.asarray(tensor_scale, jnp.float32).reshape(()) * qc.E2M1_F16_SCALE)
+    tensor_factor = jnp.asarray(tensor_scale, jnp.float32).reshape(()) * qc.E2M1_F16_SCALE
+    raw = cfg.x_rows == "kernel"  # the kernel makes its own float16 rows and undoes their factors
+    if raw:
+        x16, row_scale = x, tensor_factor[None]
+    else:
+        x16, inv = qc.f16_rows(x)
+        row_scale = inv * tensor_factor
     params = qc.compiler_params(cfg)
     if cfg.variant == "tiled_w":
         m_tiles, n_tiles = qc.tiled_grid(m, n, block_m, cfg.block_n)
@@ -1020,7 +1106,7 @@ def _word_call(
     kernel = functools.partial(
         _nvfp4_word_kernel, variant=cfg.variant, rows=block_m, m_size=m, n_size=n, words_k=words_k,
         block_n=cfg.block_n, block_w=block_w, steps=steps, even_n=n % cfg.block_n == 0,
-        even_k=words_k % (block_w * cfg.split_k) == 0, scale_spread=cfg.scale_spread,
+        even_k=words_k % (block_w * cfg.split_k) == 0, scale_spread=cfg.scale_spread, raw_rows=raw,
     )  # fmt: skip
     transposed = cfg.variant == "dot_t_w"
     out_shape = (cfg.split_k, n, m_pad) if transposed else (cfg.split_k, m_pad, n)
@@ -1031,7 +1117,7 @@ def _word_call(
         compiler_params=params,
         interpret=interpret,
         name=f"nvfp4_matmul_{cfg.variant}",
-    )(x16 if cfg.variant == "dot_jw" else qc.word_columns(x16), words, scale_bits)  # dot_jw: natural order
+    )(x16 if raw or cfg.variant == "dot_jw" else qc.word_columns(x16), words, scale_bits)  # natural order
     y = qc.split_sum(partial)
     y = y.T[:m] if transposed else y[:m]
     return (y * row_scale[:, None]).astype(out_dtype)
@@ -1046,8 +1132,8 @@ def _words(packed: jax.Array) -> jax.Array:
 def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret) -> list[jax.Array]:
     """The streamed formulations for x [M, K] and one or more NVFP4 weights (packed, block scale,
     tensor scale) of that K, all in one launch (`_quant_common.Segments`): one XLA op before the
-    kernel (x scaled per row to float16, its columns regrouped for the formulation), the slot sum
-    and the scales after it; one [M, N_s] result per weight."""
+    kernel (x scaled per row to float16, its columns regrouped for the formulation; none with
+    x_rows="kernel"), the slot sum and the scales after it; one [M, N_s] result per weight."""
     m = x.shape[0]
     words_k = weights[0][0].shape[1] // 4
     block_w = cfg.block_k // 8
@@ -1056,8 +1142,12 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     plan = qc.StreamedPlan.make(segments.n_size, cfg.block_n, steps, cfg.programs or 2 * compat.sm_count())
     common = {"plan": plan, "segments": segments, "words_k": words_k, "block_w": block_w,
               "even_k": words_k % block_w == 0}  # fmt: skip
-    x16, inv = qc.f16_rows(x)
-    x_in = qc.word_columns(x16)
+    raw = cfg.x_rows == "kernel"  # gemv_ws makes its own float16 rows and undoes their factors
+    if raw:
+        x_in, row_factor = x, qc.E2M1_F16_SCALE
+    else:
+        x16, inv = qc.f16_rows(x)
+        x_in, row_factor = qc.word_columns(x16), (inv * qc.E2M1_F16_SCALE)[:, None]
     operands = []
     for packed, block_scale, _ in weights:
         words = _words(packed)
@@ -1065,7 +1155,8 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
             words = words.reshape(words.shape[0], words_k // 2, 2)
         operands += [words, jax.lax.bitcast_convert_type(block_scale, jnp.uint8)]
     if cfg.variant == "gemv_ws":  # all M rows in one program
-        kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, **common)
+        kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, raw_rows=raw,
+                                   **common)  # fmt: skip
         m_pad, m_tiles = m, 1
     elif cfg.variant in ("gemv_h2w_ws", "gemv_h2wx_ws"):
         kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, half2=True,
@@ -1090,7 +1181,7 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
         interpret=interpret,
         name=f"nvfp4_matmul_{cfg.variant}",
     )(x_in, *operands)
-    y = qc.split_sum(partial)[:m] * (inv * qc.E2M1_F16_SCALE)[:, None]
+    y = qc.split_sum(partial)[:m] * row_factor
     return [
         (y[:, segments.columns(s)] * jnp.asarray(w[2], jnp.float32).reshape(())).astype(out_dtype)
         for s, w in enumerate(weights)

@@ -418,3 +418,77 @@ def test_several_weights_refuse_other_formulations_and_mixed_k():
     w2 = _random_nvfp4(rng, 1, 64, 512)[1:]
     with pytest.raises(ValueError, match="implies K=512"):
         nvfp4_matmuls(x, (tuple(w1), w2), block_k=128, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "variant,m,n,k,tiles",
+    [
+        ("gemv_ws", 1, 96, 512, {"block_n": 32, "block_k": 256, "programs": 5}),
+        ("gemv_ws", 3, 80, 400, {"block_n": 32, "block_k": 256, "programs": 3}),  # ragged N and K
+        ("gemv_w", 2, 64, 512, {"block_n": 32, "block_k": 256}),
+        ("gemv_wp", 2, 64, 400, {"block_n": 32, "block_k": 256, "split_k": 2}),
+        ("dot_jw", 5, 72, 400, {"block_n": 32, "block_k": 256, "block_m": 16}),
+        ("dot_jw", 20, 64, 512, {"block_n": 32, "block_k": 256, "block_m": 16, "split_k": 2}),  # two row tiles
+    ],
+)
+def test_rows_made_in_the_kernel_equal_those_made_before_it(variant, m, n, k, tiles):
+    """x_rows="kernel": the word kernel takes x as given and scales its rows to float16 itself (no
+    reduce, convert or transpose before the launch). Rows of very different sizes and an all-zero
+    row give the same bits as rows made by `f16_rows` / `word_columns` before the kernel."""
+    rng = np.random.default_rng(m * n + k)
+    _, packed, block_scale, tensor_scale = _random_nvfp4(rng, m, n, k)
+    row_size = np.resize([1.0, 3e3, 2e-3, 40.0, 0.0], m)[:, None]
+    x = jnp.asarray(rng.standard_normal((m, k)) * row_size, jnp.bfloat16)
+    options = {"variant": variant, "out_dtype": jnp.float32, "interpret": True, **tiles}
+    want = nvfp4_matmul(x, packed, block_scale, tensor_scale, **options)
+    got = nvfp4_matmul(x, packed, block_scale, tensor_scale, x_rows="kernel", **options)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.abs(np.asarray(want)).max() > 0
+
+
+def test_several_weights_make_their_rows_in_the_kernel_too():
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((2, 512)) * [[1.0], [300.0]], jnp.bfloat16)
+    weights = tuple(_random_nvfp4(rng, 2, n, 512)[1:] for n in (40, 100))
+    options = {"block_n": 32, "block_k": 256, "programs": 5, "out_dtype": jnp.float32, "interpret": True}
+    want = nvfp4_matmuls(x, weights, **options)
+    got = nvfp4_matmuls(x, weights, x_rows="kernel", **options)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize(
+    "m,n,k,tiles",
+    [
+        (1, 34816, 5120, {"variant": "gemv_ws", "block_n": 32, "block_k": 512, "num_warps": 8}),  # 27B gate_up
+        (2, 100, 1552, {"variant": "gemv_ws", "block_n": 32, "block_k": 512}),  # masked N and K
+        (1, 5120, 6144, {"variant": "gemv_w", "block_n": 32, "block_k": 512, "split_k": 2}),  # 27B o_proj
+        (8, 5120, 17408, {"variant": "dot_jw", "block_n": 64, "block_k": 256, "split_k": 2, "block_m": 16}),
+    ],
+)
+def test_rows_made_in_the_kernel_lower_for_cuda_with_nothing_before_it(m, n, k, tiles):
+    """One Triton call, and x handed to it as given (no XLA op on x before the launch)."""
+    fn = jax.jit(functools.partial(nvfp4_matmul, x_rows="kernel", **tiles))
+    shapes = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1 and f"nvfp4_matmul_{tiles['variant']}" in text
+    jaxpr = jax.make_jaxpr(fn)(*shapes).jaxpr
+    while not any(eq.primitive.name == "pallas_call" for eq in jaxpr.eqns):  # into the nested jits
+        jaxpr = next(eq.params["jaxpr"] for eq in jaxpr.eqns if "jaxpr" in eq.params).jaxpr
+    call = next(eq for eq in jaxpr.eqns if eq.primitive.name == "pallas_call")
+    assert call.invars[0] is jaxpr.invars[0]
+
+
+@pytest.mark.parametrize("variant", ["dot_w", "gemv_h2w_ws", "dot", "tiled_w"])
+def test_rows_made_in_the_kernel_are_refused_where_the_kernel_cannot(variant):
+    rng = np.random.default_rng(2)
+    x, *w = _random_nvfp4(rng, 2, 64, 512)
+    with pytest.raises(ValueError, match="x_rows='kernel' is for"):
+        nvfp4_matmul(x, *w, variant=variant, block_k=256, x_rows="kernel", interpret=True)
+    with pytest.raises(ValueError, match="x_rows='gpu' must be one of"):
+        nvfp4_matmul(x, *w, variant="gemv_ws", x_rows="gpu", interpret=True)
