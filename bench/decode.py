@@ -54,6 +54,7 @@ from infernix_jax.weights.quant import (
     SCALE_SPREADS,
     STREAMED_GEMVS,
     WORD_DOTS,
+    WORD_ROWS,
     current_modes,
     fp8_decode_mode,
     fused_experts,
@@ -63,6 +64,7 @@ from infernix_jax.weights.quant import (
     nvfp4_scale_spread,
     nvfp4_streamed_gemv,
     nvfp4_word_dot,
+    nvfp4_word_rows,
     streamed_experts,
 )
 
@@ -177,6 +179,8 @@ NVFP4_VARIANT_SWITCHES = (
     VariantSwitch(nvfp4_grouped_rows, "xla", "grouped-rows-", GROUPED_ROWS,
                   "where the grouped dot_jw makes its float16 rows (with --grouped-dot dot_jw)"),
     VariantSwitch(nvfp4_word_dot, "dot_w", "word-", WORD_DOTS, "the float16 word dot of NVFP4 weights at rows past one"),
+    VariantSwitch(nvfp4_word_rows, "xla", "word-rows-", WORD_ROWS,
+                  "where the dense NVFP4 word kernels (gemv_w, gemv_ws, dot_jw) make their float16 rows"),
 )  # fmt: skip
 
 

@@ -59,7 +59,13 @@ from pallas_kernels import compat
 from pallas_kernels._quant_common import SCALE_SPREADS
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, grouped_matmuls, resolve_config
-from pallas_kernels.nvfp4_matmul import E2M1_VALUES, STREAMED_WORD_VARIANTS, nvfp4_matmul, nvfp4_matmuls
+from pallas_kernels.nvfp4_matmul import (
+    E2M1_VALUES,
+    KERNEL_ROWS_VARIANTS,
+    STREAMED_WORD_VARIANTS,
+    nvfp4_matmul,
+    nvfp4_matmuls,
+)
 
 Array = jax.Array
 KernelMode = Literal["auto", "reference", "kernel", "interpret"]
@@ -303,6 +309,18 @@ def nvfp4_xla_matmul(x: Array, packed: Array, block_scale: Array, tensor_scale: 
 
 
 def nvfp4_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
+    """`nvfp4_decode_tiles`, with x_rows="kernel" added where `nvfp4_word_rows` says so and the
+    formulation can make its own float16 rows."""
+    return _with_word_rows(nvfp4_decode_tiles(m, k, n, dtype))
+
+
+def _with_word_rows(tiles: dict) -> dict:
+    if _modes["nvfp4_word_rows"] == "kernel" and tiles["variant"] in KERNEL_ROWS_VARIANTS:
+        return {**tiles, "x_rows": "kernel"}
+    return tiles
+
+
+def nvfp4_decode_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     """Formulation and tiles for the NVFP4 decode kernel (H200 sweeps at 58a6e08 and efc37c1,
     bench/results/kernels-nvidia-h200.json).
 
@@ -464,10 +482,14 @@ WORD_DOTS = ("dot_w", "dot_jw")
 # Where the grouped "dot_jw" makes its float16 rows: "xla" (`f16_rows`, a reduce and a convert
 # launched before each grouped call) or "kernel" (each program scales its own rows; the same bits).
 GROUPED_ROWS = ("xla", "kernel")
+# The same choice for the dense NVFP4 word kernels that can make their own rows (gemv_w, gemv_wp,
+# gemv_ws, dot_jw: `pallas_kernels.nvfp4_matmul.KERNEL_ROWS_VARIANTS`), where "xla" launches a
+# reduce, a convert and (but for dot_jw) a transpose before each call.
+WORD_ROWS = GROUPED_ROWS
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
-# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`).
+# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`, `nvfp4_word_rows`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
@@ -478,6 +500,7 @@ _modes = {
     "nvfp4_word_dot": env_mode("INFERNIX_NVFP4_WORD_DOT", "dot_w", WORD_DOTS),
     "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", WORD_DOTS),
     "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
+    "nvfp4_word_rows": env_mode("INFERNIX_NVFP4_WORD_ROWS", "xla", WORD_ROWS),
 }
 
 
@@ -794,7 +817,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
             tiles = {"variant": "dot_ws", "block_m": 16, "block_n": tiles["block_n"], "block_k": 256, "num_warps": 4}
         else:
             return None
-    tiles = {key: v for key, v in tiles.items() if key != "split_k"}
+    tiles = _with_word_rows({key: v for key, v in tiles.items() if key not in ("split_k", "x_rows")})
     return {**tiles, "interpret": interpret, "scale_spread": _modes["nvfp4_scale_spread"]}
 
 
@@ -973,6 +996,17 @@ def nvfp4_grouped_rows(where: str) -> Iterator[None]:
     own rows, which drops a reduce and a convert launch per call (GROUPED_ROWS; default:
     INFERNIX_NVFP4_GROUPED_ROWS, "xla" until a GPU measures it: docs/gpu_runs.md row 6t)."""
     with switched(_modes, "nvfp4_grouped_rows", where, GROUPED_ROWS, "NVFP4 grouped rows"):
+        yield
+
+
+@contextlib.contextmanager
+def nvfp4_word_rows(where: str) -> Iterator[None]:
+    """Where the dense NVFP4 word kernels that can (gemv_w, gemv_wp, gemv_ws, dot_jw) scale x to
+    float16 rows while tracing inside this block: "xla", ops before each call (a reduce, a convert
+    and a transpose to word order), or "kernel", each program for its rows, reading x in natural
+    order (WORD_ROWS; default: INFERNIX_NVFP4_WORD_ROWS, "xla" until a GPU measures it:
+    docs/gpu_runs.md row 6v). The same bits either way."""
+    with switched(_modes, "nvfp4_word_rows", where, WORD_ROWS, "NVFP4 word rows"):
         yield
 
 

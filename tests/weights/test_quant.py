@@ -471,3 +471,31 @@ def test_matmuls_keep_two_large_weights_apart(monkeypatch):
     with kernel_mode("kernel"):
         jax.eval_shape(quant.matmuls, jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16), ws)
     assert launches == []
+
+
+def test_the_word_rows_switch_lets_the_dense_word_kernels_make_their_rows(monkeypatch):
+    """`nvfp4_word_rows("kernel")`: the decode tiles of the gemvs (single weights) carry
+    x_rows="kernel", formulations that cannot make their own rows (dot_w, dot) keep XLA's, and a
+    decode row through fused projections (gemv_ws) hands x to the kernel as given and gives the
+    reference's output."""
+    rng = np.random.default_rng(31)
+    ws = (quantize_nvfp4(_weight(rng, 96, 512)), quantize_nvfp4(_weight(rng, 40, 512)))
+    x = jnp.asarray(rng.standard_normal((1, 1, 512)) * 50.0, jnp.bfloat16)
+    assert "x_rows" not in quant.nvfp4_tiles(1, 17408, 5120)
+    seen, real = [], quant.nvfp4_matmuls
+    monkeypatch.setattr(quant, "nvfp4_matmuls", lambda x, ws, **kw: seen.append(kw.get("x_rows")) or real(x, ws, **kw))
+    with quant.nvfp4_word_rows("kernel"):
+        assert quant.nvfp4_tiles(1, 17408, 5120)["x_rows"] == "kernel"  # gemv_ws
+        assert quant.nvfp4_tiles(1, 6144, 5120)["x_rows"] == "kernel"  # gemv_w
+        assert "x_rows" not in quant.nvfp4_tiles(4, 5120, 34816)  # dot_w
+        assert "x_rows" not in quant.nvfp4_tiles(1, 512, 96)  # the bf16-decode dot
+        with kernel_mode("interpret"):
+            got = jax.jit(quant.matmuls)(x, ws)
+    assert seen == ["kernel"]
+    with kernel_mode("reference"):
+        want = [matmul(x, w) for w in ws]
+    for g, w in zip(got, want, strict=True):
+        scale = float(jnp.abs(w.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2 * scale)
+    with pytest.raises(ValueError, match="NVFP4 word rows"), quant.nvfp4_word_rows("gpu"):
+        pass
