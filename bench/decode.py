@@ -52,7 +52,7 @@ from infernix_jax.model.mlp import router_top_k
 from infernix_jax.weights.quant import (
     GROUPED_ROWS,
     SCALE_SPREADS,
-    STREAMED_GEMVS,
+    STREAMED_GEMV_MODES,
     WORD_DOTS,
     WORD_ROWS,
     current_modes,
@@ -173,7 +173,7 @@ class VariantSwitch(NamedTuple):
 NVFP4_VARIANT_SWITCHES = (
     VariantSwitch(nvfp4_scale_spread, "reshape", "scale-spread-", SCALE_SPREADS,
                   "how the NVFP4 decode gemvs meet each word with its block scale"),
-    VariantSwitch(nvfp4_streamed_gemv, "gemv_ws", "", STREAMED_GEMVS, "the streamed NVFP4 gemv of single rows"),
+    VariantSwitch(nvfp4_streamed_gemv, "auto", "", STREAMED_GEMV_MODES, "the streamed NVFP4 gemv of single rows"),
     VariantSwitch(nvfp4_grouped_dot, "dot_w", "grouped-", WORD_DOTS,
                   "the grouped kernel's float16 word dot for NVFP4 experts at decode"),
     VariantSwitch(nvfp4_grouped_rows, "xla", "grouped-rows-", GROUPED_ROWS,

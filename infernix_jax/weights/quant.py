@@ -326,9 +326,11 @@ def nvfp4_decode_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
 
     With bf16 / f16 rows (word decode, float16 products):
     - one row on a layer with K >= 4096 and either N >= 8192 or >= 2**26 weights (the 27B
-      gate_up, down, q_gated, gdn_in) takes "gemv_ws", streamed over two programs per SM in
-      32-row tiles, 512-element K steps (1024 for N < 16384 at K <= 8192: q_gated 1275 against
-      1100 GB/s); gate_up 1772 GB/s, down 1553 against gemv_w's 1721, 1265 on a 3277 GB/s H200;
+      gate_up, down, q_gated, gdn_in) takes a streamed gemv: by default (`nvfp4_streamed_gemv`
+      "auto") the half2 word gemv "gemv_h2w_ws" with its own tiles below; "gemv_ws" ran over
+      two programs per SM in 32-row tiles, 512-element K steps (1024 for N < 16384 at K <= 8192:
+      q_gated 1275 against 1100 GB/s); gate_up 1772 GB/s, down 1553 against gemv_w's 1721, 1265
+      on a 3277 GB/s H200;
     - one row on a smaller layer with K >= 4096 (the 80B o_proj, 2048 x 4096) and 2-8 rows on
       it take "gemv_ws" 64 x 512 / 32 x 512 (406 and 282 GB/s against 300 and 219 for dot_w);
     - other single rows on layers of > 2**24 weights take "gemv_w" 512-element K steps, 8 warps,
@@ -340,8 +342,9 @@ def nvfp4_decode_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
       `nvfp4_word_dot`), split K until there are ~2 programs per SM. float32 activations keep
       "dot" (float16 would round them)."""
     words = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    streamed = {"variant": _modes["nvfp4_streamed_gemv"], "split_k": 1, "num_warps": 8}
+    streamed = {"variant": _streamed_gemv(wide_k=False), "split_k": 1, "num_warps": 8}
     if words and m == 1 and k >= 4096 and (n >= 8192 or n * k >= 1 << 26):
+        streamed["variant"] = _streamed_gemv(wide_k=True)
         if streamed["variant"] in ("gemv_h2w_ws", "gemv_h2wx_ws"):
             # the H200 sweep of gemv_h2w_ws (bf564ff): 1024-element steps on the widest layers,
             # three programs per SM elsewhere (its 64 registers a thread leave room for them)
@@ -364,6 +367,15 @@ def nvfp4_decode_tiles(m: int, k: int, n: int, dtype=jnp.bfloat16) -> dict:
     split_k = max(1, min(k_steps // 4, -(-264 // n_tiles)))
     return {"variant": _modes["nvfp4_word_dot"] if words else "dot", "block_n": block_n, "block_k": block_k,
             "split_k": split_k}  # fmt: skip
+
+
+def _streamed_gemv(wide_k: bool) -> str:
+    """The streamed gemv of one row: `nvfp4_streamed_gemv`'s choice, "auto" resolved by whether
+    the layer is one of the wide K >= 4096 ones (STREAMED_GEMV_MODES)."""
+    mode = _modes["nvfp4_streamed_gemv"]
+    if mode != "auto":
+        return mode
+    return "gemv_h2w_ws" if wide_k else "gemv_ws"
 
 
 def _cast_e2m1(scaled: Array) -> Array:
@@ -474,6 +486,11 @@ FUSED_PROJECTION_MODES = ("on", "off", "rows")
 # "gemv_bsx_ws" also loads the activation a unit ahead), or per word in packed half2 ("gemv_h2w_ws";
 # "gemv_h2wx_ws" with the activation a unit ahead).
 STREAMED_GEMVS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2w_ws", "gemv_h2wx_ws")
+# `nvfp4_streamed_gemv`'s choices: one of those everywhere, or "auto": "gemv_h2w_ws" on the wide
+# layers with K >= 4096 (the 27B's: decode 94.3 / 93.8 against 90.1 / 89.8 tok/s on an H100 at
+# 62b6a87, runs in both orders) and "gemv_ws" on the rest (the 80B-A3B's K = 2048 fused projections
+# and its o_proj: 273.1 against 262.3 and 291.7 against 266.7 with gemv_h2w_ws there).
+STREAMED_GEMV_MODES = ("auto", *STREAMED_GEMVS)
 # The float16 word dot of NVFP4 weights at 2-64 rows (`nvfp4_word_dot`) and of NVFP4 experts at
 # decode batches (`nvfp4_grouped_dot`): 8 dots a K step on x in word order ("dot_w"), or the 8
 # element tiles joined into one dot on x in natural order ("dot_jw"; pallas_kernels/nvfp4_matmul.py,
@@ -496,7 +513,7 @@ _modes = {
     "streamed_experts": env_mode("INFERNIX_STREAMED_EXPERTS", "off", ON_OFF),
     "fused_experts": env_mode("INFERNIX_FUSED_EXPERTS", "on", ON_OFF),
     "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "reshape", SCALE_SPREADS),
-    "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "gemv_ws", STREAMED_GEMVS),
+    "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "auto", STREAMED_GEMV_MODES),
     "nvfp4_word_dot": env_mode("INFERNIX_NVFP4_WORD_DOT", "dot_w", WORD_DOTS),
     "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", WORD_DOTS),
     "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
@@ -812,7 +829,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     tiles = nvfp4_tiles(rows, x.shape[-1], sum(w.shape[0] for w in ws), x.dtype)
     if tiles["variant"] not in STREAMED_WORD_VARIANTS:
         if rows == 1:
-            tiles = {"variant": _modes["nvfp4_streamed_gemv"], "block_n": 32, "block_k": 512, "num_warps": 8}
+            tiles = {"variant": _streamed_gemv(wide_k=False), "block_n": 32, "block_k": 512, "num_warps": 8}
         elif _modes["fused_projections"] == "rows" and rows <= FUSED_ROWS_MAX:  # dot_w's tiles, streamed
             tiles = {"variant": "dot_ws", "block_m": 16, "block_n": tiles["block_n"], "block_k": 256, "num_warps": 4}
         else:
@@ -975,8 +992,9 @@ def nvfp4_scale_spread(mode: str) -> Iterator[None]:
 @contextlib.contextmanager
 def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
     """The streamed formulation `nvfp4_tiles` gives single NVFP4 rows while tracing inside this
-    block (STREAMED_GEMVS; default: INFERNIX_NVFP4_STREAMED_GEMV, "gemv_ws")."""
-    with switched(_modes, "nvfp4_streamed_gemv", variant, STREAMED_GEMVS, "NVFP4 streamed gemv"):
+    block (STREAMED_GEMV_MODES; default: INFERNIX_NVFP4_STREAMED_GEMV, "auto": the half2 word
+    gemv on the wide K >= 4096 layers, gemv_ws on the rest)."""
+    with switched(_modes, "nvfp4_streamed_gemv", variant, STREAMED_GEMV_MODES, "NVFP4 streamed gemv"):
         yield
 
 

@@ -204,8 +204,8 @@ def test_nvfp4_decode_tiles_follow_rows_dtype_and_layer_size():
     from infernix_jax.weights.quant import nvfp4_tiles
 
     gate_up = nvfp4_tiles(1, 5120, 34816, jnp.bfloat16)
-    assert (gate_up["variant"], gate_up["block_n"], gate_up["split_k"]) == ("gemv_ws", 32, 1)
-    assert nvfp4_tiles(1, 17408, 5120, jnp.bfloat16)["variant"] == "gemv_ws"  # 2**26 weights and up
+    assert (gate_up["variant"], gate_up["block_n"], gate_up["split_k"]) == ("gemv_h2w_ws", 32, 1)
+    assert nvfp4_tiles(1, 17408, 5120, jnp.bfloat16)["variant"] == "gemv_h2w_ws"  # 2**26 weights and up
     o_proj = nvfp4_tiles(1, 6144, 5120, jnp.bfloat16)
     assert (o_proj["variant"], o_proj["split_k"]) == ("gemv_w", 2)  # 160 row tiles: split K
     assert nvfp4_tiles(1, 2048, 8192, jnp.float16)["block_n"] == 64
@@ -215,7 +215,10 @@ def test_nvfp4_decode_tiles_follow_rows_dtype_and_layer_size():
     assert nvfp4_tiles(1, 5120, 34816, jnp.float32)["variant"] == "dot"
     assert nvfp4_tiles(1, 512, 2048, jnp.bfloat16)["variant"] == "dot"  # one row, a small layer
     assert nvfp4_tiles(2, 512, 2048, jnp.bfloat16)["variant"] == "dot_w"
-    assert nvfp4_tiles(1, 5120, 12288, jnp.bfloat16)["block_k"] == 1024
+    q_gated = nvfp4_tiles(1, 5120, 12288, jnp.bfloat16)  # the half2 gemv's own tiles: 3 programs an SM
+    assert (q_gated["block_k"], q_gated["programs"]) == (512, 3 * compat.sm_count())
+    with quant.nvfp4_streamed_gemv("gemv_ws"):
+        assert nvfp4_tiles(1, 5120, 12288, jnp.bfloat16)["block_k"] == 1024
     assert nvfp4_tiles(1, 2048, 12288, jnp.bfloat16)["split_k"] == 4  # gemv_w below K = 4096
 
 
@@ -398,7 +401,7 @@ def test_the_word_dot_switch_gives_rows_past_one_the_joined_dot():
     assert quant.nvfp4_tiles(4, 512, 96)["variant"] == "dot_w"
     with kernel_mode("interpret"), quant.nvfp4_word_dot("dot_jw"):
         assert quant.nvfp4_tiles(4, 512, 96)["variant"] == "dot_jw"
-        assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_ws"
+        assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_h2w_ws"
         assert "nvfp4_matmul_dot_jw" in str(jax.make_jaxpr(matmul)(x, w))
         got = jax.jit(matmul)(x, w)
     with kernel_mode("reference"):
@@ -452,7 +455,7 @@ def test_fused_projections_lower_to_one_triton_call_for_cuda():
         text = compat.lower_for_cuda(
             jax.jit(quant.matmuls), jax.ShapeDtypeStruct((1, 5120), jnp.bfloat16), ws
         )
-    assert text.count("xla.gpu.triton") == 1 and "nvfp4_matmul_gemv_ws" in text
+    assert text.count("xla.gpu.triton") == 1 and "nvfp4_matmul_gemv_h2w_ws" in text  # K >= 4096, wide
 
 
 def test_matmuls_keep_two_large_weights_apart(monkeypatch):
@@ -481,16 +484,17 @@ def test_the_word_rows_switch_lets_the_dense_word_kernels_make_their_rows(monkey
     rng = np.random.default_rng(31)
     ws = (quantize_nvfp4(_weight(rng, 96, 512)), quantize_nvfp4(_weight(rng, 40, 512)))
     x = jnp.asarray(rng.standard_normal((1, 1, 512)) * 50.0, jnp.bfloat16)
-    assert "x_rows" not in quant.nvfp4_tiles(1, 17408, 5120)
+    assert "x_rows" not in quant.nvfp4_tiles(1, 4096, 2048)
     seen, real = [], quant.nvfp4_matmuls
     monkeypatch.setattr(quant, "nvfp4_matmuls", lambda x, ws, **kw: seen.append(kw.get("x_rows")) or real(x, ws, **kw))
     with quant.nvfp4_word_rows("kernel"):
-        assert quant.nvfp4_tiles(1, 17408, 5120)["x_rows"] == "kernel"  # gemv_ws
+        assert quant.nvfp4_tiles(1, 4096, 2048)["x_rows"] == "kernel"  # gemv_ws (the 80B o_proj)
+        assert "x_rows" not in quant.nvfp4_tiles(1, 17408, 5120)  # gemv_h2w_ws reads x in pairs
         assert quant.nvfp4_tiles(1, 6144, 5120)["x_rows"] == "kernel"  # gemv_w
         assert "x_rows" not in quant.nvfp4_tiles(4, 5120, 34816)  # dot_w
         assert "x_rows" not in quant.nvfp4_tiles(1, 512, 96)  # the bf16-decode dot
         with kernel_mode("interpret"):
-            got = jax.jit(quant.matmuls)(x, ws)
+            got = jax.jit(lambda x, ws: quant.matmuls(x, ws))(x, ws)  # a new function: traced here, not cached
     assert seen == ["kernel"]
     with kernel_mode("reference"):
         want = [matmul(x, w) for w in ws]

@@ -364,7 +364,12 @@ def test_grouped_rows_made_in_the_kernel_give_the_same_block_output(tokens):
 
 
 def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
-    assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_ws"
+    """"auto" (the default) takes the half2 word gemv on the wide K >= 4096 layers and gemv_ws on
+    the smaller ones; any other value takes that formulation everywhere."""
+    assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_h2w_ws"  # the 27B gate / up
+    assert quant.nvfp4_tiles(1, 4096, 2048)["variant"] == "gemv_ws"  # the 80B o_proj
+    with quant.nvfp4_streamed_gemv("gemv_ws"):
+        assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_ws"
     with quant.nvfp4_streamed_gemv("gemv_bs_ws"):
         assert quant.nvfp4_tiles(1, 5120, 17408)["variant"] == "gemv_bs_ws"
         assert quant.nvfp4_tiles(8, 5120, 17408)["variant"] == "dot_w"  # more rows: not a gemv
