@@ -47,6 +47,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.model import host_copy as host_copy_module
+from infernix_jax.model import mlp as mlp_module
 from infernix_jax.model.params import Decl, declare_params, map_decls, param_dtype
 from infernix_jax.weights.quant import NVFP4Weight
 
@@ -329,8 +330,17 @@ def main(argv: list[str] | None = None):
         "(EngineConfig.expert_cpu_share; auto: the engine's cost model); records of a share above 0 "
         "say 'cpu share' and count the experts the CPU computed",
     )
+    parser.add_argument(
+        "--slot-reads",
+        default=mlp_module.slot_reads_mode(),
+        help="comma-separated ways the grouped kernel reads a slotted layer's routed experts (mlp.slot_reads: "
+        "copy, in_place), each budget point run with each; records of in_place say 'slots read in place'",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    slot_ways = args.slot_reads.split(",")
+    if set(slot_ways) - set(mlp_module.SLOT_READS):
+        parser.error(f"--slot-reads takes {', '.join(mlp_module.SLOT_READS)}; got {args.slot_reads!r}")
     cpu_share = args.cpu_share if args.cpu_share == "auto" else float(args.cpu_share)
     points = set(args.points.split(","))
     if points - {"static", "dynamic", "resident"}:
@@ -367,88 +377,93 @@ def main(argv: list[str] | None = None):
     ]
     offloaded = points & {"static", "dynamic"}  # without either, no budget point runs (nor is built)
     points_run = [
-        (label, budget, prefetch, blocks)
+        (label, budget, prefetch, blocks, way)
         for label, budget in (budgets.items() if offloaded else ())
         for prefetch, blocks in prefetch_modes
+        for way in slot_ways
     ]
     if "resident" in points:
-        points_run.append(("all-resident", None, False, 0))
-    for label, budget, prefetch, blocks in points_run:
-        core = make_core(
-            cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
-            host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
-            prefetch=prefetch, cpu_share=cpu_share, prefetch_blocks=blocks or EngineConfig.expert_prefetch_blocks,
-            prefetch_guesses=args.prefetch_guesses,
-        )  # fmt: skip
-        # static placement first, while the slots still hold the placement at start (a dynamic
-        # point before it would hand it the slots it learned); then the cache may swap
-        runs = [(batches[0], "static")] if budget and "static" in points else []
-        if budget is None or "dynamic" in points:
-            runs += [(batch, "dynamic") for batch in batches]
-        swaps = core.experts.cache.swaps_per_layer if budget else 0
-        for batch, policy in runs:
-            if budget:
-                core.experts.cache.swaps_per_layer = 0 if policy == "static" else swaps
-            r = run_decode(core, batch, args.context, args.dispatches, seed=batch, hot_ids=hot_ids)
-            if args.profile and (batch, policy) == runs[0]:
-                r["profile"] = profile_device(functools.partial(profiled_steps, core, args.profile_steps))
-                print(format_summary(r["profile"]), flush=True)
-            host_reads, host_copy = ways_used(core)
-            details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
-                       "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
-                       "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
-                       "host_reads": host_reads, "host_copy": host_copy,
-                       "gather_in_graphs": host_copy_module.MAPPED_IN_COMMAND_BUFFERS, **r}  # fmt: skip
-            reads = " host reads in program" if host_reads == "program" else ""
-            if reads and host_copy != "loop":
-                reads += f" copy {host_copy}"
-            if host_copy == "mapped" and args.gather_graphs == "off":
-                reads += " gather outside graphs"
-            if prefetch:
-                reads += " prefetch" + (f" gather{blocks}" if host_copy == "mapped" else "")
-                details["prefetch_blocks"] = blocks
-                if args.prefetch_guesses:
-                    reads += f" guesses{args.prefetch_guesses}"
-                details["prefetch_guesses"] = args.prefetch_guesses
-            share = core.experts.placement.cpu_share if core.experts is not None else 0.0
-            details["cpu_share"] = share
-            if share:
-                reads += f" cpu share {share:.2f}"
-            name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
-            if budget is None:
-                record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,
-                                     machine=machine, commit=commit, details=details)  # fmt: skip
-            else:
-                per_token = r["moved_bytes_per_token"]
-                ceiling = bandwidth / per_token if per_token else None
-                suffix = " static placement" if policy == "static" else ""
-                needed = r["needed_bytes_per_token"]
-                details["needed_bound_tok_s"] = bandwidth / needed if needed else None  # no wasted guesses
-                record = make_record(f"{name}{suffix} vs pcie bound", r["tok_s"], "tok/s", ceiling,
-                                     "tok/s (pcie bound)" if ceiling else None, machine=machine, commit=commit,
-                                     details=details)  # fmt: skip
-            hit = (
-                f", hit rate {r['hit_rate']:.1%}, host callbacks {r['callback_seconds'] / r['seconds']:.0%} of the time"
-                if "hit_rate" in r
-                else ""
-            )
-            if r.get("cpu_computed"):
-                hit += f", the CPU computed {r['cpu_computed']} misses"
-            if r.get("prefetched"):
-                hit += f", prefetched {r['prefetched']} experts, {r['prefetch_used'] / r['prefetched']:.0%} of them used"
-                if details.get("needed_bound_tok_s"):
-                    hit += (
-                        f", {r['tok_s'] / details['needed_bound_tok_s']:.1%} of the bound of the needed bytes"
-                    )
-            bound = (
-                f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
-            )
-            print(f"{record.name}: {r['tok_s']:.2f} tok/s{bound}{hit}", flush=True)
-            records.append(record)
-            write_records(records, out)  # after every point: a run cut short keeps what it measured
-        if core.experts is not None:
-            core.experts.close()
-        del core
+        points_run.append(("all-resident", None, False, 0, slot_ways[0]))
+    for label, budget, prefetch, blocks, way in points_run:
+        with mlp_module.slot_reads(way):  # read while the decode programs trace, in the point's runs
+            core = make_core(
+                cfg, params, context=args.context, steps=args.steps, gpu_budget=budget,
+                host_reads=args.host_reads, host_copy=args.host_copy, batches=tuple(batches),
+                prefetch=prefetch, cpu_share=cpu_share, prefetch_blocks=blocks or EngineConfig.expert_prefetch_blocks,
+                prefetch_guesses=args.prefetch_guesses,
+            )  # fmt: skip
+            # static placement first, while the slots still hold the placement at start (a dynamic
+            # point before it would hand it the slots it learned); then the cache may swap
+            runs = [(batches[0], "static")] if budget and "static" in points else []
+            if budget is None or "dynamic" in points:
+                runs += [(batch, "dynamic") for batch in batches]
+            swaps = core.experts.cache.swaps_per_layer if budget else 0
+            for batch, policy in runs:
+                if budget:
+                    core.experts.cache.swaps_per_layer = 0 if policy == "static" else swaps
+                r = run_decode(core, batch, args.context, args.dispatches, seed=batch, hot_ids=hot_ids)
+                if args.profile and (batch, policy) == runs[0]:
+                    r["profile"] = profile_device(functools.partial(profiled_steps, core, args.profile_steps))
+                    print(format_summary(r["profile"]), flush=True)
+                host_reads, host_copy = ways_used(core)
+                details = {"batch": batch, "layers": layers, "full_layers": FULL_LAYERS, "budget_bytes": budget,
+                           "budget_full_model": label, "policy": policy, "expert_bytes": expert_bytes,
+                           "pinned_host_GBps": bandwidth / 1e9, "steps_per_dispatch": args.steps,
+                           "host_reads": host_reads, "host_copy": host_copy,
+                           "gather_in_graphs": host_copy_module.MAPPED_IN_COMMAND_BUFFERS, **r}  # fmt: skip
+                reads = " host reads in program" if host_reads == "program" else ""
+                if reads and host_copy != "loop":
+                    reads += f" copy {host_copy}"
+                if host_copy == "mapped" and args.gather_graphs == "off":
+                    reads += " gather outside graphs"
+                if prefetch:
+                    reads += " prefetch" + (f" gather{blocks}" if host_copy == "mapped" else "")
+                    details["prefetch_blocks"] = blocks
+                    if args.prefetch_guesses:
+                        reads += f" guesses{args.prefetch_guesses}"
+                    details["prefetch_guesses"] = args.prefetch_guesses
+                    details["slot_reads"] = way
+                if budget and way == "in_place":
+                    reads += " slots read in place"
+                share = core.experts.placement.cpu_share if core.experts is not None else 0.0
+                details["cpu_share"] = share
+                if share:
+                    reads += f" cpu share {share:.2f}"
+                name = f"experts decode {shape} nvfp4 gpu-expert-budget {label}{reads} batch{batch}"
+                if budget is None:
+                    record = make_record(f"{name} (no pcie traffic)", r["tok_s"], "tok/s", None, None,
+                                         machine=machine, commit=commit, details=details)  # fmt: skip
+                else:
+                    per_token = r["moved_bytes_per_token"]
+                    ceiling = bandwidth / per_token if per_token else None
+                    suffix = " static placement" if policy == "static" else ""
+                    needed = r["needed_bytes_per_token"]
+                    details["needed_bound_tok_s"] = bandwidth / needed if needed else None  # no wasted guesses
+                    record = make_record(f"{name}{suffix} vs pcie bound", r["tok_s"], "tok/s", ceiling,
+                                         "tok/s (pcie bound)" if ceiling else None, machine=machine, commit=commit,
+                                         details=details)  # fmt: skip
+                hit = (
+                    f", hit rate {r['hit_rate']:.1%}, host callbacks {r['callback_seconds'] / r['seconds']:.0%} of the time"
+                    if "hit_rate" in r
+                    else ""
+                )
+                if r.get("cpu_computed"):
+                    hit += f", the CPU computed {r['cpu_computed']} misses"
+                if r.get("prefetched"):
+                    hit += f", prefetched {r['prefetched']} experts, {r['prefetch_used'] / r['prefetched']:.0%} of them used"
+                    if details.get("needed_bound_tok_s"):
+                        hit += (
+                            f", {r['tok_s'] / details['needed_bound_tok_s']:.1%} of the bound of the needed bytes"
+                        )
+                bound = (
+                    f" = {record.fraction:.1%} of the pcie bound {record.ceiling:.1f}" if record.ceiling else ""
+                )
+                print(f"{record.name}: {r['tok_s']:.2f} tok/s{bound}{hit}", flush=True)
+                records.append(record)
+                write_records(records, out)  # after every point: a run cut short keeps what it measured
+            if core.experts is not None:
+                core.experts.close()
+            del core
     print("wrote", write_records(records, out))
     return records
 

@@ -276,8 +276,11 @@ def _grouped_kernel(
     # plain: x [M, K] | w [E*N, K] (bf16 / f16 / f32)
     # out:   [split_k, M, segments * N]: y itself in the output dtype (split_k 1) or float32 partial
     #        sums; weight s fills columns s * N ..
+    # With two sources each weight's refs come twice, its first stack's then its second's.
     n_x: int,
     segments: int,
+    first_experts: int | None,  # two sources: experts 0 .. first_experts - 1 are the first stack's
+
     fmt: str,
     variant: str,
     m_size: int,
@@ -293,7 +296,8 @@ def _grouped_kernel(
     even_k: bool,
 ):
     x_refs, out_ref = refs[:n_x], refs[-1]
-    per_weight = (len(refs) - n_x - 1) // segments
+    sources = 1 if first_experts is None else 2
+    per_weight = (len(refs) - n_x - 1) // (segments * sources)
     t, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     e_pad = compat.pow2_at_least(num_experts)  # Triton tensors have power-of-two sizes
     sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
@@ -303,33 +307,44 @@ def _grouped_kernel(
     n_tiles = compat.cdiv(n_size, bn)
     seg = jax.lax.div(j, n_tiles)  # the weight this program's N tile belongs to
     col0 = (j - seg * n_tiles) * bn  # within the weight
-    w_row0 = e * n_size + col0  # first weight row of this tile in the flattened stack
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
     gemv = variant == "gemv"
     word = variant in WORD_VARIANTS
     raw_rows = word and n_x == 1  # dot_jw with x_rows="kernel": x as given, no row factors
     compute_dtype = x_refs[0].dtype
 
-    def weight_refs(s):
-        first = n_x + s * per_weight
+    def weight_refs(s, source=0):
+        first = n_x + (s * sources + source) * per_weight
         return refs[first], (*x_refs, *refs[first + 1 : first + per_weight])
 
-    def run(expert_scale_ref, in_refs, out_col0):
+    def run(expert_scale_ref, in_refs, out_col0, e_w):
         """This program's tile of one weight: `in_refs` are the activation refs then the weight's
-        stored refs (the single-weight layout), its output columns start at out_col0."""
+        stored refs (the single-weight layout), its output columns start at out_col0, and its
+        expert is e_w of that stack."""
+        w_row0 = e_w * n_size + col0  # first weight row of this tile in the flattened stack
         _grouped_tile(
-            expert_scale_ref, in_refs, out_ref, e=e, r0=r0, r1=r1, sizes=sizes, col0=col0, out_col0=out_col0,
+            expert_scale_ref, in_refs, out_ref, e=e_w, r0=r0, r1=r1, sizes=sizes, col0=col0, out_col0=out_col0,
             w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
             raw_rows=raw_rows, compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
             n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k,
         )  # fmt: skip
 
-    if segments == 1:
-        run(*weight_refs(0), col0)
+    if segments == 1 and sources == 1:
+        run(*weight_refs(0), col0, e)
         return
-    # a branch per weight, uniform over the program: only the chosen weight's loads are issued
-    branches = [functools.partial(lambda s: run(*weight_refs(s), s * n_size + col0), s) for s in range(segments)]
-    jax.lax.switch(seg, branches)
+    # a branch per weight and source, uniform over the program: only the chosen stack's loads are
+    # issued (two sources: the program's expert is in the first stack or, past first_experts, in
+    # the second, which is how a slotted layer reads its slots and its fetched experts in place)
+    branches = [
+        functools.partial(
+            lambda s, source: run(*weight_refs(s, source), s * n_size + col0, e - source * (first_experts or 0)),
+            s, source,
+        )
+        for s in range(segments)
+        for source in range(sources)
+    ]  # fmt: skip
+    source = 0 if sources == 1 else (e >= first_experts).astype(jnp.int32)
+    jax.lax.switch(seg * sources + source, branches)
 
 
 def _grouped_tile(
@@ -657,6 +672,7 @@ def grouped_matmuls(
     num_stages: int | None = None,
     programs: int | None = None,
     x_rows: str | None = None,
+    second: tuple[tuple[jax.Array, ...], ...] | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -664,28 +680,61 @@ def grouped_matmuls(
     expert's gate and up) in one launch: the grid's N axis walks the stacks' tiles one stack after
     the other and each program reads the stack its tile belongs to (a branch, uniform over the
     program). One [M, N] result per stack, each equal to `grouped_matmul` with the same options
-    (the options: see `grouped_matmul`)."""
+    (the options: see `grouped_matmul`).
+
+    second: for each weight, a second stack [E2, N, K] of the same format whose experts follow the
+    first's (group_sizes [E1 + E2]): each program reads its expert from the stack it is in, so two
+    stacks serve as their concatenation without one being made (a slotted layer's slots and the
+    experts fetched for the step). Not for the streamed variants. The result equals that of the
+    concatenated stacks bit for bit."""
     if not weights:
         raise ValueError("grouped_matmuls needs at least one weight")
     shapes = {tuple(tuple(a.shape) for a in w) for w in weights}
     if len(shapes) != 1:
         raise ValueError(f"grouped_matmuls takes stacks of one shape; got {sorted(shapes)}")
+    if second is not None and len(second) != len(weights):
+        raise ValueError(f"second gives {len(second)} stacks for {len(weights)} weights")
     options = dict(block_size=block_size, variant=variant, block_m=block_m, block_n=block_n, block_k=block_k,  # noqa: C408
                    split_k=split_k, num_warps=num_warps, num_stages=num_stages, programs=programs,
                    x_rows=x_rows)  # fmt: skip
-    return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret)
+    return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret,
+                         None if second is None else tuple(second))  # fmt: skip
 
 
-def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -> list[jax.Array]:
+def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, cfg) -> int:
+    """Check `grouped_matmuls`' second stacks against the first ones -> E1, the first's experts."""
+    if cfg.variant in STREAMED_VARIANTS:
+        raise ValueError(f"second stacks are not for the streamed variant {cfg.variant!r}")
+    e1, e2 = weights[0][0].shape[0], second[0][0].shape[0]
+    if {tuple(tuple(a.shape[1:]) for a in w) for w in (*weights, *second)} != {tuple(a.shape[1:] for a in weights[0])}:
+        raise ValueError("second stacks must match the first ones but for the expert count")
+    if len({w[0].shape[0] for w in second}) != 1:
+        raise ValueError("second stacks must have one expert count")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] != e1 + e2:
+        raise ValueError(f"group_sizes must be [E1 + E2 = {e1 + e2}]; got shape {group_sizes.shape}")
+    for stack in (*weights, *second):
+        sizes = jax.ShapeDtypeStruct((stack[0].shape[0],), group_sizes.dtype)
+        validate_grouped_matmul(x, stack, sizes, fmt=fmt, block_size=block_size, cfg=cfg)
+    return e1
+
+
+def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None) -> list[jax.Array]:
     """The pallas_call of `grouped_matmul` / `grouped_matmuls`: the activation's preparation once,
     each stack's operands, one launch, one [M, N] result per stack."""
     block_size = options.pop("block_size")
     m = x.shape[0] if x.ndim == 2 else 0
     cfg = resolve_config(fmt, m, **options)
-    for weight in weights:
-        validate_grouped_matmul(x, weight, group_sizes, fmt=fmt, block_size=block_size, cfg=cfg)
+    first_experts = None
+    if second is not None:
+        first_experts = _validate_two_sources(x, weights, second, group_sizes, fmt=fmt, block_size=block_size,
+                                              cfg=cfg)  # fmt: skip
+    else:
+        for weight in weights:
+            validate_grouped_matmul(x, weight, group_sizes, fmt=fmt, block_size=block_size, cfg=cfg)
     k = x.shape[1]
     num_experts, n = weights[0][0].shape[:2]
+    if second is not None:
+        num_experts += second[0][0].shape[0]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     bm = cfg.block_m
@@ -705,39 +754,14 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
     else:
         x_inputs = (xp,)
         k_width, step_width = k, cfg.block_k
-    weight_inputs = []
-    for weight in weights:
-        if fmt == "nvfp4":
-            packed, block_scale, tensor_scale = weight
-            scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(
-                num_experts * n, k // NVFP4_BLOCK
-            )
-            expert_scale = jnp.asarray(tensor_scale, jnp.float32)
-            if word:
-                words = jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k // 8, 4), jnp.uint32)
-                # the tensor scale as stored: the kernel multiplies in E2M1_F16_SCALE (a multiply
-                # here would be one more XLA launch per stack and call, 3 a MoE layer in decode)
-                weight_inputs += [expert_scale, words, scale_bits]
-            else:
-                weight_inputs += [expert_scale, packed.reshape(num_experts * n, k // 2), scale_bits]
-        elif fmt == "plain":
-            (w,) = weight
-            weight_inputs += [jnp.ones((num_experts,), jnp.float32), w.reshape(num_experts * n, k)]
-        else:
-            data, scale = weight
-            if block_size is None:
-                block_scale = jnp.ones((1, 1), jnp.float32)
-                expert_scale = jnp.asarray(scale, jnp.float32)
-            else:
-                block_scale = jnp.asarray(scale, jnp.float32).reshape(-1, scale.shape[-1])
-                expert_scale = jnp.ones((num_experts,), jnp.float32)
-            bits = jax.lax.bitcast_convert_type(data, jnp.uint8).reshape(num_experts * n, k)
-            weight_inputs += [expert_scale, bits, block_scale]
+    stacks = weights if second is None else [w for pair in zip(weights, second, strict=True) for w in pair]
+    weight_inputs = [a for w in stacks for a in _stack_inputs(w, fmt, word, block_size, k)]
     steps = compat.cdiv(compat.cdiv(k_width, step_width), cfg.split_k)
     kernel = functools.partial(
         _grouped_kernel,
         n_x=len(x_inputs),
         segments=len(weights),
+        first_experts=first_experts,
         fmt=fmt,
         variant=cfg.variant,
         m_size=m,
@@ -765,6 +789,34 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret) -
     )(group_sizes.astype(jnp.int32), *x_inputs, *weight_inputs)
     y = qc.split_sum(partial).astype(out_dtype)
     return [y] if segments == 1 else [y[:, s * n : (s + 1) * n] for s in range(segments)]
+
+
+def _stack_inputs(weight: tuple[jax.Array, ...], fmt: str, word: bool, block_size: int | None, k: int) -> list:
+    """One stack's kernel operands: its per-expert scale [E] float32, then its stored refs
+    flattened over the experts (the layout `_grouped_kernel` reads)."""
+    num_experts, n = weight[0].shape[:2]
+    if fmt == "nvfp4":
+        packed, block_scale, tensor_scale = weight
+        scale_bits = jax.lax.bitcast_convert_type(block_scale, jnp.uint8).reshape(num_experts * n, k // NVFP4_BLOCK)
+        expert_scale = jnp.asarray(tensor_scale, jnp.float32)
+        if word:
+            words = jax.lax.bitcast_convert_type(packed.reshape(num_experts * n, k // 8, 4), jnp.uint32)
+            # the tensor scale as stored: the kernel multiplies in E2M1_F16_SCALE (a multiply
+            # here would be one more XLA launch per stack and call, 3 a MoE layer in decode)
+            return [expert_scale, words, scale_bits]
+        return [expert_scale, packed.reshape(num_experts * n, k // 2), scale_bits]
+    if fmt == "plain":
+        (w,) = weight
+        return [jnp.ones((num_experts,), jnp.float32), w.reshape(num_experts * n, k)]
+    data, scale = weight
+    if block_size is None:
+        block_scale = jnp.ones((1, 1), jnp.float32)
+        expert_scale = jnp.asarray(scale, jnp.float32)
+    else:
+        block_scale = jnp.asarray(scale, jnp.float32).reshape(-1, scale.shape[-1])
+        expert_scale = jnp.ones((num_experts,), jnp.float32)
+    bits = jax.lax.bitcast_convert_type(data, jnp.uint8).reshape(num_experts * n, k)
+    return [expert_scale, bits, block_scale]
 
 
 def _grouped_streamed_kernel(

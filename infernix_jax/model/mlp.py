@@ -34,6 +34,7 @@ from infernix_jax.model.host_copy import GATHER_BLOCKS
 from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.switches import env_mode, switched
 from infernix_jax.weights.quant import (
+    ExpertStackPair,
     QuantizedWeight,
     dequantize,
     grouped_expert_matmul,
@@ -56,16 +57,36 @@ GATHER_MIN_PAIRS = 64
 COUNT_BY_COMPARING_MAX = 256
 # Up to this many tokens the router's top-k comes from comparisons (`_top_k`), not a sort.
 TOP_K_BY_COMPARING_MAX = 64
+# How a slotted layer's grouped kernel reads the routed experts (`slot_reads`): "copy" them from
+# their slots and the fetched set into one stack of the routed experts first, or read them "in_place"
+# (`ExpertStackPair`: no copy).
+SLOT_READS = ("copy", "in_place")
 ROUTER_TOP_K_WAYS = ("compare", "sort")
 # read while tracing: "compare" (comparisons up to TOP_K_BY_COMPARING_MAX tokens) or "sort"
 # (lax.top_k at every size); INFERNIX_ROUTER_TOP_K, or a `router_top_k` block
-_modes = {"router_top_k": env_mode("INFERNIX_ROUTER_TOP_K", "compare", ROUTER_TOP_K_WAYS)}
+_modes = {
+    "router_top_k": env_mode("INFERNIX_ROUTER_TOP_K", "compare", ROUTER_TOP_K_WAYS),
+    "slot_reads": env_mode("INFERNIX_SLOT_READS", "copy", SLOT_READS),
+}
 
 
 def router_top_k(way: str) -> contextlib.AbstractContextManager[None]:
     """How the MoE router's top-k runs in programs traced inside this block: "compare" or "sort"
     (lax.top_k's sort kernel on a GPU; the same values and ids either way)."""
     return switched(_modes, "router_top_k", way, ROUTER_TOP_K_WAYS, "router top-k")
+
+
+def slot_reads_mode() -> str:
+    """The way slotted layers read their routed experts in programs traced now (SLOT_READS)."""
+    return _modes["slot_reads"]
+
+
+def slot_reads(way: str) -> contextlib.AbstractContextManager[None]:
+    """How slotted MoE layers' grouped kernel reads the routed experts in programs traced inside
+    this block: "copy" (into one stack first) or "in_place" (slots and fetched experts where they
+    are); the same output either way (SLOT_READS; default: INFERNIX_SLOT_READS, "copy" until a GPU
+    measures "in_place": docs/gpu_runs.md row 11i)."""
+    return switched(_modes, "slot_reads", way, SLOT_READS, "slot reads")
 
 
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
@@ -740,6 +761,17 @@ def _slotted_outputs(
 
         return tuple(jax.tree.map(leaf, s, f) for s, f in zip(slots, fetched))
 
+    if _takes_grouped_kernel(slots) and _modes["slot_reads"] == "in_place":
+        # The grouped kernel reads each routed expert where it is: the slots, then the fetched
+        # set, numbered after them (`ExpertStackPair`). Each row still meets its own expert's
+        # bytes with the all-resident model's tiles (the tiles depend on the row count, not on
+        # the numbering), so the output is the same bit for bit, and no copy of the routed
+        # experts is made.
+        s, f = se.gate_proj.shape[0], fetched[0].shape[0]  # slots, fetched experts
+        place = jnp.where(resident, slot_of, s + fetch_pos)  # [E]: each expert's index in the pair
+        pairs = [ExpertStackPair(a, b) for a, b in zip(slots, fetched, strict=True)]
+        stacks = MoEParams(router=None, gate_proj=pairs[0], up_proj=pairs[1], down_proj=pairs[2])
+        return _experts_grouped(stacks, x, place[ids], s + f)
     if _takes_grouped_kernel(slots):
         # The grouped kernel over a stack of only the step's routed experts, each from its slot or
         # the fetched set: the kernel sees the all-resident model's rows and tiles (so its output

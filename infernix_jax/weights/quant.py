@@ -58,7 +58,13 @@ from infernix_jax.switches import env_mode, switched
 from pallas_kernels import compat
 from pallas_kernels._quant_common import SCALE_SPREADS
 from pallas_kernels.fp8_matmul import fp8_matmul
-from pallas_kernels.moe_matmul import PLAIN_DTYPES, grouped_matmul, grouped_matmuls, resolve_config
+from pallas_kernels.moe_matmul import (
+    PLAIN_DTYPES,
+    STREAMED_VARIANTS,
+    grouped_matmul,
+    grouped_matmuls,
+    resolve_config,
+)
 from pallas_kernels.nvfp4_matmul import (
     E2M1_VALUES,
     KERNEL_ROWS_VARIANTS,
@@ -864,7 +870,34 @@ def take(w: Any, expert_ids: Array) -> Any:
 
 def dequantize(w: Any, dtype=jnp.bfloat16) -> Array:
     """The float value of a weight of any format."""
+    if isinstance(w, ExpertStackPair):
+        return dequantize(w.joined(), dtype)
     return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else jnp.asarray(w).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStackPair:
+    """Two expert stacks of one format and [N, K], first [E1, N, K] then second [E2, N, K], that
+    the grouped expert matmuls read as their concatenation [E1 + E2, N, K] (expert ids past E1
+    are the second's) without making it: the grouped kernel's programs read their expert from the
+    stack it is in. A slotted MoE layer passes its slots and the experts fetched for the step this
+    way, where it copied both into one stack of the routed experts before (~40 us a layer at one
+    token on an H100). Where the kernel does not run, or runs a formulation that takes one stack,
+    the stacks are concatenated (`joined`)."""
+
+    first: Any
+    second: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.first.shape[0] + self.second.shape[0], *self.first.shape[1:])
+
+    def joined(self) -> Any:
+        """The concatenated stack (every leaf of both formats stacks experts on its first axis)."""
+        return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), self.first, self.second)
+
+
+_register(ExpertStackPair, ("first", "second"))
 
 
 def expert_matmul(
@@ -919,7 +952,8 @@ def grouped_kernel_ready(*stacks: Any) -> bool:
     allows it ("auto": on a GPU; "interpret" / "kernel": always; "reference": never). Read at
     trace time, like `kernel_mode`."""
     use_kernel, _ = _expert_kernel_choice()
-    return use_kernel and all(_grouped_kernel_operands(w) is not None for w in stacks)
+    parts = [p for w in stacks for p in ((w.first, w.second) if isinstance(w, ExpertStackPair) else (w,))]
+    return use_kernel and all(_grouped_kernel_operands(w) is not None for w in parts)
 
 
 def grouped_tiles(
@@ -1051,6 +1085,8 @@ def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *
     """`grouped_expert_matmul` of the same rows through several stacks [E, N, K] (an expert's gate
     and up): one grouped-kernel launch (`grouped_matmuls`) when `fused_experts` is on, the kernel
     runs and the stacks share format, block size and shapes; else one call per stack."""
+    if any(isinstance(w, ExpertStackPair) for w in ws):
+        return _pair_matmuls(xs, ws, group_sizes, tokens=tokens)
     use_kernel, interpret = _expert_kernel_choice()
     operands = [_grouped_kernel_operands(w) for w in ws] if _modes["fused_experts"] == "on" and use_kernel else [None]
     if len(ws) < 2 or None in operands or len({(o[0], o[2], tuple(a.shape for a in o[1])) for o in operands}) > 1:
@@ -1060,6 +1096,34 @@ def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *
     tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
     leaves = tuple(o[1] for o in operands)
     return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles)
+
+
+def _pair_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
+    """`grouped_expert_matmuls` where stacks are `ExpertStackPair`s: the grouped kernel reads each
+    pair's two stacks in place (`grouped_matmuls(second=...)`; one launch for all of `ws` when
+    `fused_experts` is on) when it runs a formulation that takes two; otherwise the pairs are
+    concatenated and take the one-stack path."""
+    pairs = [w if isinstance(w, ExpertStackPair) else None for w in ws]
+    use_kernel, interpret = _expert_kernel_choice()
+    operands = []
+    if use_kernel and None not in pairs:
+        operands = [(_grouped_kernel_operands(p.first), _grouped_kernel_operands(p.second)) for p in pairs]
+    kinds = {(o[0], o[2], tuple(a.shape[1:] for a in o[1])) for pair in operands for o in pair if o is not None}
+    if not operands or any(o is None for pair in operands for o in pair) or len(kinds) != 1:
+        joined = tuple(w.joined() if isinstance(w, ExpertStackPair) else w for w in ws)
+        return grouped_expert_matmuls(xs, joined, group_sizes, tokens=tokens)
+    for w in ws:
+        _check_grouped_shapes(xs, w, group_sizes)
+    fmt, _, block_size = operands[0][0]
+    tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
+    if tiles["variant"] in STREAMED_VARIANTS:  # the streamed variant reads one stack
+        joined = tuple(w.joined() for w in ws)
+        return grouped_expert_matmuls(xs, joined, group_sizes, tokens=tokens)
+    options = {"fmt": fmt, "block_size": block_size, "interpret": interpret, **tiles}
+    if _modes["fused_experts"] == "on" and len({tuple(a.shape for a in pair[0][1]) for pair in operands}) == 1:
+        return grouped_matmuls(xs, tuple(f[1] for f, _ in operands), group_sizes,
+                               second=tuple(s[1] for _, s in operands), **options)  # fmt: skip
+    return [grouped_matmuls(xs, (f[1],), group_sizes, second=(s[1],), **options)[0] for f, s in operands]
 
 
 def _check_grouped_shapes(xs: Array, w: Any, group_sizes: Array) -> None:
@@ -1077,7 +1141,10 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
     Runs the grouped Pallas kernel, which reads only the routed experts' tiles (unpacking packed
     ones in registers), when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to
     xs's dtype and runs `jax.lax.ragged_dot` (the CPU path). `tokens` (static) is how many tokens
-    the M rows came from: it picks the kernel's tiles (`grouped_tiles`)."""
+    the M rows came from: it picks the kernel's tiles (`grouped_tiles`). `w` may be an
+    `ExpertStackPair`."""
+    if isinstance(w, ExpertStackPair):
+        return _pair_matmuls(xs, (w,), group_sizes, tokens=tokens)[0]
     _check_grouped_shapes(xs, w, group_sizes)
     use_kernel, interpret = _expert_kernel_choice()
     operands = _grouped_kernel_operands(w)

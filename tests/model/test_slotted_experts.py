@@ -1,7 +1,7 @@
 """Experts in device slots where the grouped kernel runs: a layer with some experts in slots and the
 rest copied from pinned host memory gives the all-resident layer's output bit for bit, and the
-kernel reads a stack of only the step's routed experts (never the whole layer's, never dequantized
-outside the kernel)."""
+kernel reads a stack of only the step's routed experts, or the slots and the fetched experts in
+place (`mlp.slot_reads`), never the whole layer's and never dequantized outside the kernel."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from infernix_jax.experts.offload import expert_rows
 from infernix_jax.model import mlp
 from infernix_jax.model.mlp import SlottedExperts, collect_expert_routing, moe
 from infernix_jax.model.params import MoEParams
-from infernix_jax.weights.quant import kernel_mode
+from infernix_jax.weights.quant import ExpertStackPair, kernel_mode
 from tests.experts.tiny_moe import NUM_EXPERTS, TOP_K, tiny_config, tiny_params
 
 PINNED = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
@@ -47,32 +47,37 @@ def run(p: MoEParams, x: jax.Array, cfg) -> np.ndarray:
         return np.asarray(jax.jit(lambda p, x: moe(p, x, cfg))(p, x))
 
 
+@pytest.mark.parametrize("reads", mlp.SLOT_READS)
 @pytest.mark.parametrize("tokens", [1, 3, 12])
-def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer, monkeypatch, tokens):
+def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer, monkeypatch, tokens, reads):
     cfg, p = layer
     x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, cfg.hidden_size)), jnp.float32)
     stacks_read = []
     grouped = mlp.grouped_expert_matmul
 
     def spy(xs, w, group_sizes, *, tokens):
-        stacks_read.append(w.shape[0])
+        stacks_read.append((isinstance(w, ExpertStackPair), w.shape[0]))
         return grouped(xs, w, group_sizes, tokens=tokens)
 
     def spy_pair(xs, ws, group_sizes, *, tokens):  # gate and up (one launch or two, by `fused_experts`)
-        stacks_read.extend(w.shape[0] for w in ws)
+        stacks_read.extend((isinstance(w, ExpertStackPair), w.shape[0]) for w in ws)
         return grouped_pair(xs, ws, group_sizes, tokens=tokens)
 
     grouped_pair = mlp.grouped_expert_matmuls
     monkeypatch.setattr(mlp, "grouped_expert_matmul", spy)
     monkeypatch.setattr(mlp, "grouped_expert_matmuls", spy_pair)
-    with kernel_mode("interpret"):
+    with kernel_mode("interpret"), mlp.slot_reads(reads):
         want = run(p, x, cfg)
         resident_stacks = list(stacks_read)
         stacks_read.clear()
         got = run(slotted(p, RESIDENT), x, cfg)
     np.testing.assert_array_equal(got, want)
-    assert resident_stacks == [NUM_EXPERTS] * 3
-    assert stacks_read == [min(tokens * TOP_K, NUM_EXPERTS)] * 3, "a stack of the routed experts only"
+    assert resident_stacks == [(False, NUM_EXPERTS)] * 3
+    routed = min(tokens * TOP_K, NUM_EXPERTS)
+    if reads == "copy":
+        assert stacks_read == [(False, routed)] * 3, "a stack of the routed experts only"
+    else:  # the slots, then a fetch buffer as long as the routed experts can be
+        assert stacks_read == [(True, len(RESIDENT) + routed)] * 3, "the slots and the fetched experts in place"
     with kernel_mode("reference"):  # the CPU's path: per-pair gathers, the same output to rounding
         np.testing.assert_allclose(run(slotted(p, RESIDENT), x, cfg), want, rtol=2e-5, atol=2e-5)
 

@@ -696,3 +696,74 @@ def test_several_stacks_refuse_different_shapes_and_lower_to_one_triton_call():
     fn = jax.jit(functools.partial(grouped_matmuls, fmt="nvfp4", variant="gemv", block_m=1, block_n=32))
     text = compat.lower_for_cuda(fn, *shapes)
     assert text.count("xla.gpu.triton") == 1
+
+
+def _joined(a: tuple, b: tuple) -> tuple:
+    return tuple(jnp.concatenate([u, v]) for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "fmt,block_size,options",
+    [
+        ("nvfp4", None, {"variant": "dot_w", "block_m": 16, "block_n": 32, "block_k": 128}),
+        ("nvfp4", None, {"variant": "dot_jw", "block_m": 16, "block_n": 32, "block_k": 128, "x_rows": "kernel"}),
+        ("nvfp4", None, {"variant": "dot_t", "block_m": 16, "block_n": 16, "split_k": 2}),
+        ("nvfp4", None, {"variant": "gemv", "block_m": 1, "block_n": 32}),
+        ("fp8", 16, {"variant": "dot", "block_m": 16, "block_n": 16, "block_k": 16}),  # block scales per stack
+        ("fp8", None, {"variant": "dot_t", "block_m": 16, "block_n": 16}),
+        ("plain", None, {"variant": "dot", "block_m": 16, "block_n": 16}),
+    ],
+)
+def test_two_stacks_read_in_place_equal_their_concatenation(fmt, block_size, options):
+    """`second`: experts past the first stack's are read from the second one, so the two serve as
+    their concatenation, bit for bit, for gate and up in one launch (a slotted layer's slots and
+    the experts fetched for the step)."""
+    rng = np.random.default_rng(7)
+    e1, e2, n, k = 5, 3, 40, 256
+
+    def stack(e):
+        if fmt == "nvfp4":
+            return _nvfp4_stack(rng, e, n, k)
+        if fmt == "fp8":
+            return _fp8_stack(rng, e, n, k, block_size)
+        return (jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32),)
+
+    firsts, seconds = (stack(e1), stack(e1)), (stack(e2), stack(e2))
+    gemv = options["variant"] == "gemv"
+    sizes = jnp.asarray([1, 0, 1, 0, 1, 1, 0, 1] if gemv else [2, 0, 1, 0, 3, 1, 0, 2], jnp.int32)
+    x = _x(rng, int(sizes.sum()) + 1, k)  # and a row past the groups
+    common = {"fmt": fmt, "block_size": block_size, "out_dtype": jnp.float32, "interpret": True, **options}
+    want = grouped_matmuls(x, tuple(_joined(a, b) for a, b in zip(firsts, seconds, strict=True)), sizes, **common)
+    got = grouped_matmuls(x, firsts, sizes, second=seconds, **common)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert np.abs(np.asarray(w)).max() > 0 and not np.asarray(w)[-1].any()
+
+
+def test_two_stacks_refuse_what_they_cannot_serve():
+    rng = np.random.default_rng(8)
+    a, b = _nvfp4_stack(rng, 4, 32, 128), _nvfp4_stack(rng, 2, 32, 128)
+    x, sizes = _x(rng, 4, 128), jnp.asarray([1, 1, 0, 0, 1, 1], jnp.int32)
+    options = {"fmt": "nvfp4", "variant": "dot_w", "block_m": 16, "interpret": True}
+    with pytest.raises(ValueError, match=r"group_sizes must be \[E1 \+ E2 = 6\]"):
+        grouped_matmuls(x, (a,), sizes[:5], second=(b,), **options)
+    with pytest.raises(ValueError, match="but for the expert count"):
+        grouped_matmuls(x, (a,), sizes, second=(_nvfp4_stack(rng, 2, 16, 128),), **options)
+    with pytest.raises(ValueError, match="second gives 2 stacks for 1 weights"):
+        grouped_matmuls(x, (a,), sizes, second=(b, b), **options)
+    with pytest.raises(ValueError, match="not for the streamed variant"):
+        grouped_matmuls(x, (a,), sizes, second=(b,), **{**options, "variant": "gemv_ws", "block_m": 1})
+
+
+def test_two_stacks_lower_for_cuda_as_one_call():
+    """The 80B-A3B's gate and up at one token from 100 slots and 10 fetched experts: one Triton call."""
+    fn = jax.jit(
+        functools.partial(grouped_matmuls, fmt="nvfp4", variant="dot_w", block_m=16, block_n=64, block_k=256)
+    )
+    first, second = _nvfp4_shapes(100, 512, 2048), _nvfp4_shapes(10, 512, 2048)
+    text = compat.lower_for_cuda(
+        jax.jit(lambda x, a, b, c, d, s: fn(x, (a, b), s, second=(c, d))),
+        jax.ShapeDtypeStruct((10, 2048), jnp.bfloat16), first, first, second, second,
+        jax.ShapeDtypeStruct((110,), jnp.int32),
+    )  # fmt: skip
+    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_dot_w" in text
