@@ -280,7 +280,6 @@ def _grouped_kernel(
     n_x: int,
     segments: int,
     first_experts: int | None,  # two sources: experts 0 .. first_experts - 1 are the first stack's
-
     fmt: str,
     variant: str,
     m_size: int,
@@ -706,7 +705,8 @@ def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, c
     if cfg.variant in STREAMED_VARIANTS:
         raise ValueError(f"second stacks are not for the streamed variant {cfg.variant!r}")
     e1, e2 = weights[0][0].shape[0], second[0][0].shape[0]
-    if {tuple(tuple(a.shape[1:]) for a in w) for w in (*weights, *second)} != {tuple(a.shape[1:] for a in weights[0])}:
+    leaf_shapes = {tuple(a.shape[1:] for a in w) for w in (*weights, *second)}  # each leaf past its expert axis
+    if len(leaf_shapes) != 1:
         raise ValueError("second stacks must match the first ones but for the expert count")
     if len({w[0].shape[0] for w in second}) != 1:
         raise ValueError("second stacks must have one expert count")

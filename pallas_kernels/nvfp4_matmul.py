@@ -67,8 +67,10 @@ Formulations (`variant`, see pallas_kernels/_quant_common.py and docs/pallas.md)
              reordered to the words' element order (`_quant_common.word_columns`).
   With x_rows="kernel" (KERNEL_ROWS_VARIANTS) x enters as given, in natural order: the kernel
   takes its rows' max |x| first, scales what it loads to float16 with `f16_rows`' factors (the
-  same bits) and undoes them before its store, and the word gemvs read element p of a run of
-  words as a stride-8 gather. XLA's reduce, convert and transpose launches before each call go.
+  same bits) and undoes them before its store; the word gemvs load each K step's x contiguously
+  and split it into the 8 element positions in registers. XLA's reduce, convert and transpose
+  launches before each call go; on an H100 the kernels' extra work cost more than those launches
+  (docs/pallas.md), so "xla" stays the default.
 The entry picks the formulation by M from `DEFAULT_CONFIGS` unless told.
 
 Grid: (M tiles, N tiles, split_k). split_k > 1 splits the K loop over programs (more programs
@@ -102,7 +104,7 @@ WORD_VARIANTS = (
     "gemv_h2w_ws", "gemv_h2wx_ws", "dot_jw",
 )  # fmt: skip
 # The word variants that can take x as given and make its float16 rows themselves
-# (MatmulConfig.x_rows="kernel", `_x_word_tile`); the others need XLA's `f16_rows` before the launch.
+# (MatmulConfig.x_rows="kernel", `_x_word_tiles`); the others need XLA's `f16_rows` before the launch.
 KERNEL_ROWS_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "dot_jw")
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).

@@ -42,6 +42,7 @@ from infernix_jax.weights.quant import (
     grouped_kernel_ready,
     matmul,
     matmuls,
+    pairs_read_in_place,
     take,
 )
 
@@ -761,7 +762,8 @@ def _slotted_outputs(
 
         return tuple(jax.tree.map(leaf, s, f) for s, f in zip(slots, fetched))
 
-    if _takes_grouped_kernel(slots) and _modes["slot_reads"] == "in_place":
+    in_place = _modes["slot_reads"] == "in_place" and pairs_read_in_place(slots, n, n * k, x.dtype)
+    if _takes_grouped_kernel(slots) and in_place:
         # The grouped kernel reads each routed expert where it is: the slots, then the fetched
         # set, numbered after them (`ExpertStackPair`). Each row still meets its own expert's
         # bytes with the all-resident model's tiles (the tiles depend on the row count, not on

@@ -1098,11 +1098,24 @@ def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *
     return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles)
 
 
+def pairs_read_in_place(stacks: tuple[Any, ...], tokens: int, rows: int, x_dtype: Any) -> bool:
+    """Whether `ExpertStackPair`s of these stacks' formats would be read in place by the grouped
+    kernel for `rows` pairs of `tokens` tokens (the kernel runs and its formulation takes two
+    stacks), rather than concatenated whole first: a slotted layer asks before it pairs its slots
+    with the fetched experts (the whole slot stack joined every step would cost far more than
+    the copy of the routed experts it replaces)."""
+    if not grouped_kernel_ready(*stacks):
+        return False
+    operands = [_grouped_kernel_operands(w) for w in stacks]
+    return all(grouped_tiles(o[0], tokens, rows, o[2], x_dtype)["variant"] not in STREAMED_VARIANTS for o in operands)
+
+
 def _pair_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
     """`grouped_expert_matmuls` where stacks are `ExpertStackPair`s: the grouped kernel reads each
     pair's two stacks in place (`grouped_matmuls(second=...)`; one launch for all of `ws` when
     `fused_experts` is on) when it runs a formulation that takes two; otherwise the pairs are
-    concatenated and take the one-stack path."""
+    concatenated and take the one-stack path (a copy of both stacks whole: callers check
+    `pairs_read_in_place` first)."""
     pairs = [w if isinstance(w, ExpertStackPair) else None for w in ws]
     use_kernel, interpret = _expert_kernel_choice()
     operands = []

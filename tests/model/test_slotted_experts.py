@@ -82,6 +82,18 @@ def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer,
         np.testing.assert_allclose(run(slotted(p, RESIDENT), x, cfg), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_slots_read_in_place_through_the_word_dot_equal_the_resident_layer(layer, tokens):
+    """bf16 rows take the grouped kernel's float16 word dot (dot_w), the decode formulation on a
+    GPU: reading the slots and the fetched experts in place gives the all-resident output."""
+    cfg, p = layer
+    x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, cfg.hidden_size)), jnp.bfloat16)
+    with kernel_mode("interpret"), mlp.slot_reads("in_place"):
+        want = run(p, x, cfg)
+        got = run(slotted(p, RESIDENT), x, cfg)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_prefetch_stream_takes_either_jax_versions_compute_on(monkeypatch):
     """jax 0.10's `compute_on` is a context manager; 0.11's a transform that also wants the
     results' memory spaces. `on_stream` runs the copy on the named stream with either, and the

@@ -378,3 +378,17 @@ def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
         assert quant.nvfp4_tiles(1, 17408, 5120)["block_k"] == 512
     with pytest.raises(ValueError, match="NVFP4 streamed gemv"), quant.nvfp4_streamed_gemv("gemv_w"):
         pass
+
+
+def test_pairs_are_read_in_place_only_where_the_kernel_takes_two_stacks():
+    """A slotted layer pairs its slots with the fetched experts only when the grouped kernel runs a
+    formulation that reads two stacks: the streamed gemv (`streamed_experts`) reads one, and the
+    pair would be joined whole every step."""
+    p = _block("nvfp4", seed=21)
+    stacks = (p.gate_proj, p.up_proj, p.down_proj)
+    with kernel_mode("interpret"):
+        assert quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
+        with quant.streamed_experts(True):
+            assert not quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
+    with kernel_mode("reference"):
+        assert not quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
