@@ -352,8 +352,9 @@ def _sweep_fn(fmt: str, cfg: qc.MatmulConfig | None, static: dict, interpret: bo
         one = _xla_fn(fmt, static)
     else:
         kernel, kwargs = (nvfp4_matmul if fmt == "nvfp4" else fp8_matmul), cfg.as_kwargs()
-        if fmt != "nvfp4":  # the scale spread is the NVFP4 word kernels'
+        if fmt != "nvfp4":  # the scale spread and the row place are the NVFP4 word kernels'
             kwargs.pop("scale_spread")
+            kwargs.pop("x_rows")
         one = functools.partial(kernel, **kwargs, **static, interpret=interpret)
     return jax.jit(lambda xs, ws: tuple(one(x, *w) for x, w in zip(xs, ws)))
 
