@@ -881,9 +881,9 @@ class ExpertStackPair:
     the grouped expert matmuls read as their concatenation [E1 + E2, N, K] (expert ids past E1
     are the second's) without making it: the grouped kernel's programs read their expert from the
     stack it is in. A slotted MoE layer passes its slots and the experts fetched for the step this
-    way, where it copied both into one stack of the routed experts before (~40 us a layer at one
-    token on an H100). Where the kernel does not run, or runs a formulation that takes one stack,
-    the stacks are concatenated (`joined`)."""
+    way (`mlp.slot_reads("in_place")`) instead of copying every routed expert into one stack (~40
+    us a layer at one token on an H100). Where the kernel does not run, or runs a formulation that
+    takes one stack, the stacks are concatenated (`joined`)."""
 
     first: Any
     second: Any
