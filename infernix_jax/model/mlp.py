@@ -60,7 +60,7 @@ COUNT_BY_COMPARING_MAX = 256
 TOP_K_BY_COMPARING_MAX = 64
 # How a slotted layer's grouped kernel reads the routed experts (`slot_reads`): "copy" them from
 # their slots and the fetched set into one stack of the routed experts first, or read them "in_place"
-# (`ExpertStackPair`: no copy).
+# (`ExpertStackPair`: the slots as they are).
 SLOT_READS = ("copy", "in_place")
 ROUTER_TOP_K_WAYS = ("compare", "sort")
 # read while tracing: "compare" (comparisons up to TOP_K_BY_COMPARING_MAX tokens) or "sort"
@@ -767,8 +767,8 @@ def _slotted_outputs(
         # The grouped kernel reads each routed expert where it is: the slots, then the fetched
         # set, numbered after them (`ExpertStackPair`). Each row still meets its own expert's
         # bytes with the all-resident model's tiles (the tiles depend on the row count, not on
-        # the numbering), so the output is the same bit for bit, and no copy of the routed
-        # experts is made.
+        # the numbering), so the output is the same bit for bit; the slot experts are not copied
+        # (the fetched ones are, once, cut out of their byte rows: docs/experts.md).
         s, f = se.gate_proj.shape[0], fetched[0].shape[0]  # slots, fetched experts
         place = jnp.where(resident, slot_of, s + fetch_pos)  # [E]: each expert's index in the pair
         pairs = [ExpertStackPair(a, b) for a, b in zip(slots, fetched, strict=True)]
