@@ -261,8 +261,7 @@ def row_max_abs(x_ref, r0, rows: int, rows_ok: jax.Array | None, k: int, width: 
         mask = None if k % width == 0 else ((c0 + jnp.arange(width)) < k)[None, :]
         if rows_ok is not None:
             mask = rows_ok[:, None] if mask is None else mask & rows_ok[:, None]
-            mask = jnp.broadcast_to(mask, (rows, width))
-        elif mask is not None:
+        if mask is not None:
             mask = jnp.broadcast_to(mask, (rows, width))
         tile = load(x_ref.at[compat.ds(r0, rows), compat.ds(c0, width)], mask)
         return jnp.maximum(running, jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1))
@@ -318,7 +317,7 @@ def accumulate_and_store(
     [bn, gemv_width] accumulator per activation row, summed over K once after the loop). gemv
     formulations may carry more values after the accumulators (`carry_extra`: their start).
     row_scale: float32 [rows] multiplying each row's sums before the store (a kernel that made its
-    own float16 rows undoes their factors; gemv: a tuple of scalars; not with "dot_t")."""
+    own float16 rows undoes their factors; gemv: a tuple of scalars)."""
     if is_gemv(variant):
         zeros = tuple(jnp.zeros((bn, gemv_width), jnp.float32) for _ in range(rows))
         acc = jax.lax.fori_loop(0, steps, step, (*zeros, *carry_extra))
@@ -333,8 +332,8 @@ def accumulate_and_store(
     transposed = variant.startswith("dot_t")  # "dot_t" and NVFP4's "dot_t_w": [N, M] tiles
     shape = (bn, rows) if transposed else (rows, bn)
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
-    if row_scale is not None:
-        acc = acc * row_scale[:, None]
+    if row_scale is not None:  # rows are acc's columns in the transposed tiles
+        acc = acc * (row_scale[None, :] if transposed else row_scale[:, None])
     if not transposed:
         view = out_ref.at[split, compat.ds(row0, rows), compat.ds(col0, bn)]
         mask = None if n_mask is None else jnp.broadcast_to(n_mask[None, :], shape)

@@ -1079,9 +1079,9 @@ def _word_call(
     tensor_factor = jnp.asarray(tensor_scale, jnp.float32).reshape(()) * qc.E2M1_F16_SCALE
     raw = cfg.x_rows == "kernel"  # the kernel makes its own float16 rows and undoes their factors
     if raw:
-        x16, row_scale = x, tensor_factor[None]
+        x_rows, row_scale = x, tensor_factor[None]
     else:
-        x16, inv = qc.f16_rows(x)
+        x_rows, inv = qc.f16_rows(x)
         row_scale = inv * tensor_factor
     params = qc.compiler_params(cfg)
     if cfg.variant == "tiled_w":
@@ -1098,7 +1098,7 @@ def _word_call(
             compiler_params=params,
             interpret=interpret,
             name="nvfp4_matmul_tiled_w",
-        )(qc.word_columns(x16), row_scale[:, None], words, scale_bits)
+        )(qc.word_columns(x_rows), row_scale[:, None], words, scale_bits)
     if qc.is_streamed(cfg.variant):
         return _streamed_call(x, [(packed, block_scale, tensor_scale)], cfg, block_m, out_dtype, interpret)[0]
     if qc.is_gemv(cfg.variant):  # all M rows in one program, unpadded
@@ -1119,7 +1119,7 @@ def _word_call(
         compiler_params=params,
         interpret=interpret,
         name=f"nvfp4_matmul_{cfg.variant}",
-    )(x16 if raw or cfg.variant == "dot_jw" else qc.word_columns(x16), words, scale_bits)  # natural order
+    )(x_rows if raw or cfg.variant == "dot_jw" else qc.word_columns(x_rows), words, scale_bits)  # natural order
     y = qc.split_sum(partial)
     y = y.T[:m] if transposed else y[:m]
     return (y * row_scale[:, None]).astype(out_dtype)

@@ -832,7 +832,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     use_kernel, interpret = _kernel_choice(rows, 2)
     if not use_kernel:
         return None
-    tiles = nvfp4_tiles(rows, x.shape[-1], sum(w.shape[0] for w in ws), x.dtype)
+    tiles = nvfp4_decode_tiles(rows, x.shape[-1], sum(w.shape[0] for w in ws), x.dtype)
     if tiles["variant"] not in STREAMED_WORD_VARIANTS:
         if rows == 1:
             tiles = {"variant": _streamed_gemv(wide_k=False), "block_n": 32, "block_k": 512, "num_warps": 8}
@@ -840,7 +840,7 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
             tiles = {"variant": "dot_ws", "block_m": 16, "block_n": tiles["block_n"], "block_k": 256, "num_warps": 4}
         else:
             return None
-    tiles = _with_word_rows({key: v for key, v in tiles.items() if key not in ("split_k", "x_rows")})
+    tiles = _with_word_rows({key: v for key, v in tiles.items() if key != "split_k"})
     return {**tiles, "interpret": interpret, "scale_spread": _modes["nvfp4_scale_spread"]}
 
 
@@ -952,8 +952,7 @@ def grouped_kernel_ready(*stacks: Any) -> bool:
     allows it ("auto": on a GPU; "interpret" / "kernel": always; "reference": never). Read at
     trace time, like `kernel_mode`."""
     use_kernel, _ = _expert_kernel_choice()
-    parts = [p for w in stacks for p in ((w.first, w.second) if isinstance(w, ExpertStackPair) else (w,))]
-    return use_kernel and all(_grouped_kernel_operands(w) is not None for w in parts)
+    return use_kernel and all(_grouped_kernel_operands(part) is not None for w in stacks for part in _stack_parts(w))
 
 
 def grouped_tiles(
@@ -1098,45 +1097,54 @@ def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *
     return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles)
 
 
+def _stack_parts(w: Any) -> tuple[Any, ...]:
+    return (w.first, w.second) if isinstance(w, ExpertStackPair) else (w,)
+
+
 def pairs_read_in_place(stacks: tuple[Any, ...], tokens: int, rows: int, x_dtype: Any) -> bool:
-    """Whether `ExpertStackPair`s of these stacks' formats would be read in place by the grouped
-    kernel for `rows` pairs of `tokens` tokens (the kernel runs and its formulation takes two
-    stacks), rather than concatenated whole first: a slotted layer asks before it pairs its slots
-    with the fetched experts (the whole slot stack joined every step would cost far more than
-    the copy of the routed experts it replaces)."""
+    """Whether `ExpertStackPair`s of these stacks' formats (or these pairs) would be read in place
+    by the grouped kernel for `rows` pairs of `tokens` tokens (the kernel runs, each pair's two
+    stacks share format and block size, and the formulation takes two stacks), rather than
+    concatenated whole first: a slotted layer asks before it pairs its slots with the fetched
+    experts (the whole slot stack joined every step would cost far more than the copy of the
+    routed experts it replaces)."""
     if not grouped_kernel_ready(*stacks):
         return False
-    operands = [_grouped_kernel_operands(w) for w in stacks]
-    return all(grouped_tiles(o[0], tokens, rows, o[2], x_dtype)["variant"] not in STREAMED_VARIANTS for o in operands)
+    for w in stacks:
+        kinds = {(o[0], o[2]) for o in (_grouped_kernel_operands(part) for part in _stack_parts(w))}
+        if len(kinds) != 1:
+            return False
+        ((fmt, block_size),) = kinds
+        if grouped_tiles(fmt, tokens, rows, block_size, x_dtype)["variant"] in STREAMED_VARIANTS:
+            return False
+    return True
 
 
 def _pair_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
     """`grouped_expert_matmuls` where stacks are `ExpertStackPair`s: the grouped kernel reads each
     pair's two stacks in place (`grouped_matmuls(second=...)`; one launch for all of `ws` when
-    `fused_experts` is on) when it runs a formulation that takes two; otherwise the pairs are
-    concatenated and take the one-stack path (a copy of both stacks whole: callers check
-    `pairs_read_in_place` first)."""
-    pairs = [w if isinstance(w, ExpertStackPair) else None for w in ws]
-    use_kernel, interpret = _expert_kernel_choice()
-    operands = []
-    if use_kernel and None not in pairs:
-        operands = [(_grouped_kernel_operands(p.first), _grouped_kernel_operands(p.second)) for p in pairs]
-    kinds = {(o[0], o[2], tuple(a.shape[1:] for a in o[1])) for pair in operands for o in pair if o is not None}
-    if not operands or any(o is None for pair in operands for o in pair) or len(kinds) != 1:
+    `fused_experts` is on and they share format and shapes) where `pairs_read_in_place`;
+    otherwise the pairs are concatenated and take the one-stack path (a copy of both stacks
+    whole: callers check `pairs_read_in_place` first)."""
+    rows = xs.shape[0]
+    if not all(isinstance(w, ExpertStackPair) for w in ws) or not pairs_read_in_place(ws, tokens, rows, xs.dtype):
         joined = tuple(w.joined() if isinstance(w, ExpertStackPair) else w for w in ws)
         return grouped_expert_matmuls(xs, joined, group_sizes, tokens=tokens)
     for w in ws:
         _check_grouped_shapes(xs, w, group_sizes)
-    fmt, _, block_size = operands[0][0]
-    tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
-    if tiles["variant"] in STREAMED_VARIANTS:  # the streamed variant reads one stack
-        joined = tuple(w.joined() for w in ws)
-        return grouped_expert_matmuls(xs, joined, group_sizes, tokens=tokens)
-    options = {"fmt": fmt, "block_size": block_size, "interpret": interpret, **tiles}
-    if _modes["fused_experts"] == "on" and len({tuple(a.shape for a in pair[0][1]) for pair in operands}) == 1:
-        return grouped_matmuls(xs, tuple(f[1] for f, _ in operands), group_sizes,
-                               second=tuple(s[1] for _, s in operands), **options)  # fmt: skip
-    return [grouped_matmuls(xs, (f[1],), group_sizes, second=(s[1],), **options)[0] for f, s in operands]
+    _, interpret = _expert_kernel_choice()
+    operands = [(_grouped_kernel_operands(w.first), _grouped_kernel_operands(w.second)) for w in ws]
+
+    def call(pairs):
+        fmt, _, block_size = pairs[0][0]
+        tiles = grouped_tiles(fmt, tokens, rows, block_size, xs.dtype)
+        return grouped_matmuls(xs, tuple(f[1] for f, _ in pairs), group_sizes, second=tuple(s[1] for _, s in pairs),
+                               fmt=fmt, block_size=block_size, interpret=interpret, **tiles)  # fmt: skip
+
+    shared = {(f[0], f[2], tuple(a.shape for a in f[1]), tuple(a.shape for a in s[1])) for f, s in operands}
+    if _modes["fused_experts"] == "on" and len(shared) == 1:
+        return call(operands)
+    return [call([pair])[0] for pair in operands]
 
 
 def _check_grouped_shapes(xs: Array, w: Any, group_sizes: Array) -> None:
