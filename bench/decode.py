@@ -48,7 +48,7 @@ from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.model.mlp import router_top_k
+from infernix_jax.model.mlp import MOE_ROUTING_WAYS, moe_routing, moe_routing_mode, router_top_k
 from infernix_jax.weights.quant import (
     GROUPED_ROWS,
     SCALE_SPREADS,
@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--router-top-k", default="compare",
                         help="compare, sort or compare,sort: the MoE router's top-k at decode by comparisons "
                              "or lax.top_k's sort (model.mlp.router_top_k), measured in turn")  # fmt: skip
+    parser.add_argument("--moe-routing", default=None,
+                        help=f"comma-separated ways of {', '.join(MOE_ROUTING_WAYS)}: a resident MoE layer's routing "
+                             "at decode in XLA's launches or one kernel's (model.mlp.moe_routing; default: "
+                             "INFERNIX_MOE_ROUTING), measured in turn")  # fmt: skip
     for v in NVFP4_VARIANT_SWITCHES:
         parser.add_argument(f"--{v.arg.replace('_', '-')}", default=None,
                             help=f"comma-separated values of {', '.join(v.choices)}: {v.what} (weights.quant.{v.key}; "
@@ -249,15 +253,16 @@ def main(argv: list[str] | None = None):
                 experts = args.fused_experts.split(",") if args.fused_experts else [None]
                 streamed = args.streamed_experts.split(",") if args.streamed_experts else [None]
                 gdn_ways = args.gdn_decode.split(",") if args.gdn_decode else [None]
+                routings = args.moe_routing.split(",") if args.moe_routing else [None]
                 variants = [getattr(args, flag).split(",") if getattr(args, flag) else [None]
                             for flag in (v.arg for v in NVFP4_VARIANT_SWITCHES)]  # fmt: skip
                 modes = [
-                    (m, f, x, g, st, lg, tk, vs) for m in args.fp8_decode.split(",")
+                    (m, f, x, g, st, lg, tk, rt, vs) for m in args.fp8_decode.split(",")
                     for f in args.fused_projections.split(",") for x in experts for g in gdn_ways for st in streamed
-                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",")
+                    for lg in args.loop_graphs.split(",") for tk in args.router_top_k.split(",") for rt in routings
                     for vs in itertools.product(*variants)
                 ]  # fmt: skip
-                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, picked in modes:
+                for mode, fused, fused_x, gdn, streamed_x, loops, top_k, routing, picked in modes:
                     if len(modes) > 1:  # engines of one shape share traced programs: trace again
                         jax.clear_caches()
                     experts_ctx = fused_experts(fused_x == "on") if fused_x else contextlib.nullcontext()
@@ -265,9 +270,10 @@ def main(argv: list[str] | None = None):
                         streamed_experts(streamed_x == "on") if streamed_x else contextlib.nullcontext()
                     )
                     gdn_ctx = recurrent_update_mode(gdn) if gdn else contextlib.nullcontext()
+                    routing_ctx = moe_routing(routing) if routing else contextlib.nullcontext()
                     with (
                         fp8_decode_mode(mode), fused_projections(fused), experts_ctx, gdn_ctx, streamed_ctx,
-                        router_top_k(top_k), contextlib.ExitStack() as variant_ctx,
+                        router_top_k(top_k), routing_ctx, contextlib.ExitStack() as variant_ctx,
                     ):  # read at trace  # fmt: skip
                         for v, value in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
                             if value:
@@ -289,11 +295,14 @@ def main(argv: list[str] | None = None):
                         record.name += " loop-graphs"
                     if top_k != "compare":
                         record.name += f" top-k-{top_k}"
+                    if routing == "kernel":
+                        record.name += " moe-routing-kernel"
                     for v, value in zip(NVFP4_VARIANT_SWITCHES, picked, strict=True):
                         if value and value != v.plain:
                             record.name += f" {v.tag}{value.replace('_', '-')}"
                         record.details[v.key] = value or current_modes()[v.key]
                     record.details["router_top_k"] = top_k
+                    record.details["moe_routing"] = routing or moe_routing_mode()
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):
                         record.details["xla_flags"] = os.environ["XLA_FLAGS"]

@@ -37,6 +37,7 @@ from infernix_jax.weights.quant import (
     ExpertStackPair,
     QuantizedWeight,
     dequantize,
+    expert_kernel_interprets,
     grouped_expert_matmul,
     grouped_expert_matmuls,
     grouped_kernel_ready,
@@ -63,11 +64,16 @@ TOP_K_BY_COMPARING_MAX = 64
 # (`ExpertStackPair`: the slots as they are).
 SLOT_READS = ("copy", "in_place")
 ROUTER_TOP_K_WAYS = ("compare", "sort")
+# How a resident MoE layer whose experts take the grouped kernel routes a decode step (`moe_routing`):
+# "kernel": the softmax, top-k, the pairs' order and the rows in that order in one launch
+# (pallas_kernels/moe_routing.py, up to its MAX_TOKENS tokens); "xla": XLA's ~8 small launches.
+MOE_ROUTING_WAYS = ("xla", "kernel")
 # read while tracing: "compare" (comparisons up to TOP_K_BY_COMPARING_MAX tokens) or "sort"
 # (lax.top_k at every size); INFERNIX_ROUTER_TOP_K, or a `router_top_k` block
 _modes = {
     "router_top_k": env_mode("INFERNIX_ROUTER_TOP_K", "compare", ROUTER_TOP_K_WAYS),
     "slot_reads": env_mode("INFERNIX_SLOT_READS", "copy", SLOT_READS),
+    "moe_routing": env_mode("INFERNIX_MOE_ROUTING", "xla", MOE_ROUTING_WAYS),
 }
 
 
@@ -90,6 +96,19 @@ def slot_reads(way: str) -> contextlib.AbstractContextManager[None]:
     return switched(_modes, "slot_reads", way, SLOT_READS, "slot reads")
 
 
+def moe_routing_mode() -> str:
+    """The way resident MoE layers route decode steps in programs traced now (MOE_ROUTING_WAYS)."""
+    return _modes["moe_routing"]
+
+
+def moe_routing(way: str) -> contextlib.AbstractContextManager[None]:
+    """How resident MoE layers on the grouped kernel route a decode step in programs traced inside
+    this block: "kernel" (one launch, pallas_kernels/moe_routing.py; compiled or interpreted as the
+    grouped kernel is, `quant.kernel_mode`) or "xla"; the same routing either way (MOE_ROUTING_WAYS;
+    default: INFERNIX_MOE_ROUTING, "xla" until a GPU measures "kernel": docs/gpu_runs.md row 6w)."""
+    return switched(_modes, "moe_routing", way, MOE_ROUTING_WAYS, "MoE routing")
+
+
 def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
     gate, up = matmuls(x, (p.gate_proj, p.up_proj))  # one launch where the weights allow it
     return matmul(jax.nn.silu(gate) * up, p.down_proj)
@@ -97,12 +116,16 @@ def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
 
 def route(router: jax.Array, x: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """Softmax router in fp32 -> (weights [N, k] in x's dtype, expert ids [N, k])."""
-    logits = matmul(x, router).astype(jnp.float32)
+    logits = _router_logits(router, x)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = _top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights.astype(x.dtype), ids
+
+
+def _router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
+    return matmul(x, router).astype(jnp.float32)
 
 
 def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -188,16 +211,51 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
     """Sort the (token, expert) pairs by expert and run one grouped matmul per projection
     (`grouped_expert_matmul`: the grouped kernel where it runs, else dequantize + ragged_dot)
     -> per-pair outputs [N, k, D]."""
-    n, k = ids.shape
+    k = ids.shape[1]
     order, group_sizes, rank = _sort_pairs(ids, num_experts)
     xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
+    return _grouped_outputs(p, xs, ids, order, group_sizes, rank)
 
-    def project(rows: jax.Array, w: Any) -> jax.Array:
-        return grouped_expert_matmul(rows, w, group_sizes, tokens=n)
 
+def _grouped_outputs(
+    p: MoEParams, xs: jax.Array, ids: jax.Array, order: jax.Array, group_sizes: jax.Array, rank: jax.Array | None
+) -> jax.Array:
+    """The grouped matmuls over the pairs' rows sorted by expert, xs [N*k, D] -> per-pair outputs
+    [N, k, D] in (token, slot) order."""
+    n = ids.shape[0]
     gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n)  # one launch if on
     h = jax.nn.silu(gate) * up  # [N*k, I]
-    return _unsort_pairs(project(h, p.down_proj), order, ids, rank)
+    down = grouped_expert_matmul(h, p.down_proj, group_sizes, tokens=n)
+    return _unsort_pairs(down, order, ids, rank)
+
+
+def _routes_in_kernel(p: MoEParams, tokens: int, cfg: ModelConfig) -> tuple[bool, bool]:
+    """(route this decode step in one kernel launch, through the interpreter): under
+    `moe_routing("kernel")`, for a resident layer whose experts take the grouped kernel (compiled
+    or interpreted as that kernel is), within the routing kernel's sizes."""
+    from pallas_kernels import moe_routing as routing_kernel  # the model imports Pallas only when asked
+
+    if _modes["moe_routing"] != "kernel" or isinstance(p.gate_proj, SlottedExperts):
+        return False, False
+    if not routing_kernel.supports(tokens, cfg.num_experts, cfg.num_experts_per_tok):
+        return False, False
+    if not _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj)):
+        return False, False
+    return True, expert_kernel_interprets()
+
+
+def _experts_routed_in_kernel(
+    p: MoEParams, xf: jax.Array, cfg: ModelConfig, valid: jax.Array | None, interpret: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The resident grouped path with the routing in one launch: (weights [N, k], per-pair outputs
+    [N, k, D]), the same as `route` + `_experts_resident`."""
+    from pallas_kernels import moe_routing as routing_kernel
+
+    weights, ids, order, rank, group_sizes, xs = routing_kernel.moe_routing(
+        _router_logits(p.router, xf), xf, valid, top_k=cfg.num_experts_per_tok,
+        renormalize=cfg.norm_topk_prob, interpret=interpret,
+    )  # fmt: skip
+    return weights, _grouped_outputs(p, xs, ids, order, group_sizes, rank)
 
 
 def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
@@ -223,9 +281,14 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     beyond device memory) of their own; their outputs are meaningless, as they are anyway."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
+    valid = None if valid is None else valid.reshape(-1)
+    in_kernel, interpret = _routes_in_kernel(p, xf.shape[0], cfg)
+    if in_kernel:
+        _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
+        weights, per_pair = _experts_routed_in_kernel(p, xf, cfg, valid, interpret)
+        return _combine(p, xf, weights, per_pair).reshape(shape)
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if valid is not None:
-        valid = valid.reshape(-1)
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
     slotted = isinstance(p.gate_proj, SlottedExperts)
     prefetched = _take_prefetched(p.gate_proj) if slotted else None
@@ -235,11 +298,16 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     else:
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
         per_pair = _experts_resident(p, xf, ids, cfg.num_experts)
+    return _combine(p, xf, weights, per_pair).reshape(shape)
+
+
+def _combine(p: MoEParams, xf: jax.Array, weights: jax.Array, per_pair: jax.Array) -> jax.Array:
+    """The routed experts' weighted sum plus the gated shared expert: [N, D]."""
     out = jnp.einsum("nk,nkd->nd", weights, per_pair)
     if p.shared is not None:
         gate = jax.nn.sigmoid(matmul(xf, p.shared_gate))
         out = out + gate * mlp(p.shared, xf)
-    return out.reshape(shape)
+    return out
 
 
 # ---- experts in device slots ----------------------------------------------------------------------

@@ -134,6 +134,12 @@ def _expert_kernel_choice() -> tuple[bool, bool]:
     return compat.kernel_choice(_mode)
 
 
+def expert_kernel_interprets() -> bool:
+    """Whether the grouped expert kernel runs through the Pallas interpreter in programs traced now
+    (`kernel_mode("interpret")`): kernels beside it (the MoE routing) run as it does."""
+    return _expert_kernel_choice()[1]
+
+
 def leaf_nbytes(a: Any) -> int:
     """Bytes of one array (or `jax.ShapeDtypeStruct`) from its shape and dtype."""
     return int(math.prod(a.shape)) * np.dtype(a.dtype).itemsize

@@ -1,0 +1,201 @@
+"""A decode step's MoE routing in one launch: softmax, top-k, the pairs' expert order and the
+tokens' rows in that order, a Pallas GPU (Triton) kernel.
+
+Between a MoE layer's router matmul and its grouped expert matmul, XLA runs the softmax, the top-k
+(by comparisons, `model.mlp._top_k`), the renormalisation, the padding tokens' fix, the count of
+pairs per expert, the pairs' order and the gather of the tokens' rows in that order as about eight
+small launches (the 80B-A3B census, docs/pallas.md: ~7-8 of a layer's ~40). Each moves a few
+hundred bytes; on a GPU their cost is the launch and the gap after it, in device time and in the
+host's graph work. Here one launch does all of it from the router's float32 logits.
+
+For N tokens over E experts, top k, P = N * k (token, expert) pairs:
+
+    probs    = softmax(logits)                         [N, E] float32
+    ids      = the k largest probs' experts (ties: the lower expert first, as lax.top_k)
+    weights  = their probs, / their sum if `renormalize`, in x's dtype
+    ids[t]   = ids[first valid token] where valid[t] is False (padding makes no reads of its own)
+    rank[p]  = pairs before pair p = t * k + j: a smaller expert, or the same expert earlier
+    order    = rank's inverse (the stable argsort of the pairs' experts)
+    sizes[e] = pairs routed to expert e
+    xs[r]    = x[order[r] // k]                        [P, D]: the rows the grouped matmul reads
+
+Every program recomputes the routing (a few thousand elements) and copies its own block of D
+columns of xs; program 0 writes the rest. The arithmetic is the plain-JAX reference's, so in the
+interpreter the two agree bit for bit; compiled, Triton's exp and its reduction order may move
+the weights by an ulp (and so a near-tie between two experts' probs), like any two XLA builds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import compat
+
+MAX_TOKENS = 16  # the kernel's [P, P] pair comparison and [E, P] counts stay in registers up to here
+MAX_EXPERTS = 1024
+DEFAULT_BLOCK_D = 256  # xs columns per program
+DEFAULT_NUM_WARPS = 4
+
+
+def reference_moe_routing(
+    logits: jax.Array, x: jax.Array, valid: jax.Array | None, *, top_k: int, renormalize: bool
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The routing in plain JAX: (weights [N, k] in x's dtype, ids [N, k] i32, order [P] i32,
+    rank [P] i32, sizes [E] i32, xs [P, D]). logits [N, E] float32, x [N, D], valid [N] bool or None."""
+    e = logits.shape[1]
+    probs = jax.nn.softmax(logits, axis=-1)
+    idx = jnp.arange(e, dtype=jnp.int32)
+    a, b = probs[:, :, None], probs[:, None, :]
+    before = (b > a) | ((b == a) & (idx[None, None, :] < idx[None, :, None]))  # [n, i, j]: j before i
+    place = jnp.sum(before, axis=2, dtype=jnp.int32)
+    hit = place[:, None, :] == jnp.arange(top_k, dtype=jnp.int32)[None, :, None]  # [n, k, e]
+    ids = jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=2)
+    weights = jnp.sum(jnp.where(hit, probs[:, None, :], 0), axis=2)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if valid is not None:
+        ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
+    flat = ids.reshape(-1)
+    pos = jnp.arange(flat.size, dtype=jnp.int32)
+    earlier = (flat[None, :] < flat[:, None]) | ((flat[None, :] == flat[:, None]) & (pos[None, :] < pos[:, None]))
+    rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
+    order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1)
+    sizes = jnp.sum(flat[None, :] == idx[:, None], axis=1, dtype=jnp.int32)
+    xs = jnp.take(x, order // top_k, axis=0)
+    return weights.astype(x.dtype), ids, order, rank, sizes, xs
+
+
+def _routing_kernel(
+    valid_ref, logits_ref, x_ref,
+    weights_ref, ids_ref, order_ref, rank_ref, sizes_ref, xs_ref,
+    *, n: int, e: int, k: int, d: int, renormalize: bool, block_d: int,
+):  # fmt: skip
+    n_pad, e_pad, k_pad = compat.pow2_at_least(n), compat.pow2_at_least(e), compat.pow2_at_least(k)
+    pairs = n * k
+    p_pad = compat.pow2_at_least(pairs)
+    rows = jnp.arange(n_pad, dtype=jnp.int32)
+    cols = jnp.arange(e_pad, dtype=jnp.int32)
+    slots = jnp.arange(k_pad, dtype=jnp.int32)
+    row_ok, col_ok = rows < n, cols < e
+
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    logits = compat.load(logits_ref.at[compat.ds(0, n_pad), compat.ds(0, e_pad)], mask=tile_ok, other=0.0)
+    logits = jnp.where(col_ok[None, :], logits, -jnp.inf)
+    unnormalized = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+    probs = unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
+
+    # top-k: the largest remaining prob, the lowest expert among equals, k times
+    remaining = jnp.where(col_ok[None, :], probs, -1.0)
+    ids = jnp.zeros((n_pad, k_pad), jnp.int32)
+    weights = jnp.zeros((n_pad, k_pad), jnp.float32)
+    for j in range(k):
+        best = jnp.max(remaining, axis=1, keepdims=True)
+        pick = jnp.min(jnp.where(remaining == best, cols[None, :], e_pad), axis=1, keepdims=True)
+        ids = jnp.where(slots[None, :] == j, pick, ids)
+        weights = jnp.where(slots[None, :] == j, best, weights)
+        remaining = jnp.where(cols[None, :] == pick, -1.0, remaining)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+
+    valid = compat.load(valid_ref.at[compat.ds(0, n_pad)], mask=row_ok, other=0) != 0
+    first = jnp.min(jnp.where(valid, rows, n_pad))
+    first = jnp.where(first == n_pad, 0, first)  # no valid token: argmax's 0
+    fallback = jnp.sum(jnp.where(rows[:, None] == first, ids, 0), axis=0)  # [k_pad]
+    ids = jnp.where(valid[:, None], ids, fallback[None, :])
+
+    # the pairs in (token, slot) order, p = t * k + j: their experts picked out of the [n, k] tile
+    pos = jnp.arange(p_pad, dtype=jnp.int32)
+    pair_ok = pos < pairs
+    cell = (pos // k) * k_pad + pos % k  # pair p's place in the flattened tile
+    flat = jnp.reshape(ids, (n_pad * k_pad,))
+    cells = jnp.arange(n_pad * k_pad, dtype=jnp.int32)
+    expert = jnp.sum(jnp.where(cell[:, None] == cells[None, :], flat[None, :], 0), axis=1)
+    expert = jnp.where(pair_ok, expert, e_pad)  # padding pairs sort last
+    earlier = (expert[None, :] < expert[:, None]) | ((expert[None, :] == expert[:, None]) & (pos[None, :] < pos[:, None]))
+    rank = jnp.sum(earlier.astype(jnp.int32), axis=1)
+    order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1)
+
+    # xs: this program's columns of the tokens' rows in pair order
+    c0 = compat.program_id(0) * block_d
+    dcols = c0 + jnp.arange(block_d, dtype=jnp.int32)
+    token = order // k
+    xs = jnp.zeros((p_pad, block_d), x_ref.dtype)
+    for t in range(n):
+        row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(c0, block_d)], mask=(dcols < d)[None, :], other=0)
+        xs = jnp.where((token == t)[:, None], row, xs)
+    compat.store(xs_ref.at[compat.ds(0, p_pad), compat.ds(c0, block_d)], xs, mask=pair_ok[:, None] & (dcols < d)[None, :])
+
+    @compat.when(compat.program_id(0) == 0)
+    def _():
+        out_ok = row_ok[:, None] & (slots < k)[None, :]
+        compat.store(weights_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], weights.astype(weights_ref.dtype), mask=out_ok)
+        compat.store(ids_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], ids, mask=out_ok)
+        compat.store(order_ref.at[compat.ds(0, p_pad)], order, mask=pair_ok)
+        compat.store(rank_ref.at[compat.ds(0, p_pad)], rank, mask=pair_ok)
+        sizes = jnp.sum((expert[None, :] == cols[:, None]).astype(jnp.int32), axis=1)
+        compat.store(sizes_ref.at[compat.ds(0, e_pad)], sizes, mask=col_ok)
+
+
+def supports(tokens: int, experts: int, top_k: int) -> bool:
+    """Whether the kernel takes a step of `tokens` tokens over `experts` experts, top `top_k`."""
+    return 1 <= tokens <= MAX_TOKENS and 1 <= top_k <= experts <= MAX_EXPERTS
+
+
+def validate_moe_routing(logits: jax.Array, x: jax.Array, valid: jax.Array | None, top_k: int) -> None:
+    if logits.ndim != 2 or x.ndim != 2 or logits.shape[0] != x.shape[0]:
+        raise ValueError(f"logits [N, E] and x [N, D] must share N; got {logits.shape} and {x.shape}")
+    if logits.dtype != jnp.float32:
+        raise ValueError(f"logits must be float32; got {logits.dtype}")
+    if valid is not None and valid.shape != (x.shape[0],):
+        raise ValueError(f"valid must be [N] = [{x.shape[0]}]; got {valid.shape}")
+    n, e = logits.shape
+    if not supports(n, e, top_k):
+        raise ValueError(
+            f"the routing kernel takes 1-{MAX_TOKENS} tokens and top_k <= E <= {MAX_EXPERTS}; "
+            f"got {n} tokens, E = {e}, top_k = {top_k}"
+        )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("top_k", "renormalize", "block_d", "num_warps", "interpret")
+)
+def moe_routing(
+    logits: jax.Array,
+    x: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    top_k: int,
+    renormalize: bool,
+    block_d: int = DEFAULT_BLOCK_D,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`reference_moe_routing` in one launch (see the module docstring); the same outputs."""
+    validate_moe_routing(logits, x, valid, top_k)
+    n, e = logits.shape
+    d = x.shape[1]
+    block_d = min(block_d, compat.pow2_at_least(d))
+    valid = jnp.ones((n,), jnp.int32) if valid is None else valid.astype(jnp.int32)
+    kernel = functools.partial(
+        _routing_kernel, n=n, e=e, k=top_k, d=d, renormalize=renormalize, block_d=block_d
+    )
+    pairs = n * top_k
+    i32 = jnp.int32
+    return compat.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((n, top_k), x.dtype),
+            jax.ShapeDtypeStruct((n, top_k), i32),
+            jax.ShapeDtypeStruct((pairs,), i32),
+            jax.ShapeDtypeStruct((pairs,), i32),
+            jax.ShapeDtypeStruct((e,), i32),
+            jax.ShapeDtypeStruct((pairs, d), x.dtype),
+        ),
+        grid=(compat.cdiv(d, block_d),),
+        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="moe_routing",
+    )(valid, logits, x)
