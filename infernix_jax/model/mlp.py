@@ -37,13 +37,14 @@ from infernix_jax.weights.quant import (
     ExpertStackPair,
     QuantizedWeight,
     dequantize,
-    expert_kernel_interprets,
     grouped_expert_matmul,
     grouped_expert_matmuls,
     grouped_kernel_ready,
+    grouped_routing,
     matmul,
     matmuls,
     pairs_read_in_place,
+    routing_kernel_takes,
     take,
 )
 
@@ -229,35 +230,6 @@ def _grouped_outputs(
     return _unsort_pairs(down, order, ids, rank)
 
 
-def _routes_in_kernel(p: MoEParams, tokens: int, cfg: ModelConfig) -> tuple[bool, bool]:
-    """(route this decode step in one kernel launch, through the interpreter): under
-    `moe_routing("kernel")`, for a resident layer whose experts take the grouped kernel (compiled
-    or interpreted as that kernel is), within the routing kernel's sizes."""
-    from pallas_kernels import moe_routing as routing_kernel  # the model imports Pallas only when asked
-
-    if _modes["moe_routing"] != "kernel" or isinstance(p.gate_proj, SlottedExperts):
-        return False, False
-    if not routing_kernel.supports(tokens, cfg.num_experts, cfg.num_experts_per_tok):
-        return False, False
-    if not _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj)):
-        return False, False
-    return True, expert_kernel_interprets()
-
-
-def _experts_routed_in_kernel(
-    p: MoEParams, xf: jax.Array, cfg: ModelConfig, valid: jax.Array | None, interpret: bool
-) -> tuple[jax.Array, jax.Array]:
-    """The resident grouped path with the routing in one launch: (weights [N, k], per-pair outputs
-    [N, k, D]), the same as `route` + `_experts_resident`."""
-    from pallas_kernels import moe_routing as routing_kernel
-
-    weights, ids, order, rank, group_sizes, xs = routing_kernel.moe_routing(
-        _router_logits(p.router, xf), xf, valid, top_k=cfg.num_experts_per_tok,
-        renormalize=cfg.norm_topk_prob, interpret=interpret,
-    )  # fmt: skip
-    return weights, _grouped_outputs(p, xs, ids, order, group_sizes, rank)
-
-
 def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
     """Whether quantized expert stacks (gate, up, down) go through the grouped kernel at every token
     count (the slotted and all-resident paths decide alike, so they give the same output)."""
@@ -273,6 +245,27 @@ def _experts_resident(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: i
     return _experts_grouped(p, x, ids, num_experts)
 
 
+def _routes_in_kernel(p: MoEParams, tokens: int, cfg: ModelConfig) -> bool:
+    """Whether this decode step routes in one kernel launch: under `moe_routing("kernel")`, for a
+    resident layer whose experts take the grouped kernel, within the routing kernel's sizes."""
+    if _modes["moe_routing"] != "kernel" or isinstance(p.gate_proj, SlottedExperts):
+        return False
+    if not routing_kernel_takes(tokens, cfg.num_experts, cfg.num_experts_per_tok):
+        return False
+    return _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj))
+
+
+def _experts_routed_in_kernel(
+    p: MoEParams, xf: jax.Array, cfg: ModelConfig, valid: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """The resident grouped path with the routing in one launch: (weights [N, k], per-pair outputs
+    [N, k, D]), the same as `route` + `_experts_resident`."""
+    weights, ids, order, rank, group_sizes, xs = grouped_routing(
+        _router_logits(p.router, xf), xf, valid, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob
+    )
+    return weights, _grouped_outputs(p, xs, ids, order, group_sizes, rank)
+
+
 def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None) -> jax.Array:
     """x [..., D] -> [..., D]: sum_k w_k E_k(x) + sigmoid(shared_gate(x)) * shared(x).
 
@@ -282,10 +275,9 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     valid = None if valid is None else valid.reshape(-1)
-    in_kernel, interpret = _routes_in_kernel(p, xf.shape[0], cfg)
-    if in_kernel:
+    if _routes_in_kernel(p, xf.shape[0], cfg):
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
-        weights, per_pair = _experts_routed_in_kernel(p, xf, cfg, valid, interpret)
+        weights, per_pair = _experts_routed_in_kernel(p, xf, cfg, valid)
         return _combine(p, xf, weights, per_pair).reshape(shape)
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if valid is not None:

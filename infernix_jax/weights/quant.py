@@ -56,6 +56,7 @@ import numpy as np
 
 from infernix_jax.switches import env_mode, switched
 from pallas_kernels import compat
+from pallas_kernels import moe_routing as routing_kernel
 from pallas_kernels._quant_common import SCALE_SPREADS
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import (
@@ -132,12 +133,6 @@ def _expert_kernel_choice() -> tuple[bool, bool]:
     so the kernel serves prefill too. "kernel" / "interpret": any token count; "reference": never.
     (The token count only picks the tiles: `grouped_tiles`.)"""
     return compat.kernel_choice(_mode)
-
-
-def expert_kernel_interprets() -> bool:
-    """Whether the grouped expert kernel runs through the Pallas interpreter in programs traced now
-    (`kernel_mode("interpret")`): kernels beside it (the MoE routing) run as it does."""
-    return _expert_kernel_choice()[1]
 
 
 def leaf_nbytes(a: Any) -> int:
@@ -959,6 +954,24 @@ def grouped_kernel_ready(*stacks: Any) -> bool:
     trace time, like `kernel_mode`."""
     use_kernel, _ = _expert_kernel_choice()
     return use_kernel and all(_grouped_kernel_operands(part) is not None for w in stacks for part in _stack_parts(w))
+
+
+def routing_kernel_takes(tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether `grouped_routing` takes a step of `tokens` tokens (the routing kernel's sizes) in the
+    kernel mode of programs traced now (the grouped kernel's: "auto" on a GPU, "interpret" /
+    "kernel" always, "reference" never)."""
+    return _expert_kernel_choice()[0] and routing_kernel.supports(tokens, num_experts, top_k)
+
+
+def grouped_routing(
+    logits: jax.Array, x: jax.Array, valid: jax.Array | None, *, top_k: int, renormalize: bool
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A decode step's MoE routing for the grouped kernel in one launch (pallas_kernels/moe_routing.py,
+    compiled or interpreted as the grouped kernel is): logits [N, E] float32, x [N, D], valid [N] or
+    None -> (weights [N, k] in x's dtype, ids [N, k], order [N*k], rank [N*k], group sizes [E], the
+    rows x[order // k] [N*k, D]). Only where `routing_kernel_takes`."""
+    _, interpret = _expert_kernel_choice()
+    return routing_kernel.moe_routing(logits, x, valid, top_k=top_k, renormalize=renormalize, interpret=interpret)
 
 
 def grouped_tiles(
