@@ -1,0 +1,105 @@
+"""The MoE routing kernel compiled against its plain-JAX reference: the same routing, and the time
+of a call of each.
+
+    python -m bench.moe_routing                  # GPU: the 80B-A3B router (512 experts, top 10, D 2048)
+    python -m bench.moe_routing --quick          # tiny sizes, the kernel interpreted (any machine)
+
+For each token count, with and without padding tokens: whether the compiled kernel's experts,
+order, rank, counts and rows equal the reference's (XLA's own routing, the model's "xla" way), how
+far its weights are, and the device time of one call of each, from `--calls` calls chained inside
+one program (each call's logits depend on the last call's outputs, so none is skipped), best of 5.
+Figure: the kernel's microseconds a call; "ceiling": the reference's (the launches it replaces),
+so fraction = kernel / reference (below 1: the kernel is faster). Records go to
+bench/results/moe-routing-<machine>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.record import machine_name, machine_slug, make_record, write_records
+from pallas_kernels.moe_routing import moe_routing, reference_moe_routing
+
+OUTPUTS = ("weights", "ids", "order", "rank", "sizes", "xs")
+
+
+def _chained(fn, calls: int):
+    """A program running fn `calls` times, each call's logits nudged by the last call's outputs."""
+
+    def run(logits, x, valid):
+        def body(_, lg):
+            weights, ids, order, rank, sizes, xs = fn(logits=lg, x=x, valid=valid)
+            tie = weights.astype(jnp.float32).sum() + xs[0, 0].astype(jnp.float32) + (order[0] + rank[0] + ids[0, 0] + sizes[0])
+            return lg + 1e-30 * tie
+
+        return jax.lax.fori_loop(0, calls, body, logits)
+
+    return jax.jit(run)
+
+
+def _seconds(fn, *args, repeats: int = 5) -> float:
+    fn(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(tokens: int, experts: int, top_k: int, hidden: int, padded: bool, calls: int, interpret: bool) -> dict:
+    k1, k2 = jax.random.split(jax.random.PRNGKey(tokens))
+    logits = jax.random.normal(k1, (tokens, experts), jnp.float32) * 2
+    x = jax.random.normal(k2, (tokens, hidden), jnp.bfloat16)
+    valid = (jnp.arange(tokens) % 3 != 1) if padded else None
+    kernel = functools.partial(moe_routing, top_k=top_k, renormalize=True, interpret=interpret)
+    reference = functools.partial(reference_moe_routing, top_k=top_k, renormalize=True)
+    want = jax.jit(lambda lg, x, v: reference(lg, x, v))(logits, x, valid)
+    got = jax.jit(lambda lg, x, v: kernel(lg, x, v))(logits, x, valid)
+    out = {"tokens": tokens, "padding_tokens": padded}
+    for name, a, b in zip(OUTPUTS, want, got, strict=True):
+        a, b = np.asarray(a, np.float32 if name in ("weights", "xs") else a.dtype), np.asarray(b, np.float32 if name in ("weights", "xs") else b.dtype)
+        out[f"{name}_equal"] = bool(np.array_equal(a, b))
+    out["weights_max_abs_diff"] = float(np.max(np.abs(np.asarray(want[0], np.float32) - np.asarray(got[0], np.float32))))
+    out["kernel_us"] = _seconds(_chained(kernel, calls), logits, x, valid) / calls * 1e6
+    out["reference_us"] = _seconds(_chained(reference, calls), logits, x, valid) / calls * 1e6
+    return out
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,4,8,16")
+    parser.add_argument("--experts", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--calls", type=int, default=200, help="calls chained in one timed program")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, the kernel interpreted (any machine)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.experts, args.top_k, args.hidden, args.calls = "1,3", 32, 4, 64, 2
+    machine = machine_name()
+    records = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for padded in (False, True):
+            m = measure(tokens, args.experts, args.top_k, args.hidden, padded, args.calls, interpret=args.quick)
+            name = f"moe routing kernel E{args.experts} top{args.top_k} D{args.hidden} tokens{tokens}" + (
+                " padding" if padded else ""
+            )
+            records.append(make_record(name, m["kernel_us"], "us/call", m["reference_us"], "us/call (XLA routing)",
+                                       machine=machine, details=m))  # fmt: skip
+            equal = all(m[f"{o}_equal"] for o in OUTPUTS[1:])
+            print(f"{name}: kernel {m['kernel_us']:.2f} us, XLA {m['reference_us']:.2f} us; routing equal: {equal}, "
+                  f"weights within {m['weights_max_abs_diff']:.2g}", flush=True)  # fmt: skip
+            write_records(records, args.out or f"moe-routing-{machine_slug(machine)}.json")
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""bench.moe_routing runs on the CPU (the kernel interpreted) and records that the kernel routes
+as XLA does, with the reference's time as the record's ceiling."""
+
+from bench.moe_routing import main
+
+
+def test_quick_run_records_equal_routing_against_xlas_time(tmp_path):
+    records = main(["--quick", "--out", str(tmp_path / "r.json")])
+    assert len(records) == 4 and (tmp_path / "r.json").exists()
+    for r in records:
+        assert r.unit == "us/call" and r.figure > 0 and r.ceiling > 0
+        assert all(r.details[f"{o}_equal"] for o in ("weights", "ids", "order", "rank", "sizes", "xs"))
