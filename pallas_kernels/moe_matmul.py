@@ -672,6 +672,7 @@ def grouped_matmuls(
     programs: int | None = None,
     x_rows: str | None = None,
     second: tuple[tuple[jax.Array, ...], ...] | None = None,
+    x_words: tuple[jax.Array, jax.Array] | None = None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -685,7 +686,12 @@ def grouped_matmuls(
     first's (group_sizes [E1 + E2]): each program reads its expert from the stack it is in, so two
     stacks serve as their concatenation without one being made (a slotted layer's slots and the
     experts fetched for the step). Not for the streamed variants. The result equals that of the
-    concatenated stacks bit for bit."""
+    concatenated stacks bit for bit.
+
+    x_words: x as the word variants but dot_jw take it, made before (the MoE routing kernel makes
+    it with the rows): (float16 [M, K] in word-column order, inverse row factors [M] float32), the
+    bits `f16_rows` + `word_columns` would make of x; then no XLA op runs before the launch. Other
+    formulations ignore it and read x."""
     if not weights:
         raise ValueError("grouped_matmuls needs at least one weight")
     shapes = {tuple(tuple(a.shape) for a in w) for w in weights}
@@ -697,7 +703,7 @@ def grouped_matmuls(
                    split_k=split_k, num_warps=num_warps, num_stages=num_stages, programs=programs,
                    x_rows=x_rows)  # fmt: skip
     return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret,
-                         None if second is None else tuple(second))  # fmt: skip
+                         None if second is None else tuple(second), x_words)  # fmt: skip
 
 
 def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, cfg) -> int:
@@ -718,7 +724,9 @@ def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, c
     return e1
 
 
-def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None) -> list[jax.Array]:
+def _grouped_call(
+    x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None, x_words=None
+) -> list[jax.Array]:
     """The pallas_call of `grouped_matmul` / `grouped_matmuls`: the activation's preparation once,
     each stack's operands, one launch, one [M, N] result per stack."""
     block_size = options.pop("block_size")
@@ -744,6 +752,13 @@ def _grouped_call(x, weights, group_sizes, fmt, options, out_dtype, interpret, s
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
+    elif word and x_words is not None and cfg.variant != "dot_jw":  # made before: nothing to do here
+        if x_words[0].shape != x.shape or x_words[0].dtype != jnp.float16 or x_words[1].shape != (m,):
+            raise ValueError(
+                f"x_words must be float16 {x.shape} rows and [{m}] factors; got {x_words[0].dtype} "
+                f"{x_words[0].shape} and {x_words[1].shape}"
+            )
+        x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
     elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw)
         x16, row_factor = qc.f16_rows(x)
         x_inputs = (x16 if cfg.variant == "dot_jw" else qc.word_columns(x16), row_factor[:, None])

@@ -32,6 +32,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 
 MAX_TOKENS = 16  # the kernel's [P, P] pair comparison and [E, P] counts stay in registers up to here
@@ -41,10 +42,12 @@ DEFAULT_NUM_WARPS = 4
 
 
 def reference_moe_routing(
-    logits: jax.Array, x: jax.Array, valid: jax.Array | None, *, top_k: int, renormalize: bool
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    logits: jax.Array, x: jax.Array, valid: jax.Array | None, *, top_k: int, renormalize: bool, word_rows: bool = False
+) -> tuple[jax.Array, ...]:
     """The routing in plain JAX: (weights [N, k] in x's dtype, ids [N, k] i32, order [P] i32,
-    rank [P] i32, sizes [E] i32, xs [P, D]). logits [N, E] float32, x [N, D], valid [N] bool or None."""
+    rank [P] i32, sizes [E] i32, xs [P, D]), and with `word_rows` also xs as the grouped word
+    kernels take it: (float16 [P, D] in word-column order, inverse row factors [P] float32), what
+    `f16_rows` + `word_columns` make of xs. logits [N, E] float32, x [N, D], valid [N] bool or None."""
     e = logits.shape[1]
     probs = jax.nn.softmax(logits, axis=-1)
     idx = jnp.arange(e, dtype=jnp.int32)
@@ -65,13 +68,17 @@ def reference_moe_routing(
     order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1)
     sizes = jnp.sum(flat[None, :] == idx[:, None], axis=1, dtype=jnp.int32)
     xs = jnp.take(x, order // top_k, axis=0)
-    return weights.astype(x.dtype), ids, order, rank, sizes, xs
+    routed = (weights.astype(x.dtype), ids, order, rank, sizes, xs)
+    if not word_rows:
+        return routed
+    x16, inverse = qc.f16_rows(xs)
+    return (*routed, qc.word_columns(x16), inverse)
 
 
 def _routing_kernel(
     valid_ref, logits_ref, x_ref,
-    weights_ref, ids_ref, order_ref, rank_ref, sizes_ref, xs_ref,
-    *, n: int, e: int, k: int, d: int, renormalize: bool, block_d: int,
+    weights_ref, ids_ref, order_ref, rank_ref, sizes_ref, xs_ref, *word_refs,
+    n: int, e: int, k: int, d: int, renormalize: bool, block_d: int,
 ):  # fmt: skip
     n_pad, e_pad, k_pad = compat.pow2_at_least(n), compat.pow2_at_least(e), compat.pow2_at_least(k)
     pairs = n * k
@@ -118,15 +125,19 @@ def _routing_kernel(
     rank = jnp.sum(earlier.astype(jnp.int32), axis=1)
     order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1)
 
-    # xs: this program's columns of the tokens' rows in pair order
-    c0 = compat.program_id(0) * block_d
-    dcols = c0 + jnp.arange(block_d, dtype=jnp.int32)
     token = order // k
-    xs = jnp.zeros((p_pad, block_d), x_ref.dtype)
-    for t in range(n):
-        row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(c0, block_d)], mask=(dcols < d)[None, :], other=0)
-        xs = jnp.where((token == t)[:, None], row, xs)
-    compat.store(xs_ref.at[compat.ds(0, p_pad), compat.ds(c0, block_d)], xs, mask=pair_ok[:, None] & (dcols < d)[None, :])
+    if word_refs:
+        _word_rows(x_ref, xs_ref, *word_refs, token=token, pair_ok=pair_ok, n=n, n_pad=n_pad, p_pad=p_pad,
+                   block_w=block_d // 8, d=d, first=compat.program_id(0) == 0)  # fmt: skip
+    else:  # xs: this program's columns of the tokens' rows in pair order
+        c0 = compat.program_id(0) * block_d
+        dcols = c0 + jnp.arange(block_d, dtype=jnp.int32)
+        xs = jnp.zeros((p_pad, block_d), x_ref.dtype)
+        for t in range(n):
+            row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(c0, block_d)], mask=(dcols < d)[None, :], other=0)
+            xs = jnp.where((token == t)[:, None], row, xs)
+        xs_ok = pair_ok[:, None] & (dcols < d)[None, :]
+        compat.store(xs_ref.at[compat.ds(0, p_pad), compat.ds(c0, block_d)], xs, mask=xs_ok)
 
     @compat.when(compat.program_id(0) == 0)
     def _():
@@ -139,12 +150,48 @@ def _routing_kernel(
         compat.store(sizes_ref.at[compat.ds(0, e_pad)], sizes, mask=col_ok)
 
 
+def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, pair_ok, n, n_pad, p_pad, block_w, d, first):
+    """The rows in pair order as given and as the grouped word kernels take them (`f16_rows`'
+    float16 rows in `word_columns`' order), for this program's block_w words: x_ref [N, D/8, 8],
+    xs_ref [P, D/8, 8], words_ref [P, 8, D/8] (the free reshapes of [P, D] in natural and word
+    order), inverse_ref [P]. Each row's factor needs its max |x| over all of D (a few KB)."""
+    rows = jnp.arange(n_pad, dtype=jnp.int32)
+    row_ok = (rows < n)[:, None, None]
+
+    def row_max(i, running):
+        tile = compat.load(x_ref.at[compat.ds(0, n_pad), compat.ds(i * block_w, block_w), compat.ds(0, 8)],
+                           mask=row_ok, other=0)  # fmt: skip
+        return jnp.maximum(running, jnp.max(jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=2), axis=1))
+
+    max_abs = jax.lax.fori_loop(0, d // 8 // block_w, row_max, jnp.zeros((n_pad,), jnp.float32))
+    factor, inverse = qc.f16_row_factors(max_abs)
+    w0 = compat.program_id(0) * block_w
+    xs = jnp.zeros((p_pad, block_w, 8), x_ref.dtype)
+    words = jnp.zeros((p_pad, 8, block_w), jnp.float16)
+    for t in range(n):
+        row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(w0, block_w), compat.ds(0, 8)])  # [1, block_w, 8]
+        scaled = (row.astype(jnp.float32) * jnp.sum(jnp.where(rows == t, factor, 0.0))).astype(jnp.float16)
+        mine = (token == t)[:, None, None]
+        xs = jnp.where(mine, row, xs)
+        words = jnp.where(mine, jnp.swapaxes(scaled, 1, 2), words)
+    ok = pair_ok[:, None, None]
+    compat.store(xs_ref.at[compat.ds(0, p_pad), compat.ds(w0, block_w), compat.ds(0, 8)], xs, mask=ok)
+    compat.store(words_ref.at[compat.ds(0, p_pad), compat.ds(0, 8), compat.ds(w0, block_w)], words, mask=ok)
+
+    @compat.when(first)
+    def _():
+        pair_inverse = jnp.sum(jnp.where(token[:, None] == rows[None, :], inverse[None, :], 0.0), axis=1)
+        compat.store(inverse_ref.at[compat.ds(0, p_pad)], pair_inverse, mask=pair_ok)
+
+
 def supports(tokens: int, experts: int, top_k: int) -> bool:
     """Whether the kernel takes a step of `tokens` tokens over `experts` experts, top `top_k`."""
     return 1 <= tokens <= MAX_TOKENS and 1 <= top_k <= experts <= MAX_EXPERTS
 
 
-def validate_moe_routing(logits: jax.Array, x: jax.Array, valid: jax.Array | None, top_k: int) -> None:
+def validate_moe_routing(
+    logits: jax.Array, x: jax.Array, valid: jax.Array | None, top_k: int, word_rows: bool = False
+) -> None:
     if logits.ndim != 2 or x.ndim != 2 or logits.shape[0] != x.shape[0]:
         raise ValueError(f"logits [N, E] and x [N, D] must share N; got {logits.shape} and {x.shape}")
     if logits.dtype != jnp.float32:
@@ -152,6 +199,8 @@ def validate_moe_routing(logits: jax.Array, x: jax.Array, valid: jax.Array | Non
     if valid is not None and valid.shape != (x.shape[0],):
         raise ValueError(f"valid must be [N] = [{x.shape[0]}]; got {valid.shape}")
     n, e = logits.shape
+    if word_rows and x.shape[1] % 8:
+        raise ValueError(f"word rows need D divisible by 8; got D = {x.shape[1]}")
     if not supports(n, e, top_k):
         raise ValueError(
             f"the routing kernel takes 1-{MAX_TOKENS} tokens and top_k <= E <= {MAX_EXPERTS}; "
@@ -160,7 +209,7 @@ def validate_moe_routing(logits: jax.Array, x: jax.Array, valid: jax.Array | Non
 
 
 @functools.partial(
-    jax.jit, static_argnames=("top_k", "renormalize", "block_d", "num_warps", "interpret")
+    jax.jit, static_argnames=("top_k", "renormalize", "word_rows", "block_d", "num_warps", "interpret")
 )
 def moe_routing(
     logits: jax.Array,
@@ -169,33 +218,46 @@ def moe_routing(
     *,
     top_k: int,
     renormalize: bool,
+    word_rows: bool = False,
     block_d: int = DEFAULT_BLOCK_D,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """`reference_moe_routing` in one launch (see the module docstring); the same outputs."""
-    validate_moe_routing(logits, x, valid, top_k)
+    validate_moe_routing(logits, x, valid, top_k, word_rows)
     n, e = logits.shape
     d = x.shape[1]
-    block_d = min(block_d, compat.pow2_at_least(d))
+    if word_rows:  # a program's block: block_w whole words, the largest power of two dividing D / 8
+        words = d // 8
+        block_d = 8 * min(block_d // 8, words & -words)
+    else:
+        block_d = min(block_d, compat.pow2_at_least(d))
     valid = jnp.ones((n,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     kernel = functools.partial(
         _routing_kernel, n=n, e=e, k=top_k, d=d, renormalize=renormalize, block_d=block_d
     )
     pairs = n * top_k
     i32 = jnp.int32
-    return compat.pallas_call(
+    out_shape = [
+        jax.ShapeDtypeStruct((n, top_k), x.dtype),
+        jax.ShapeDtypeStruct((n, top_k), i32),
+        jax.ShapeDtypeStruct((pairs,), i32),
+        jax.ShapeDtypeStruct((pairs,), i32),
+        jax.ShapeDtypeStruct((e,), i32),
+        jax.ShapeDtypeStruct((pairs, d // 8, 8) if word_rows else (pairs, d), x.dtype),
+    ]
+    if word_rows:
+        out_shape += [jax.ShapeDtypeStruct((pairs, 8, d // 8), jnp.float16), jax.ShapeDtypeStruct((pairs,), jnp.float32)]
+        x = x.reshape(n, d // 8, 8)
+    out = compat.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((n, top_k), x.dtype),
-            jax.ShapeDtypeStruct((n, top_k), i32),
-            jax.ShapeDtypeStruct((pairs,), i32),
-            jax.ShapeDtypeStruct((pairs,), i32),
-            jax.ShapeDtypeStruct((e,), i32),
-            jax.ShapeDtypeStruct((pairs, d), x.dtype),
-        ),
+        out_shape=tuple(out_shape),
         grid=(compat.cdiv(d, block_d),),
         compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="moe_routing",
     )(valid, logits, x)
+    if not word_rows:
+        return out
+    weights, ids, order, rank, sizes, xs, words, inverse = out
+    return weights, ids, order, rank, sizes, xs.reshape(pairs, d), words.reshape(pairs, d), inverse

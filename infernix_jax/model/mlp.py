@@ -219,12 +219,18 @@ def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: in
 
 
 def _grouped_outputs(
-    p: MoEParams, xs: jax.Array, ids: jax.Array, order: jax.Array, group_sizes: jax.Array, rank: jax.Array | None
+    p: MoEParams,
+    xs: jax.Array,
+    ids: jax.Array,
+    order: jax.Array,
+    group_sizes: jax.Array,
+    rank: jax.Array | None,
+    x_words: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
-    """The grouped matmuls over the pairs' rows sorted by expert, xs [N*k, D] -> per-pair outputs
-    [N, k, D] in (token, slot) order."""
+    """The grouped matmuls over the pairs' rows sorted by expert, xs [N*k, D] (and, made before, as
+    the word kernels take them: `x_words`) -> per-pair outputs [N, k, D] in (token, slot) order."""
     n = ids.shape[0]
-    gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n)  # one launch if on
+    gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n, x_words=x_words)
     h = jax.nn.silu(gate) * up  # [N*k, I]
     down = grouped_expert_matmul(h, p.down_proj, group_sizes, tokens=n)
     return _unsort_pairs(down, order, ids, rank)
@@ -260,10 +266,11 @@ def _experts_routed_in_kernel(
 ) -> tuple[jax.Array, jax.Array]:
     """The resident grouped path with the routing in one launch: (weights [N, k], per-pair outputs
     [N, k, D]), the same as `route` + `_experts_resident`."""
-    weights, ids, order, rank, group_sizes, xs = grouped_routing(
-        _router_logits(p.router, xf), xf, valid, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob
-    )
-    return weights, _grouped_outputs(p, xs, ids, order, group_sizes, rank)
+    weights, ids, order, rank, group_sizes, xs, x_words = grouped_routing(
+        _router_logits(p.router, xf), xf, valid, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+        stacks=(p.gate_proj, p.up_proj),
+    )  # fmt: skip
+    return weights, _grouped_outputs(p, xs, ids, order, group_sizes, rank, x_words)
 
 
 def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None) -> jax.Array:

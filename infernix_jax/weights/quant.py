@@ -964,14 +964,38 @@ def routing_kernel_takes(tokens: int, num_experts: int, top_k: int) -> bool:
 
 
 def grouped_routing(
-    logits: jax.Array, x: jax.Array, valid: jax.Array | None, *, top_k: int, renormalize: bool
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    logits: jax.Array,
+    x: jax.Array,
+    valid: jax.Array | None,
+    *,
+    top_k: int,
+    renormalize: bool,
+    stacks: tuple[Any, ...] = (),
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """A decode step's MoE routing for the grouped kernel in one launch (pallas_kernels/moe_routing.py,
     compiled or interpreted as the grouped kernel is): logits [N, E] float32, x [N, D], valid [N] or
     None -> (weights [N, k] in x's dtype, ids [N, k], order [N*k], rank [N*k], group sizes [E], the
-    rows x[order // k] [N*k, D]). Only where `routing_kernel_takes`."""
+    rows x[order // k] [N*k, D], x_words). x_words: where `stacks` (the stacks those rows go
+    through, an expert's gate and up) take the grouped word kernel with rows made outside it, the
+    rows as it takes them (`grouped_matmuls(x_words=...)`: no XLA op before that launch); else
+    None. Only where `routing_kernel_takes`."""
     _, interpret = _expert_kernel_choice()
-    return routing_kernel.moe_routing(logits, x, valid, top_k=top_k, renormalize=renormalize, interpret=interpret)
+    tokens = x.shape[0]
+    word_rows = bool(stacks) and all(_takes_word_rows(w, tokens, tokens * top_k, x) for w in stacks)
+    out = routing_kernel.moe_routing(
+        logits, x, valid, top_k=top_k, renormalize=renormalize, word_rows=word_rows, interpret=interpret
+    )
+    return (*out[:6], tuple(out[6:]) if word_rows else None)
+
+
+def _takes_word_rows(w: Any, tokens: int, rows: int, x: jax.Array) -> bool:
+    """Whether the grouped kernel reads x [tokens, K] for `rows` pairs through stack w with the
+    float16 word rows made outside it (NVFP4, a word variant but dot_jw, XLA's rows)."""
+    operands = _grouped_kernel_operands(w)
+    if operands is None or operands[0] != "nvfp4" or x.shape[1] % 8:
+        return False
+    tiles = grouped_tiles("nvfp4", tokens, rows, operands[2], x.dtype)
+    return tiles["variant"] in ("dot_w", "dot_t_w") and tiles.get("x_rows") != "kernel"
 
 
 def grouped_tiles(
@@ -1099,21 +1123,25 @@ def fused_experts(enabled: bool) -> Iterator[None]:
         yield
 
 
-def grouped_expert_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
+def grouped_expert_matmuls(
+    xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int, x_words: tuple[Array, Array] | None = None
+) -> list[Array]:
     """`grouped_expert_matmul` of the same rows through several stacks [E, N, K] (an expert's gate
     and up): one grouped-kernel launch (`grouped_matmuls`) when `fused_experts` is on, the kernel
-    runs and the stacks share format, block size and shapes; else one call per stack."""
+    runs and the stacks share format, block size and shapes; else one call per stack. x_words:
+    xs already as the word kernels take it (`grouped_routing`), or None."""
     if any(isinstance(w, ExpertStackPair) for w in ws):
         return _pair_matmuls(xs, ws, group_sizes, tokens=tokens)
     use_kernel, interpret = _expert_kernel_choice()
     operands = [_grouped_kernel_operands(w) for w in ws] if _modes["fused_experts"] == "on" and use_kernel else [None]
     if len(ws) < 2 or None in operands or len({(o[0], o[2], tuple(a.shape for a in o[1])) for o in operands}) > 1:
-        return [grouped_expert_matmul(xs, w, group_sizes, tokens=tokens) for w in ws]
+        return [grouped_expert_matmul(xs, w, group_sizes, tokens=tokens, x_words=x_words) for w in ws]
     _check_grouped_shapes(xs, ws[0], group_sizes)
     fmt, _, block_size = operands[0]
     tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
     leaves = tuple(o[1] for o in operands)
-    return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles)
+    return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, x_words=x_words,
+                           interpret=interpret, **tiles)  # fmt: skip
 
 
 def _stack_parts(w: Any) -> tuple[Any, ...]:
@@ -1174,7 +1202,9 @@ def _check_grouped_shapes(xs: Array, w: Any, group_sizes: Array) -> None:
         raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
 
 
-def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int) -> Array:
+def grouped_expert_matmul(
+    xs: Array, w: Any, group_sizes: Array, *, tokens: int, x_words: tuple[Array, Array] | None = None
+) -> Array:
     """Rows xs [M, K] sorted by expert (group e = the next group_sizes[e] rows) times the stacked
     expert weights w [E, N, K] -> [M, N] in xs's dtype; rows past sum(group_sizes) are zero.
 
@@ -1182,7 +1212,7 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
     ones in registers), when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to
     xs's dtype and runs `jax.lax.ragged_dot` (the CPU path). `tokens` (static) is how many tokens
     the M rows came from: it picks the kernel's tiles (`grouped_tiles`). `w` may be an
-    `ExpertStackPair`."""
+    `ExpertStackPair`. x_words: xs as the word kernels take it (`grouped_routing`), or None."""
     if isinstance(w, ExpertStackPair):
         return _pair_matmuls(xs, (w,), group_sizes, tokens=tokens)[0]
     _check_grouped_shapes(xs, w, group_sizes)
@@ -1192,7 +1222,7 @@ def grouped_expert_matmul(xs: Array, w: Any, group_sizes: Array, *, tokens: int)
         fmt, leaves, block_size = operands
         tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
         return grouped_matmul(
-            xs, leaves, group_sizes, fmt=fmt, block_size=block_size, interpret=interpret, **tiles
+            xs, leaves, group_sizes, fmt=fmt, block_size=block_size, x_words=x_words, interpret=interpret, **tiles
         )
     w_t = jnp.swapaxes(dequantize(w, xs.dtype), 1, 2)  # [E, K, N]
     return jax.lax.ragged_dot(xs, w_t, group_sizes.astype(jnp.int32))

@@ -76,3 +76,26 @@ def test_layers_off_the_grouped_kernel_keep_xlas_routing(layer, kernel_calls):
 def test_unknown_way_is_refused():
     with pytest.raises(ValueError, match="MoE routing"), mlp.moe_routing("heap"):
         pass
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_bf16_rows_reach_the_word_dot_made_by_the_routing_kernel(layer, kernel_calls, monkeypatch, tokens):
+    """bf16 rows take the grouped word dot (dot_w), whose float16 rows the routing kernel makes as
+    well: the gate / up launch gets them (no XLA op before it), and the layer's output is XLA's
+    routing's bit for bit."""
+    cfg, p = layer
+    seen = []
+    real = mlp.grouped_expert_matmuls
+
+    def spy(xs, ws, group_sizes, *, tokens, x_words=None):
+        seen.append(x_words is not None)
+        return real(xs, ws, group_sizes, tokens=tokens, x_words=x_words)
+
+    monkeypatch.setattr(mlp, "grouped_expert_matmuls", spy)
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)) * 40, jnp.bfloat16)
+    valid = jnp.arange(tokens) != 1
+    want = run(p, x, cfg, valid, "xla")
+    got = run(p, x, cfg, valid, "kernel")
+    np.testing.assert_array_equal(got, want)
+    assert kernel_calls == [tokens] and seen == [False, True]

@@ -59,9 +59,9 @@ def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer,
         stacks_read.append((isinstance(w, ExpertStackPair), w.shape[0]))
         return grouped(xs, w, group_sizes, tokens=tokens)
 
-    def spy_pair(xs, ws, group_sizes, *, tokens):  # gate and up (one launch or two, by `fused_experts`)
+    def spy_pair(xs, ws, group_sizes, *, tokens, **rows):  # gate and up (one launch or two, by `fused_experts`)
         stacks_read.extend((isinstance(w, ExpertStackPair), w.shape[0]) for w in ws)
-        return grouped_pair(xs, ws, group_sizes, tokens=tokens)
+        return grouped_pair(xs, ws, group_sizes, tokens=tokens, **rows)
 
     grouped_pair = mlp.grouped_expert_matmuls
     monkeypatch.setattr(mlp, "grouped_expert_matmul", spy)

@@ -102,3 +102,28 @@ def test_lowers_to_one_triton_call_for_cuda(n):
     )
     text = compat.lower_for_cuda(fn, *shapes)
     assert text.count("xla.gpu.triton") == 1 and "moe_routing" in text
+
+
+@pytest.mark.parametrize("n,d,valid", [(1, 2048, None), (3, 40, [1, 0, 1]), (8, 96, [0, 1, 1, 1, 1, 1, 1, 0])])
+def test_word_rows_are_f16_rows_of_the_sorted_rows_in_word_order(n, d, valid):
+    """With word_rows the kernel also gives the sorted rows as the grouped word kernels take them:
+    `f16_rows` + `word_columns` of xs, bit for bit (rows of very different sizes)."""
+    logits, x = _inputs(n, n, 64, d)
+    x = (x.astype(jnp.float32) * (10.0 ** jnp.arange(n))[:, None]).astype(jnp.bfloat16)
+    valid = None if valid is None else jnp.asarray(valid, bool)
+    want = reference_moe_routing(logits, x, valid, top_k=6, renormalize=True, word_rows=True)
+    got = moe_routing(logits, x, valid, top_k=6, renormalize=True, word_rows=True, interpret=True)
+    assert len(got) == 8 and got[6].dtype == jnp.float16 and got[6].shape == (n * 6, d)
+    for name, a, b in zip((*NAMES, "words", "inverse"), want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
+def test_word_rows_need_whole_words():
+    with pytest.raises(ValueError, match="divisible by 8"):
+        moe_routing(jnp.zeros((1, 8)), jnp.zeros((1, 12)), top_k=2, renormalize=True, word_rows=True, interpret=True)
+
+
+def test_word_rows_lower_to_one_triton_call_for_cuda():
+    fn = jax.jit(functools.partial(moe_routing, top_k=10, renormalize=True, word_rows=True))
+    shapes = (jax.ShapeDtypeStruct((8, 512), jnp.float32), jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), None)
+    assert compat.lower_for_cuda(fn, *shapes).count("xla.gpu.triton") == 1
