@@ -19,8 +19,12 @@ For N tokens over E experts, top k, P = N * k (token, expert) pairs:
     sizes[e] = pairs routed to expert e
     xs[r]    = x[order[r] // k]                        [P, D]: the rows the grouped matmul reads
 
+With `word_rows` it also gives xs as the grouped word kernels (dot_w) take it: each row scaled to
+float16 by `f16_rows`' power of two, its columns in `word_columns`' order, and the inverse factors
+[P]; the grouped kernel then needs no XLA op before its launch (`grouped_matmuls(x_words=...)`).
+
 Every program recomputes the routing (a few thousand elements) and copies its own block of D
-columns of xs; program 0 writes the rest. The arithmetic is the plain-JAX reference's, so in the
+columns of xs (with `word_rows`: of whole 8-column words); program 0 writes the rest. The arithmetic is the plain-JAX reference's, so in the
 interpreter the two agree bit for bit; compiled, Triton's exp and its reduction order may move
 the weights by an ulp (and so a near-tie between two experts' probs), like any two XLA builds.
 """
