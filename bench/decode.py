@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--profile", action="store_true",
                         help="also trace two device-only dispatches: busy share and top kernels in the record")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.moe_routing and not set(args.moe_routing.split(",")) <= set(MOE_ROUTING_WAYS):
+        parser.error(f"--moe-routing takes {', '.join(MOE_ROUTING_WAYS)}; got {args.moe_routing!r}")
     if args.quick:
         args.shapes, args.contexts, args.batches, args.dispatches = "tiny", "256", "1,4", 2
     machine, commit = machine_name(), git_commit()

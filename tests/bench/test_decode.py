@@ -83,6 +83,11 @@ def test_quick_decode_rejects_an_unknown_weight_format():
         main(["--quick", "--weights", "int3"])
 
 
+def test_decode_rejects_an_unknown_moe_routing_before_building_a_model():
+    with pytest.raises(SystemExit):
+        main(["--quick", "--moe-routing", "xla,heap"])
+
+
 def test_prefill_flops_count_quantized_weights_by_their_logical_shape(tiny_nvfp4):
     from bench.engine_setup import active_params_per_token
 
