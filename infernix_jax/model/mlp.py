@@ -67,7 +67,8 @@ SLOT_READS = ("copy", "in_place")
 ROUTER_TOP_K_WAYS = ("compare", "sort")
 # How a resident MoE layer whose experts take the grouped kernel routes a decode step (`moe_routing`):
 # "kernel": the softmax, top-k, the pairs' order and the rows in that order in one launch
-# (pallas_kernels/moe_routing.py, up to its MAX_TOKENS tokens); "xla": XLA's ~8 small launches.
+# (pallas_kernels/moe_routing.py, up to its MAX_TOKENS tokens; slower than what it replaces so
+# far: docs/pallas.md); "xla": XLA's ~8 small launches.
 MOE_ROUTING_WAYS = ("xla", "kernel")
 # read while tracing: "compare" (comparisons up to TOP_K_BY_COMPARING_MAX tokens) or "sort"
 # (lax.top_k at every size); INFERNIX_ROUTER_TOP_K, or a `router_top_k` block
@@ -106,7 +107,8 @@ def moe_routing(way: str) -> contextlib.AbstractContextManager[None]:
     """How resident MoE layers on the grouped kernel route a decode step in programs traced inside
     this block: "kernel" (one launch, pallas_kernels/moe_routing.py; compiled or interpreted as the
     grouped kernel is, `quant.kernel_mode`) or "xla"; the same routing either way (MOE_ROUTING_WAYS;
-    default: INFERNIX_MOE_ROUTING, "xla" until a GPU measures "kernel": docs/gpu_runs.md row 6w)."""
+    default: INFERNIX_MOE_ROUTING, "xla": on an H100 the kernel saved its launches but took 7.7 us
+    a call at one token and 344 us at eight, docs/gpu_runs.md row 6w)."""
     return switched(_modes, "moe_routing", way, MOE_ROUTING_WAYS, "MoE routing")
 
 
