@@ -10,3 +10,9 @@ def test_quick_run_records_equal_routing_against_xlas_time(tmp_path):
     for r in records:
         assert r.unit == "us/call" and r.figure > 0 and r.ceiling > 0
         assert all(r.details[f"{o}_equal"] for o in ("weights", "ids", "order", "rank", "sizes", "xs"))
+
+
+def test_quick_run_with_word_rows_checks_them_too(tmp_path):
+    records = main(["--quick", "--tokens", "2", "--word-rows", "--out", str(tmp_path / "r.json")])
+    assert [r.name.endswith("word-rows") for r in records] == [True, True]
+    assert all(r.details["words_equal"] and r.details["inverse_equal"] for r in records)
