@@ -23,8 +23,12 @@ With `word_rows` it also gives xs as the grouped word kernels (dot_w) take it: e
 float16 by `f16_rows`' power of two, its columns in `word_columns`' order, and the inverse factors
 [P]; the grouped kernel then needs no XLA op before its launch (`grouped_matmuls(x_words=...)`).
 
-Every program recomputes the routing (a few thousand elements) and copies its own block of D
-columns of xs (with `word_rows`: of whole 8-column words); program 0 writes the rest. The arithmetic is the plain-JAX reference's, so in the
+The grid is (blocks of PAIR_BLOCK sorted pairs, blocks of D columns). Every program recomputes
+the routing (a few thousand elements) and finds the pairs at its sorted places by [block, P]
+comparisons a block of pairs at a time, then copies their rows' columns (with `word_rows`: whole
+8-column words); program (0, 0) writes the weights, ids and counts. (A first form had one block
+of all P pairs: at eight tokens its [P, P] and [E, P] tiles and its [P, 256] rows did not fit in
+registers, 344 us a call on an H100.) The arithmetic is the plain-JAX reference's, so in the
 interpreter the two agree bit for bit; compiled, Triton's exp and its reduction order may move
 the weights by an ulp (and so a near-tie between two experts' probs), like any two XLA builds.
 """
@@ -42,6 +46,7 @@ from pallas_kernels import compat
 MAX_TOKENS = 16  # the kernel's [P, P] pair comparison and [E, P] counts stay in registers up to here
 MAX_EXPERTS = 1024
 DEFAULT_BLOCK_D = 256  # xs columns per program
+PAIR_BLOCK = 16  # sorted pairs per program (grid axis 0)
 DEFAULT_NUM_WARPS = 4
 
 
@@ -116,47 +121,69 @@ def _routing_kernel(
     first = jnp.where(first == n_pad, 0, first)  # no valid token: argmax's 0
     fallback = jnp.sum(jnp.where(rows[:, None] == first, ids, 0), axis=0)  # [k_pad]
     ids = jnp.where(valid[:, None], ids, fallback[None, :])
+    token_ids = [jnp.sum(jnp.where(rows[:, None] == t, ids, 0), axis=0) for t in range(n)]  # each [k_pad]
 
-    # the pairs in (token, slot) order, p = t * k + j: their experts picked out of the [n, k] tile
-    pos = jnp.arange(p_pad, dtype=jnp.int32)
-    pair_ok = pos < pairs
-    cell = (pos // k) * k_pad + pos % k  # pair p's place in the flattened tile
-    flat = jnp.reshape(ids, (n_pad * k_pad,))
-    cells = jnp.arange(n_pad * k_pad, dtype=jnp.int32)
-    expert = jnp.sum(jnp.where(cell[:, None] == cells[None, :], flat[None, :], 0), axis=1)
-    expert = jnp.where(pair_ok, expert, e_pad)  # padding pairs sort last
-    earlier = (expert[None, :] < expert[:, None]) | ((expert[None, :] == expert[:, None]) & (pos[None, :] < pos[:, None]))
-    rank = jnp.sum(earlier.astype(jnp.int32), axis=1)
-    order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1)
+    def experts_of(pos):
+        """The experts of pairs p = t * k + j (padding pairs: e_pad, so they sort last)."""
+        expert = jnp.full(pos.shape, e_pad, jnp.int32)
+        for t in range(n):
+            picked = jnp.sum(jnp.where(slots[None, :] == (pos % k)[:, None], token_ids[t][None, :], 0), axis=1)
+            expert = jnp.where((pos // k == t) & (pos < pairs), picked, expert)
+        return expert
+
+    def rank_of(pos, expert_here, expert, everyone):
+        """Pairs before each of `pos`: a smaller expert, or the same expert earlier."""
+        earlier = (expert[None, :] < expert_here[:, None]) | (
+            (expert[None, :] == expert_here[:, None]) & (everyone[None, :] < pos[:, None])
+        )
+        return jnp.sum(earlier.astype(jnp.int32), axis=1)
+
+    # this program's block of the sorted order: the pairs whose rank falls in it, found a block of
+    # pairs at a time ([block, P] comparisons: the [P, P] one would not fit in registers at 8 tokens)
+    block = min(PAIR_BLOCK, p_pad)
+    everyone = jnp.arange(p_pad, dtype=jnp.int32)
+    expert = experts_of(everyone)
+    here = compat.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # sorted places
+    order = jnp.zeros((block,), jnp.int32)
+    for c in range(p_pad // block):
+        pos = c * block + jnp.arange(block, dtype=jnp.int32)
+        rank = rank_of(pos, experts_of(pos), expert, everyone)
+        order = order + jnp.sum(jnp.where(rank[None, :] == here[:, None], pos[None, :], 0), axis=1)
+    here_ok = here < pairs
+    compat.store(order_ref.at[compat.ds(compat.program_id(0) * block, block)], order, mask=here_ok & (compat.program_id(1) == 0))
+    # rank of this program's block of pairs (in (token, slot) order)
+    rank_here = rank_of(here, experts_of(here), expert, everyone)
+    compat.store(rank_ref.at[compat.ds(compat.program_id(0) * block, block)], rank_here, mask=here_ok & (compat.program_id(1) == 0))
 
     token = order // k
     if word_refs:
-        _word_rows(x_ref, xs_ref, *word_refs, token=token, pair_ok=pair_ok, n=n, n_pad=n_pad, p_pad=p_pad,
-                   block_w=block_d // 8, d=d, first=compat.program_id(0) == 0)  # fmt: skip
-    else:  # xs: this program's columns of the tokens' rows in pair order
-        c0 = compat.program_id(0) * block_d
+        _word_rows(x_ref, xs_ref, *word_refs, token=token, here=here, here_ok=here_ok, n=n, n_pad=n_pad,
+                   block_w=block_d // 8, d=d, block=block)  # fmt: skip
+    else:  # xs: this program's columns of the tokens' rows at its sorted places
+        c0 = compat.program_id(1) * block_d
         dcols = c0 + jnp.arange(block_d, dtype=jnp.int32)
-        xs = jnp.zeros((p_pad, block_d), x_ref.dtype)
+        xs = jnp.zeros((block, block_d), x_ref.dtype)
         for t in range(n):
             row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(c0, block_d)], mask=(dcols < d)[None, :], other=0)
             xs = jnp.where((token == t)[:, None], row, xs)
-        xs_ok = pair_ok[:, None] & (dcols < d)[None, :]
-        compat.store(xs_ref.at[compat.ds(0, p_pad), compat.ds(c0, block_d)], xs, mask=xs_ok)
+        xs_ok = here_ok[:, None] & (dcols < d)[None, :]
+        compat.store(xs_ref.at[compat.ds(compat.program_id(0) * block, block), compat.ds(c0, block_d)], xs, mask=xs_ok)
 
-    @compat.when(compat.program_id(0) == 0)
+    @compat.when((compat.program_id(0) == 0) & (compat.program_id(1) == 0))
     def _():
         out_ok = row_ok[:, None] & (slots < k)[None, :]
         compat.store(weights_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], weights.astype(weights_ref.dtype), mask=out_ok)
         compat.store(ids_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], ids, mask=out_ok)
-        compat.store(order_ref.at[compat.ds(0, p_pad)], order, mask=pair_ok)
-        compat.store(rank_ref.at[compat.ds(0, p_pad)], rank, mask=pair_ok)
-        sizes = jnp.sum((expert[None, :] == cols[:, None]).astype(jnp.int32), axis=1)
+        sizes = jnp.zeros((e_pad,), jnp.int32)
+        for t in range(n):  # [E, k] a token: the [E, P] comparison would not fit in registers
+            hit = (token_ids[t][None, :] == cols[:, None]) & (slots < k)[None, :]
+            sizes = sizes + jnp.sum(hit.astype(jnp.int32), axis=1)
         compat.store(sizes_ref.at[compat.ds(0, e_pad)], sizes, mask=col_ok)
 
 
-def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, pair_ok, n, n_pad, p_pad, block_w, d, first):
-    """The rows in pair order as given and as the grouped word kernels take them (`f16_rows`'
-    float16 rows in `word_columns`' order), for this program's block_w words: x_ref [N, D/8, 8],
+def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, here, here_ok, n, n_pad, block_w, d, block):
+    """The rows at this program's sorted places as given and as the grouped word kernels take them
+    (`f16_rows`' float16 rows in `word_columns`' order), for its block_w words: x_ref [N, D/8, 8],
     xs_ref [P, D/8, 8], words_ref [P, 8, D/8] (the free reshapes of [P, D] in natural and word
     order), inverse_ref [P]. Each row's factor needs its max |x| over all of D (a few KB)."""
     rows = jnp.arange(n_pad, dtype=jnp.int32)
@@ -169,23 +196,21 @@ def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, pair_ok, n, n_pa
 
     max_abs = jax.lax.fori_loop(0, d // 8 // block_w, row_max, jnp.zeros((n_pad,), jnp.float32))
     factor, inverse = qc.f16_row_factors(max_abs)
-    w0 = compat.program_id(0) * block_w
-    xs = jnp.zeros((p_pad, block_w, 8), x_ref.dtype)
-    words = jnp.zeros((p_pad, 8, block_w), jnp.float16)
+    w0 = compat.program_id(1) * block_w
+    xs = jnp.zeros((block, block_w, 8), x_ref.dtype)
+    words = jnp.zeros((block, 8, block_w), jnp.float16)
     for t in range(n):
         row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(w0, block_w), compat.ds(0, 8)])  # [1, block_w, 8]
         scaled = (row.astype(jnp.float32) * jnp.sum(jnp.where(rows == t, factor, 0.0))).astype(jnp.float16)
         mine = (token == t)[:, None, None]
         xs = jnp.where(mine, row, xs)
         words = jnp.where(mine, jnp.swapaxes(scaled, 1, 2), words)
-    ok = pair_ok[:, None, None]
-    compat.store(xs_ref.at[compat.ds(0, p_pad), compat.ds(w0, block_w), compat.ds(0, 8)], xs, mask=ok)
-    compat.store(words_ref.at[compat.ds(0, p_pad), compat.ds(0, 8), compat.ds(w0, block_w)], words, mask=ok)
-
-    @compat.when(first)
-    def _():
-        pair_inverse = jnp.sum(jnp.where(token[:, None] == rows[None, :], inverse[None, :], 0.0), axis=1)
-        compat.store(inverse_ref.at[compat.ds(0, p_pad)], pair_inverse, mask=pair_ok)
+    ok = here_ok[:, None, None]
+    p0 = compat.program_id(0) * block
+    compat.store(xs_ref.at[compat.ds(p0, block), compat.ds(w0, block_w), compat.ds(0, 8)], xs, mask=ok)
+    compat.store(words_ref.at[compat.ds(p0, block), compat.ds(0, 8), compat.ds(w0, block_w)], words, mask=ok)
+    pair_inverse = jnp.sum(jnp.where(token[:, None] == rows[None, :], inverse[None, :], 0.0), axis=1)
+    compat.store(inverse_ref.at[compat.ds(p0, block)], pair_inverse, mask=here_ok & (compat.program_id(1) == 0))
 
 
 def supports(tokens: int, experts: int, top_k: int) -> bool:
@@ -256,7 +281,7 @@ def moe_routing(
     out = compat.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
-        grid=(compat.cdiv(d, block_d),),
+        grid=(compat.cdiv(pairs, min(PAIR_BLOCK, compat.pow2_at_least(pairs))), compat.cdiv(d, block_d)),
         compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="moe_routing",
