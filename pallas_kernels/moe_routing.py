@@ -121,15 +121,18 @@ def _routing_kernel(
     first = jnp.where(first == n_pad, 0, first)  # no valid token: argmax's 0
     fallback = jnp.sum(jnp.where(rows[:, None] == first, ids, 0), axis=0)  # [k_pad]
     ids = jnp.where(valid[:, None], ids, fallback[None, :])
-    token_ids = [jnp.sum(jnp.where(rows[:, None] == t, ids, 0), axis=0) for t in range(n)]  # each [k_pad]
+
+    def ids_of(t):  # token t's experts [k_pad] (t traced: loops stay loops, the code small)
+        return jnp.sum(jnp.where(rows[:, None] == t, ids, 0), axis=0)
 
     def experts_of(pos):
         """The experts of pairs p = t * k + j (padding pairs: e_pad, so they sort last)."""
-        expert = jnp.full(pos.shape, e_pad, jnp.int32)
-        for t in range(n):
-            picked = jnp.sum(jnp.where(slots[None, :] == (pos % k)[:, None], token_ids[t][None, :], 0), axis=1)
-            expert = jnp.where((pos // k == t) & (pos < pairs), picked, expert)
-        return expert
+
+        def body(t, expert):
+            picked = jnp.sum(jnp.where(slots[None, :] == (pos % k)[:, None], ids_of(t)[None, :], 0), axis=1)
+            return jnp.where((pos // k == t) & (pos < pairs), picked, expert)
+
+        return jax.lax.fori_loop(0, n, body, jnp.full(pos.shape, e_pad, jnp.int32))
 
     def rank_of(pos, expert_here, expert, everyone):
         """Pairs before each of `pos`: a smaller expert, or the same expert earlier."""
@@ -144,11 +147,13 @@ def _routing_kernel(
     everyone = jnp.arange(p_pad, dtype=jnp.int32)
     expert = experts_of(everyone)
     here = compat.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # sorted places
-    order = jnp.zeros((block,), jnp.int32)
-    for c in range(p_pad // block):
+
+    def find(c, order):
         pos = c * block + jnp.arange(block, dtype=jnp.int32)
         rank = rank_of(pos, experts_of(pos), expert, everyone)
-        order = order + jnp.sum(jnp.where(rank[None, :] == here[:, None], pos[None, :], 0), axis=1)
+        return order + jnp.sum(jnp.where(rank[None, :] == here[:, None], pos[None, :], 0), axis=1)
+
+    order = jax.lax.fori_loop(0, p_pad // block, find, jnp.zeros((block,), jnp.int32))
     here_ok = here < pairs
     compat.store(order_ref.at[compat.ds(compat.program_id(0) * block, block)], order, mask=here_ok & (compat.program_id(1) == 0))
     # rank of this program's block of pairs (in (token, slot) order)
@@ -162,10 +167,12 @@ def _routing_kernel(
     else:  # xs: this program's columns of the tokens' rows at its sorted places
         c0 = compat.program_id(1) * block_d
         dcols = c0 + jnp.arange(block_d, dtype=jnp.int32)
-        xs = jnp.zeros((block, block_d), x_ref.dtype)
-        for t in range(n):
+
+        def copy(t, xs):
             row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(c0, block_d)], mask=(dcols < d)[None, :], other=0)
-            xs = jnp.where((token == t)[:, None], row, xs)
+            return jnp.where((token == t)[:, None], row, xs)
+
+        xs = jax.lax.fori_loop(0, n, copy, jnp.zeros((block, block_d), x_ref.dtype))
         xs_ok = here_ok[:, None] & (dcols < d)[None, :]
         compat.store(xs_ref.at[compat.ds(compat.program_id(0) * block, block), compat.ds(c0, block_d)], xs, mask=xs_ok)
 
@@ -174,10 +181,12 @@ def _routing_kernel(
         out_ok = row_ok[:, None] & (slots < k)[None, :]
         compat.store(weights_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], weights.astype(weights_ref.dtype), mask=out_ok)
         compat.store(ids_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], ids, mask=out_ok)
-        sizes = jnp.zeros((e_pad,), jnp.int32)
-        for t in range(n):  # [E, k] a token: the [E, P] comparison would not fit in registers
-            hit = (token_ids[t][None, :] == cols[:, None]) & (slots < k)[None, :]
-            sizes = sizes + jnp.sum(hit.astype(jnp.int32), axis=1)
+
+        def count(t, sizes):  # [E, k] a token: the [E, P] comparison would not fit in registers
+            hit = (ids_of(t)[None, :] == cols[:, None]) & (slots < k)[None, :]
+            return sizes + jnp.sum(hit.astype(jnp.int32), axis=1)
+
+        sizes = jax.lax.fori_loop(0, n, count, jnp.zeros((e_pad,), jnp.int32))
         compat.store(sizes_ref.at[compat.ds(0, e_pad)], sizes, mask=col_ok)
 
 
@@ -197,14 +206,16 @@ def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, here, here_ok, n
     max_abs = jax.lax.fori_loop(0, d // 8 // block_w, row_max, jnp.zeros((n_pad,), jnp.float32))
     factor, inverse = qc.f16_row_factors(max_abs)
     w0 = compat.program_id(1) * block_w
-    xs = jnp.zeros((block, block_w, 8), x_ref.dtype)
-    words = jnp.zeros((block, 8, block_w), jnp.float16)
-    for t in range(n):
+
+    def copy(t, carry):
+        xs, words = carry
         row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(w0, block_w), compat.ds(0, 8)])  # [1, block_w, 8]
         scaled = (row.astype(jnp.float32) * jnp.sum(jnp.where(rows == t, factor, 0.0))).astype(jnp.float16)
         mine = (token == t)[:, None, None]
-        xs = jnp.where(mine, row, xs)
-        words = jnp.where(mine, jnp.swapaxes(scaled, 1, 2), words)
+        return jnp.where(mine, row, xs), jnp.where(mine, jnp.swapaxes(scaled, 1, 2), words)
+
+    empty = (jnp.zeros((block, block_w, 8), x_ref.dtype), jnp.zeros((block, 8, block_w), jnp.float16))
+    xs, words = jax.lax.fori_loop(0, n, copy, empty)
     ok = here_ok[:, None, None]
     p0 = compat.program_id(0) * block
     compat.store(xs_ref.at[compat.ds(p0, block), compat.ds(w0, block_w), compat.ds(0, 8)], xs, mask=ok)
