@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 
-MAX_TOKENS = 16  # the kernel's [P, P] pair comparison and [E, P] counts stay in registers up to here
+MAX_TOKENS = 16  # tokens a step it takes: its [PAIR_BLOCK, P] comparisons grow with P = tokens * k
 MAX_EXPERTS = 1024
 DEFAULT_BLOCK_D = 256  # xs columns per program
 PAIR_BLOCK = 16  # sorted pairs per program (grid axis 0)
