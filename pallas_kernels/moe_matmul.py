@@ -724,6 +724,12 @@ def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, c
     return e1
 
 
+def takes_x_words(variant: str, x_rows: str | None) -> bool:
+    """Whether a grouped NVFP4 formulation reads x as float16 word rows made before its launch
+    (`grouped_matmuls(x_words=...)`): the word variants but dot_jw (natural order), with XLA's rows."""
+    return variant in WORD_VARIANTS and variant != "dot_jw" and x_rows != "kernel"
+
+
 def _grouped_call(
     x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None, x_words=None
 ) -> list[jax.Array]:
@@ -752,7 +758,7 @@ def _grouped_call(
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
-    elif word and x_words is not None and cfg.variant != "dot_jw":  # made before: nothing to do here
+    elif word and x_words is not None and takes_x_words(cfg.variant, cfg.x_rows):  # made before: nothing to do
         if x_words[0].shape != x.shape or x_words[0].dtype != jnp.float16 or x_words[1].shape != (m,):
             raise ValueError(
                 f"x_words must be float16 {x.shape} rows and [{m}] factors; got {x_words[0].dtype} "

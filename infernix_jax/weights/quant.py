@@ -65,6 +65,7 @@ from pallas_kernels.moe_matmul import (
     grouped_matmul,
     grouped_matmuls,
     resolve_config,
+    takes_x_words,
 )
 from pallas_kernels.nvfp4_matmul import (
     E2M1_VALUES,
@@ -995,7 +996,7 @@ def _takes_word_rows(w: Any, tokens: int, rows: int, x: jax.Array) -> bool:
     if operands is None or operands[0] != "nvfp4" or x.shape[1] % 8:
         return False
     tiles = grouped_tiles("nvfp4", tokens, rows, operands[2], x.dtype)
-    return tiles["variant"] in ("dot_w", "dot_t_w") and tiles.get("x_rows") != "kernel"
+    return takes_x_words(tiles["variant"], tiles.get("x_rows"))
 
 
 def grouped_tiles(
