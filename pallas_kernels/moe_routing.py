@@ -23,14 +23,19 @@ With `word_rows` it also gives xs as the grouped word kernels (dot_w) take it: e
 float16 by `f16_rows`' power of two, its columns in `word_columns`' order, and the inverse factors
 [P]; the grouped kernel then needs no XLA op before its launch (`grouped_matmuls(x_words=...)`).
 
-The grid is (blocks of PAIR_BLOCK sorted pairs, blocks of D columns). Every program recomputes
-the routing (a few thousand elements) and finds the pairs at its sorted places by [block, P]
-comparisons a block of pairs at a time, then copies their rows' columns (with `word_rows`: whole
-8-column words); program (0, 0) writes the weights, ids and counts. (A first form had one block
-of all P pairs: at eight tokens its [P, P] and [E, P] tiles and its [P, 256] rows did not fit in
-registers, 344 us a call on an H100.) The arithmetic is the plain-JAX reference's, so in the
-interpreter the two agree bit for bit; compiled, Triton's exp and its reduction order may move
-the weights by an ulp (and so a near-tie between two experts' probs), like any two XLA builds.
+The grid is (blocks of PAIR_BLOCK sorted places, blocks of D columns). Every program recomputes
+the routing (a few thousand elements): the top-k marks which tokens route to which experts
+([N, E]), so the per-expert counts, their running sum over experts (where each expert's places
+begin) and the running count over tokens give each sorted place its expert, its token and the
+token's slot with a few reductions and a loop of two a token; the rows at its places come in by
+one gathered load (with `word_rows`: whole 8-column words), the rank by a scatter of its places.
+Program (0, 0) writes the weights, ids and counts. (Earlier forms compared pairs with pairs: all
+[P, P] at once, 344 us a call at eight tokens on an H100 with its tiles spilled, then [16, P] a
+block at a time, ~20 reductions a block and token.)
+
+The arithmetic is the plain-JAX reference's, so in the interpreter the two agree bit for bit;
+compiled, Triton's exp and its reduction order may move the weights by an ulp (and so a near-tie
+between two experts' probs), like any two XLA builds.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import jax.numpy as jnp
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 
-MAX_TOKENS = 16  # tokens a step it takes: its [PAIR_BLOCK, P] comparisons grow with P = tokens * k
+MAX_TOKENS = 16  # tokens a step it takes: a place's token is found by a loop of two reductions a token
 MAX_EXPERTS = 1024
 DEFAULT_BLOCK_D = 256  # xs columns per program
 PAIR_BLOCK = 16  # sorted pairs per program (grid axis 0)
@@ -91,7 +96,7 @@ def _routing_kernel(
 ):  # fmt: skip
     n_pad, e_pad, k_pad = compat.pow2_at_least(n), compat.pow2_at_least(e), compat.pow2_at_least(k)
     pairs = n * k
-    p_pad = compat.pow2_at_least(pairs)
+    block = min(PAIR_BLOCK, compat.pow2_at_least(pairs))
     rows = jnp.arange(n_pad, dtype=jnp.int32)
     cols = jnp.arange(e_pad, dtype=jnp.int32)
     slots = jnp.arange(k_pad, dtype=jnp.int32)
@@ -103,77 +108,72 @@ def _routing_kernel(
     unnormalized = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
     probs = unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
 
-    # top-k: the largest remaining prob, the lowest expert among equals, k times
+    # top-k: the largest remaining prob, the lowest expert among equals, k times; slot_of[t, e] is
+    # the place j at which token t picked expert e (-1: not picked)
     remaining = jnp.where(col_ok[None, :], probs, -1.0)
     ids = jnp.zeros((n_pad, k_pad), jnp.int32)
     weights = jnp.zeros((n_pad, k_pad), jnp.float32)
+    slot_of = jnp.full((n_pad, e_pad), -1, jnp.int32)
     for j in range(k):
         best = jnp.max(remaining, axis=1, keepdims=True)
         pick = jnp.min(jnp.where(remaining == best, cols[None, :], e_pad), axis=1, keepdims=True)
         ids = jnp.where(slots[None, :] == j, pick, ids)
         weights = jnp.where(slots[None, :] == j, best, weights)
-        remaining = jnp.where(cols[None, :] == pick, -1.0, remaining)
+        picked = cols[None, :] == pick
+        slot_of = jnp.where(picked, j, slot_of)
+        remaining = jnp.where(picked, -1.0, remaining)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=1, keepdims=True)
 
+    # padding tokens route as the first valid token (as the reference: no reads of their own)
     valid = compat.load(valid_ref.at[compat.ds(0, n_pad)], mask=row_ok, other=0) != 0
     first = jnp.min(jnp.where(valid, rows, n_pad))
     first = jnp.where(first == n_pad, 0, first)  # no valid token: argmax's 0
-    fallback = jnp.sum(jnp.where(rows[:, None] == first, ids, 0), axis=0)  # [k_pad]
-    ids = jnp.where(valid[:, None], ids, fallback[None, :])
+    is_first = rows[:, None] == first
+    ids = jnp.where(valid[:, None], ids, jnp.sum(jnp.where(is_first, ids, 0), axis=0)[None, :])
+    slot_of = jnp.where(valid[:, None], slot_of, jnp.sum(jnp.where(is_first, slot_of + 1, 0), axis=0)[None, :] - 1)
+    hit = ((slot_of >= 0) & row_ok[:, None]).astype(jnp.int32)  # [n_pad, e_pad]: t routed to e
 
-    def ids_of(t):  # token t's experts [k_pad] (t traced: loops stay loops, the code small)
-        return jnp.sum(jnp.where(rows[:, None] == t, ids, 0), axis=0)
-
-    def experts_of(pos):
-        """The experts of pairs p = t * k + j (padding pairs: e_pad, so they sort last)."""
-
-        def body(t, expert):
-            picked = jnp.sum(jnp.where(slots[None, :] == (pos % k)[:, None], ids_of(t)[None, :], 0), axis=1)
-            return jnp.where((pos // k == t) & (pos < pairs), picked, expert)
-
-        return jax.lax.fori_loop(0, n, body, jnp.full(pos.shape, e_pad, jnp.int32))
-
-    def rank_of(pos, expert_here, expert, everyone):
-        """Pairs before each of `pos`: a smaller expert, or the same expert earlier."""
-        earlier = (expert[None, :] < expert_here[:, None]) | (
-            (expert[None, :] == expert_here[:, None]) & (everyone[None, :] < pos[:, None])
-        )
-        return jnp.sum(earlier.astype(jnp.int32), axis=1)
-
-    # this program's block of the sorted order: the pairs whose rank falls in it, found a block of
-    # pairs at a time ([block, P] comparisons: the [P, P] one would not fit in registers at 8 tokens)
-    block = min(PAIR_BLOCK, p_pad)
-    everyone = jnp.arange(p_pad, dtype=jnp.int32)
-    expert = experts_of(everyone)
-    here = compat.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # sorted places
-
-    def find(c, order):
-        pos = c * block + jnp.arange(block, dtype=jnp.int32)
-        rank = rank_of(pos, experts_of(pos), expert, everyone)
-        return order + jnp.sum(jnp.where(rank[None, :] == here[:, None], pos[None, :], 0), axis=1)
-
-    order = jax.lax.fori_loop(0, p_pad // block, find, jnp.zeros((block,), jnp.int32))
+    # the sorted order is by expert, then token: expert e's pairs take sorted places
+    # [ends[e] - sizes[e], ends[e]), its j-th token the place ends[e] - sizes[e] + j
+    sizes = jnp.sum(hit, axis=0)
+    ends = jnp.cumsum(sizes)
+    within = jnp.cumsum(hit, axis=0)  # [t, e]: tokens up to t routed to e
+    here = compat.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # this program's places
     here_ok = here < pairs
-    compat.store(order_ref.at[compat.ds(compat.program_id(0) * block, block)], order, mask=here_ok & (compat.program_id(1) == 0))
-    # rank of this program's block of pairs (in (token, slot) order)
-    rank_here = rank_of(here, experts_of(here), expert, everyone)
-    compat.store(rank_ref.at[compat.ds(compat.program_id(0) * block, block)], rank_here, mask=here_ok & (compat.program_id(1) == 0))
+    expert = jnp.sum((ends[None, :] <= here[:, None]).astype(jnp.int32), axis=1)  # [block]
+    this_expert = cols[None, :] == expert[:, None]
+    m = here - jnp.sum(jnp.where(this_expert, (ends - sizes)[None, :], 0), axis=1)  # place among its pairs
+    code = within * k_pad + jnp.maximum(slot_of, 0)
 
-    token = order // k
+    def find(t, carry):  # the place's token: the first t with `within` past m
+        token, slot, found = carry
+        code_t = jnp.sum(jnp.where(rows[:, None] == t, code, 0), axis=0)  # [e_pad]
+        at = jnp.sum(jnp.where(this_expert, code_t[None, :], 0), axis=1)  # code[t, expert]: [block]
+        newly = (at // k_pad == m + 1) & ~found
+        return token + (at // k_pad <= m).astype(jnp.int32), jnp.where(newly, at % k_pad, slot), found | newly
+
+    start = (jnp.zeros((block,), jnp.int32), jnp.zeros((block,), jnp.int32), jnp.zeros((block,), jnp.bool_))
+    token, slot, _ = jax.lax.fori_loop(0, n, find, start)
+    token = jnp.minimum(token, n - 1)  # places past the pairs: any row, masked below
+    order = token * k + slot
+    first_column = here_ok & (compat.program_id(1) == 0)
+    compat.store(order_ref.at[compat.ds(compat.program_id(0) * block, block)], order, mask=first_column)
+    # rank, order's inverse, by a scatter: places past the pairs repeat the block's first place
+    # (the same index and value), so no lane's write is masked and none can hide another's
+    lead = jnp.arange(block, dtype=jnp.int32) == 0
+    lead_order = jnp.sum(jnp.where(lead, order, 0))
+    rank_to, rank_of = jnp.where(here_ok, order, lead_order), jnp.where(here_ok, here, compat.program_id(0) * block)
+    compat.store(rank_ref.at[rank_to], rank_of, mask=jnp.full((block,), compat.program_id(1) == 0))
+
     if word_refs:
-        _word_rows(x_ref, xs_ref, *word_refs, token=token, here=here, here_ok=here_ok, n=n, n_pad=n_pad,
+        _word_rows(x_ref, xs_ref, *word_refs, token=token, here_ok=here_ok, n=n, n_pad=n_pad,
                    block_w=block_d // 8, d=d, block=block)  # fmt: skip
     else:  # xs: this program's columns of the tokens' rows at its sorted places
         c0 = compat.program_id(1) * block_d
         dcols = c0 + jnp.arange(block_d, dtype=jnp.int32)
-
-        def copy(t, xs):
-            row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(c0, block_d)], mask=(dcols < d)[None, :], other=0)
-            return jnp.where((token == t)[:, None], row, xs)
-
-        xs = jax.lax.fori_loop(0, n, copy, jnp.zeros((block, block_d), x_ref.dtype))
         xs_ok = here_ok[:, None] & (dcols < d)[None, :]
+        xs = compat.load(x_ref.at[token[:, None], jnp.minimum(dcols, d - 1)[None, :]], mask=xs_ok, other=0)
         compat.store(xs_ref.at[compat.ds(compat.program_id(0) * block, block), compat.ds(c0, block_d)], xs, mask=xs_ok)
 
     @compat.when((compat.program_id(0) == 0) & (compat.program_id(1) == 0))
@@ -181,16 +181,10 @@ def _routing_kernel(
         out_ok = row_ok[:, None] & (slots < k)[None, :]
         compat.store(weights_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], weights.astype(weights_ref.dtype), mask=out_ok)
         compat.store(ids_ref.at[compat.ds(0, n_pad), compat.ds(0, k_pad)], ids, mask=out_ok)
-
-        def count(t, sizes):  # [E, k] a token: the [E, P] comparison would not fit in registers
-            hit = (ids_of(t)[None, :] == cols[:, None]) & (slots < k)[None, :]
-            return sizes + jnp.sum(hit.astype(jnp.int32), axis=1)
-
-        sizes = jax.lax.fori_loop(0, n, count, jnp.zeros((e_pad,), jnp.int32))
         compat.store(sizes_ref.at[compat.ds(0, e_pad)], sizes, mask=col_ok)
 
 
-def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, here, here_ok, n, n_pad, block_w, d, block):
+def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, here_ok, n, n_pad, block_w, d, block):
     """The rows at this program's sorted places as given and as the grouped word kernels take them
     (`f16_rows`' float16 rows in `word_columns`' order), for its block_w words: x_ref [N, D/8, 8],
     xs_ref [P, D/8, 8], words_ref [P, 8, D/8] (the free reshapes of [P, D] in natural and word
@@ -198,30 +192,28 @@ def _word_rows(x_ref, xs_ref, words_ref, inverse_ref, *, token, here, here_ok, n
     rows = jnp.arange(n_pad, dtype=jnp.int32)
     row_ok = (rows < n)[:, None, None]
 
-    def row_max(i, running):
+    def row_max(i, running):  # elementwise: one reduction after the loop, not two a step
         tile = compat.load(x_ref.at[compat.ds(0, n_pad), compat.ds(i * block_w, block_w), compat.ds(0, 8)],
                            mask=row_ok, other=0)  # fmt: skip
-        return jnp.maximum(running, jnp.max(jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=2), axis=1))
+        return jnp.maximum(running, jnp.abs(tile.astype(jnp.float32)))
 
-    max_abs = jax.lax.fori_loop(0, d // 8 // block_w, row_max, jnp.zeros((n_pad,), jnp.float32))
-    factor, inverse = qc.f16_row_factors(max_abs)
+    running = jax.lax.fori_loop(0, d // 8 // block_w, row_max, jnp.zeros((n_pad, block_w, 8), jnp.float32))
+    max_abs = jnp.max(jnp.max(running, axis=2), axis=1)  # [n_pad]
+    place_max = jnp.sum(jnp.where(token[:, None] == rows[None, :], max_abs[None, :], 0.0), axis=1)
+    factor, inverse = qc.f16_row_factors(place_max)
     w0 = compat.program_id(1) * block_w
-
-    def copy(t, carry):
-        xs, words = carry
-        row = compat.load(x_ref.at[compat.ds(t, 1), compat.ds(w0, block_w), compat.ds(0, 8)])  # [1, block_w, 8]
-        scaled = (row.astype(jnp.float32) * jnp.sum(jnp.where(rows == t, factor, 0.0))).astype(jnp.float16)
-        mine = (token == t)[:, None, None]
-        return jnp.where(mine, row, xs), jnp.where(mine, jnp.swapaxes(scaled, 1, 2), words)
-
-    empty = (jnp.zeros((block, block_w, 8), x_ref.dtype), jnp.zeros((block, 8, block_w), jnp.float16))
-    xs, words = jax.lax.fori_loop(0, n, copy, empty)
     ok = here_ok[:, None, None]
+    row = compat.load(
+        x_ref.at[token[:, None, None], (w0 + jnp.arange(block_w, dtype=jnp.int32))[None, :, None],
+                 jnp.arange(8, dtype=jnp.int32)[None, None, :]],
+        mask=ok, other=0,
+    )  # fmt: skip  # [block, block_w, 8]
+    scaled = (row.astype(jnp.float32) * factor[:, None, None]).astype(jnp.float16)
     p0 = compat.program_id(0) * block
-    compat.store(xs_ref.at[compat.ds(p0, block), compat.ds(w0, block_w), compat.ds(0, 8)], xs, mask=ok)
-    compat.store(words_ref.at[compat.ds(p0, block), compat.ds(0, 8), compat.ds(w0, block_w)], words, mask=ok)
-    pair_inverse = jnp.sum(jnp.where(token[:, None] == rows[None, :], inverse[None, :], 0.0), axis=1)
-    compat.store(inverse_ref.at[compat.ds(p0, block)], pair_inverse, mask=here_ok & (compat.program_id(1) == 0))
+    compat.store(xs_ref.at[compat.ds(p0, block), compat.ds(w0, block_w), compat.ds(0, 8)], row, mask=ok)
+    compat.store(words_ref.at[compat.ds(p0, block), compat.ds(0, 8), compat.ds(w0, block_w)],
+                 jnp.swapaxes(scaled, 1, 2), mask=ok)  # fmt: skip
+    compat.store(inverse_ref.at[compat.ds(p0, block)], inverse, mask=here_ok & (compat.program_id(1) == 0))
 
 
 def supports(tokens: int, experts: int, top_k: int) -> bool:
