@@ -4,6 +4,7 @@ of a call of each.
     python -m bench.moe_routing                  # GPU: the 80B-A3B router (512 experts, top 10, D 2048)
     python -m bench.moe_routing --quick          # tiny sizes, the kernel interpreted (any machine)
     python -m bench.moe_routing --word-rows      # also the gate / up launch's float16 word rows
+    python -m bench.moe_routing --num-warps 1,2,4   # the kernel's warps a program, in turn
 
 For each token count, with and without padding tokens: whether the compiled kernel's experts,
 order, rank, counts and rows equal the reference's (XLA's own routing, the model's "xla" way), how
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.record import machine_name, machine_slug, make_record, write_records
-from pallas_kernels.moe_routing import moe_routing, reference_moe_routing
+from pallas_kernels.moe_routing import DEFAULT_NUM_WARPS, moe_routing, reference_moe_routing
 
 OUTPUTS = ("weights", "ids", "order", "rank", "sizes", "xs", "words", "inverse")
 
@@ -55,17 +56,27 @@ def _seconds(fn, *args, repeats: int = 5) -> float:
 
 
 def measure(
-    tokens: int, experts: int, top_k: int, hidden: int, padded: bool, calls: int, interpret: bool, word_rows: bool = False
+    tokens: int,
+    experts: int,
+    top_k: int,
+    hidden: int,
+    padded: bool,
+    calls: int,
+    interpret: bool,
+    word_rows: bool = False,
+    num_warps: int = DEFAULT_NUM_WARPS,
 ) -> dict:
     k1, k2 = jax.random.split(jax.random.PRNGKey(tokens))
     logits = jax.random.normal(k1, (tokens, experts), jnp.float32) * 2
     x = jax.random.normal(k2, (tokens, hidden), jnp.bfloat16)
     valid = (jnp.arange(tokens) % 3 != 1) if padded else None
-    kernel = functools.partial(moe_routing, top_k=top_k, renormalize=True, word_rows=word_rows, interpret=interpret)
+    kernel = functools.partial(
+        moe_routing, top_k=top_k, renormalize=True, word_rows=word_rows, num_warps=num_warps, interpret=interpret
+    )
     reference = functools.partial(reference_moe_routing, top_k=top_k, renormalize=True, word_rows=word_rows)
     want = jax.jit(lambda lg, x, v: reference(lg, x, v))(logits, x, valid)
     got = jax.jit(lambda lg, x, v: kernel(lg, x, v))(logits, x, valid)
-    out = {"tokens": tokens, "padding_tokens": padded, "word_rows": word_rows}
+    out = {"tokens": tokens, "padding_tokens": padded, "word_rows": word_rows, "num_warps": num_warps}
     for name, a, b in zip(OUTPUTS, want, got):  # the last two with word_rows only
         out[f"{name}_equal"] = bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)))
     out["weights_max_abs_diff"] = float(np.max(np.abs(np.asarray(want[0], np.float32) - np.asarray(got[0], np.float32))))
@@ -83,26 +94,35 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--calls", type=int, default=200, help="calls chained in one timed program")
     parser.add_argument("--word-rows", action="store_true",
                         help="also the sorted rows as the grouped word dot takes them (moe_routing's word_rows)")
+    parser.add_argument("--num-warps", default=str(DEFAULT_NUM_WARPS),
+                        help="comma-separated warps a program, each measured in turn")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny sizes, the kernel interpreted (any machine)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    try:
+        warps = [int(w) for w in args.num_warps.split(",")]
+    except ValueError:
+        parser.error(f"--num-warps takes comma-separated integers; got {args.num_warps!r}")
+    if any(w not in (1, 2, 4, 8, 16) for w in warps):
+        parser.error(f"--num-warps takes powers of two from 1 to 16; got {args.num_warps!r}")
     if args.quick:
         args.experts, args.top_k, args.hidden, args.calls = 32, 4, 64, 2
         args.tokens = "1,3" if args.tokens == parser.get_default("tokens") else args.tokens
     machine = machine_name()
     records = []
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        for padded in (False, True):
-            m = measure(tokens, args.experts, args.top_k, args.hidden, padded, args.calls, interpret=args.quick,
-                        word_rows=args.word_rows)  # fmt: skip
-            name = f"moe routing kernel E{args.experts} top{args.top_k} D{args.hidden} tokens{tokens}"
-            name += (" padding" if padded else "") + (" word-rows" if args.word_rows else "")
-            records.append(make_record(name, m["kernel_us"], "us/call", m["reference_us"], "us/call (XLA routing)",
-                                       machine=machine, details=m))  # fmt: skip
-            equal = all(m[f"{o}_equal"] for o in OUTPUTS[1:] if f"{o}_equal" in m)
-            print(f"{name}: kernel {m['kernel_us']:.2f} us, XLA {m['reference_us']:.2f} us; routing equal: {equal}, "
-                  f"weights within {m['weights_max_abs_diff']:.2g}", flush=True)  # fmt: skip
-            write_records(records, args.out or f"moe-routing-{machine_slug(machine)}.json")
+    points = [(t, p, w) for t in (int(t) for t in args.tokens.split(",")) for p in (False, True) for w in warps]
+    for tokens, padded, num_warps in points:
+        m = measure(tokens, args.experts, args.top_k, args.hidden, padded, args.calls, interpret=args.quick,
+                    word_rows=args.word_rows, num_warps=num_warps)  # fmt: skip
+        name = f"moe routing kernel E{args.experts} top{args.top_k} D{args.hidden} tokens{tokens}"
+        name += (" padding" if padded else "") + (" word-rows" if args.word_rows else "")
+        name += f" warps{num_warps}" if len(warps) > 1 else ""
+        records.append(make_record(name, m["kernel_us"], "us/call", m["reference_us"], "us/call (XLA routing)",
+                                   machine=machine, details=m))  # fmt: skip
+        equal = all(m[f"{o}_equal"] for o in OUTPUTS[1:] if f"{o}_equal" in m)
+        print(f"{name}: kernel {m['kernel_us']:.2f} us, XLA {m['reference_us']:.2f} us; routing equal: {equal}, "
+              f"weights within {m['weights_max_abs_diff']:.2g}", flush=True)  # fmt: skip
+        write_records(records, args.out or f"moe-routing-{machine_slug(machine)}.json")
     return records
 
 
