@@ -106,6 +106,16 @@ WORD_VARIANTS = (
 # The word variants that can take x as given and make its float16 rows themselves
 # (MatmulConfig.x_rows="kernel", `_x_word_tiles`); the others need XLA's `f16_rows` before the launch.
 KERNEL_ROWS_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "dot_jw")
+
+
+def x_words_layout(variant: str, x_rows: str | None = None) -> str | None:
+    """How a formulation reads x's float16 rows when they are made before its launch (`x_words`
+    of `nvfp4_matmul` / `nvfp4_matmuls`): "columns" (`_quant_common.word_columns` order), "pairs"
+    (`_e2m1_half2.word_x_pairs`), or None where it takes no such rows (the bfloat16 decode,
+    "dot_jw"'s natural order, x_rows="kernel", and "gemv_h2_ws"'s own pairs)."""
+    if x_rows == "kernel" or variant not in WORD_VARIANTS or variant in ("dot_jw", "gemv_h2_ws"):
+        return None
+    return "pairs" if variant in ("gemv_h2w_ws", "gemv_h2wx_ws") else "columns"
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -845,6 +855,23 @@ def validate_nvfp4_matmul(
         )
 
 
+def _check_x_words(x_words, cfg: qc.MatmulConfig, m: int, k: int) -> None:
+    if x_words is None:
+        return
+    layout = x_words_layout(cfg.variant, cfg.x_rows)
+    if layout is None:
+        raise ValueError(f"x_words are for formulations reading float16 word rows; {cfg.variant!r} "
+                         f"(x_rows={cfg.x_rows!r}) takes none")  # fmt: skip
+    words, inverse = x_words
+    want = (m, k) if layout == "columns" else (m, k // 2)
+    dtype = jnp.float16 if layout == "columns" else jnp.uint32
+    if words.shape != want or words.dtype != dtype or inverse.shape != (m,):
+        raise ValueError(
+            f"{cfg.variant!r} takes x_words in the {layout!r} layout: {dtype.__name__} {want} and inverse "
+            f"[{m}]; got {words.dtype} {words.shape} and {inverse.shape}"
+        )
+
+
 def _check_x_rows(cfg: qc.MatmulConfig) -> None:
     if cfg.x_rows == "kernel" and cfg.variant not in KERNEL_ROWS_VARIANTS:
         raise ValueError(
@@ -895,6 +922,7 @@ def nvfp4_matmul(
     x_rows: str | None = None,
     out_dtype=None,
     interpret: bool = False,
+    x_words: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """x [M, K] @ dequant(NVFP4 W [N, K]).T -> [M, N] in `out_dtype` (default x.dtype).
 
@@ -908,6 +936,9 @@ def nvfp4_matmul(
     block scale: "reshape" (default) or "gather" (read per word; `_word_loads`).
     x_rows: "xla" (default) or "kernel": KERNEL_ROWS_VARIANTS take x as given and make its
     float16 rows themselves (module docstring); the result is the same.
+    x_words: x's float16 rows already made (words in the formulation's `x_words_layout`, inverse
+    row factors [M] float32; as `norm_rows.rms_norm_rows` gives them), so no XLA op runs before
+    the launch; the result is the same as from x.
     `interpret=True` runs the same kernel through the Pallas
     interpreter (the CPU test path).
     """
@@ -929,6 +960,7 @@ def nvfp4_matmul(
         x_rows=x_rows,
     )
     _check_x_rows(cfg)
+    _check_x_words(x_words, cfg, m, _k)
     variant = cfg.variant
     gemv = qc.is_gemv(variant)
     block_m = default_block_m(m) if cfg.block_m is None else cfg.block_m
@@ -939,7 +971,7 @@ def nvfp4_matmul(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     compute_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     if variant in WORD_VARIANTS:
-        return _word_call(x, packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret)
+        return _word_call(x, packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret, x_words)
     if variant == "tiled":
         return _tiled_call(
             x.astype(compute_dtype), packed, block_scale, tensor_scale, cfg, block_m, out_dtype, interpret
@@ -1001,6 +1033,7 @@ def nvfp4_matmuls(
     x_rows: str | None = None,
     out_dtype=None,
     interpret: bool = False,
+    x_words: tuple[jax.Array, jax.Array] | None = None,
 ) -> list[jax.Array]:
     """x [M, K] times each of several NVFP4 weights (packed, block_scale, tensor_scale) of that K
     -> one [M, N_s] result per weight, in one launch of a streamed formulation ("gemv_ws",
@@ -1008,7 +1041,7 @@ def nvfp4_matmuls(
     (`_quant_common.Segments`), so the projections of one input (a layer's q / k / v) cost one
     launch and one pass over x's preparation, and small weights ride along with large ones
     instead of paying a launch each. Equal, weight by weight, to `nvfp4_matmul` with the same
-    formulation and tiles."""
+    formulation and tiles. x_words: x's float16 rows already made, as for `nvfp4_matmul`."""
     if variant not in STREAMED_WORD_VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {STREAMED_WORD_VARIANTS}")
     if not weights:
@@ -1021,10 +1054,11 @@ def nvfp4_matmuls(
         x_rows=x_rows,
     )  # fmt: skip
     _check_x_rows(cfg)
+    _check_x_words(x_words, cfg, m, x.shape[-1])
     for packed, block_scale, tensor_scale in weights:
         validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, 1, variant)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    return _streamed_call(x, list(weights), cfg, block_m, out_dtype, interpret)
+    return _streamed_call(x, list(weights), cfg, block_m, out_dtype, interpret, x_words)
 
 
 def _tiled_call(
@@ -1065,7 +1099,7 @@ def _tiled_call(
 
 
 def _word_call(
-    x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret
+    x, packed, block_scale, tensor_scale, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret, x_words=None
 ):
     """The word-decoded formulations: one XLA op before the kernel (x scaled per row to float16 and
     its columns put in word order; none with x_rows="kernel"), and for "dot_w" / "dot_t_w" the
@@ -1080,9 +1114,14 @@ def _word_call(
     raw = cfg.x_rows == "kernel"  # the kernel makes its own float16 rows and undoes their factors
     if raw:
         x_rows, row_scale = x, tensor_factor[None]
+    elif x_words is not None:  # made before, in word-column order
+        x_cols, inv = x_words
+        row_scale = inv * tensor_factor
     else:
         x_rows, inv = qc.f16_rows(x)
         row_scale = inv * tensor_factor
+    if not raw and x_words is None and cfg.variant != "dot_jw":
+        x_cols = qc.word_columns(x_rows)
     params = qc.compiler_params(cfg)
     if cfg.variant == "tiled_w":
         m_tiles, n_tiles = qc.tiled_grid(m, n, block_m, cfg.block_n)
@@ -1098,9 +1137,10 @@ def _word_call(
             compiler_params=params,
             interpret=interpret,
             name="nvfp4_matmul_tiled_w",
-        )(qc.word_columns(x_rows), row_scale[:, None], words, scale_bits)
+        )(x_cols, row_scale[:, None], words, scale_bits)
     if qc.is_streamed(cfg.variant):
-        return _streamed_call(x, [(packed, block_scale, tensor_scale)], cfg, block_m, out_dtype, interpret)[0]
+        weights = [(packed, block_scale, tensor_scale)]
+        return _streamed_call(x, weights, cfg, block_m, out_dtype, interpret, x_words)[0]
     if qc.is_gemv(cfg.variant):  # all M rows in one program, unpadded
         block_m = m
     m_pad = compat.cdiv(m, block_m) * block_m
@@ -1119,7 +1159,7 @@ def _word_call(
         compiler_params=params,
         interpret=interpret,
         name=f"nvfp4_matmul_{cfg.variant}",
-    )(x_rows if raw or cfg.variant == "dot_jw" else qc.word_columns(x_rows), words, scale_bits)  # natural order
+    )(x_rows if raw or cfg.variant == "dot_jw" else x_cols, words, scale_bits)  # natural order
     y = qc.split_sum(partial)
     y = y.T[:m] if transposed else y[:m]
     return (y * row_scale[:, None]).astype(out_dtype)
@@ -1131,7 +1171,9 @@ def _words(packed: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(packed.reshape(n, half_k // 4, 4), jnp.uint32)
 
 
-def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret) -> list[jax.Array]:
+def _streamed_call(
+    x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret, x_words=None
+) -> list[jax.Array]:
     """The streamed formulations for x [M, K] and one or more NVFP4 weights (packed, block scale,
     tensor scale) of that K, all in one launch (`_quant_common.Segments`): one XLA op before the
     kernel (x scaled per row to float16, its columns regrouped for the formulation; none with
@@ -1147,6 +1189,9 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     raw = cfg.x_rows == "kernel"  # gemv_ws makes its own float16 rows and undoes their factors
     if raw:
         x_in, row_factor = x, qc.E2M1_F16_SCALE
+    elif x_words is not None:  # made before, in the formulation's layout (`x_words_layout`)
+        x_in, inv = x_words
+        row_factor = (inv * qc.E2M1_F16_SCALE)[:, None]
     else:
         x16, inv = qc.f16_rows(x)
         x_in, row_factor = qc.word_columns(x16), (inv * qc.E2M1_F16_SCALE)[:, None]
@@ -1163,7 +1208,8 @@ def _streamed_call(x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, in
     elif cfg.variant in ("gemv_h2w_ws", "gemv_h2wx_ws"):
         kernel = functools.partial(_nvfp4_streamed_kernel, rows=m, scale_spread=cfg.scale_spread, half2=True,
                                    x_ahead=cfg.variant == "gemv_h2wx_ws", interpret=interpret, **common)  # fmt: skip
-        m_pad, m_tiles, x_in = m, 1, h2.word_x_pairs(x16)
+        m_pad, m_tiles = m, 1
+        x_in = x_in if x_words is not None else h2.word_x_pairs(x16)
     elif cfg.variant == "gemv_h2_ws":
         kernel = functools.partial(_nvfp4_streamed_half2_kernel, rows=m, interpret=interpret, **common)
         m_pad, m_tiles, x_in = m, 1, h2.half2_x_pairs(x16)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _e2m1_half2 as h2
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.nvfp4_matmul import (
@@ -14,6 +15,7 @@ from pallas_kernels.nvfp4_matmul import (
     DEFAULT_CONFIGS,
     E2M1_VALUES,
     GEMV_W_TOLERANCE,
+    STREAMED_WORD_VARIANTS,
     VARIANTS,
     WORD_MIN_BLOCK_K,
     WORD_VARIANTS,
@@ -21,6 +23,7 @@ from pallas_kernels.nvfp4_matmul import (
     nvfp4_matmul,
     nvfp4_matmuls,
     reference_nvfp4_matmul,
+    x_words_layout,
 )
 
 # Formulations that sum products in float16 (exact products, rounded sums): GEMV_W_TOLERANCE.
@@ -492,3 +495,75 @@ def test_rows_made_in_the_kernel_are_refused_where_the_kernel_cannot(variant):
         nvfp4_matmul(x, *w, variant=variant, block_k=256, x_rows="kernel", interpret=True)
     with pytest.raises(ValueError, match="x_rows='gpu' must be one of"):
         nvfp4_matmul(x, *w, variant="gemv_ws", x_rows="gpu", interpret=True)
+
+
+def _made_rows(x, layout):
+    x16, inverse = qc.f16_rows(x)
+    return (qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16)), inverse
+
+
+@pytest.mark.parametrize(
+    "variant,m,tiles",
+    [
+        ("gemv_ws", 1, {"block_n": 32, "block_k": 256, "programs": 5}),
+        ("gemv_h2w_ws", 1, {"block_n": 32, "block_k": 256, "programs": 3}),
+        ("gemv_bs_ws", 2, {"block_n": 32, "block_k": 256, "programs": 3}),
+        ("dot_ws", 3, {"block_n": 16, "block_k": 256, "programs": 4}),
+        ("gemv_w", 2, {"block_n": 32, "block_k": 256, "split_k": 2}),
+        ("dot_w", 5, {"block_n": 32, "block_k": 256, "block_m": 16}),
+        ("dot_t_w", 3, {"block_n": 64, "block_k": 256}),
+        ("tiled_w", 20, {"block_m": 16, "block_n": 32, "block_k": 256}),
+    ],
+)
+def test_rows_made_before_the_call_equal_rows_made_from_x(variant, m, tiles):
+    """x_words (a norm's launch made x's float16 rows in the formulation's layout): the same bits
+    as the rows the call makes from x itself, with and without several weights in one launch."""
+    rng = np.random.default_rng(m + len(variant))
+    n, k = 72, 512
+    _, packed, block_scale, tensor_scale = _random_nvfp4(rng, m, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.resize([1.0, 3e3, 2e-3], m)[:, None], jnp.bfloat16)
+    options = {"variant": variant, "out_dtype": jnp.float32, "interpret": True, **tiles}
+    x_words = _made_rows(x, x_words_layout(variant))
+    want = nvfp4_matmul(x, packed, block_scale, tensor_scale, **options)
+    got = nvfp4_matmul(x, packed, block_scale, tensor_scale, x_words=x_words, **options)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if variant in STREAMED_WORD_VARIANTS:
+        weights = ((packed, block_scale, tensor_scale), _random_nvfp4(rng, m, 40, k)[1:])
+        options.pop("block_m", None)
+        want_all = nvfp4_matmuls(x, weights, **options)
+        got_all = nvfp4_matmuls(x, weights, x_words=x_words, **options)
+        for g, w in zip(got_all, want_all, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_rows_made_before_the_call_leave_nothing_before_the_launch():
+    fn = jax.jit(functools.partial(nvfp4_matmul, variant="gemv_ws", block_n=32, block_k=512))
+    m, n, k = 1, 4096, 2048
+    shapes = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+        jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((), jnp.float32),
+        (jax.ShapeDtypeStruct((m, k), jnp.float16), jax.ShapeDtypeStruct((m,), jnp.float32)),
+    )
+    jaxpr = jax.make_jaxpr(lambda x, p, b, t, w: fn(x, p, b, t, x_words=w))(*shapes).jaxpr
+    while not any(eq.primitive.name == "pallas_call" for eq in jaxpr.eqns):  # into the nested jits
+        jaxpr = next(eq.params["jaxpr"] for eq in jaxpr.eqns if "jaxpr" in eq.params).jaxpr
+    call = next(eq for eq in jaxpr.eqns if eq.primitive.name == "pallas_call")
+    assert call.invars[0] is jaxpr.invars[4]  # the words go in as given
+
+
+@pytest.mark.parametrize(
+    "variant,layout_of_words,match",
+    [
+        ("dot_jw", "columns", "takes none"),
+        ("gemv_h2_ws", "columns", "takes none"),
+        ("gemv_ws", "pairs", "'columns' layout"),
+        ("gemv_h2w_ws", "columns", "'pairs' layout"),
+    ],
+)
+def test_rows_made_before_the_call_are_refused_in_the_wrong_layout(variant, layout_of_words, match):
+    rng = np.random.default_rng(4)
+    x, *w = _random_nvfp4(rng, 1, 64, 512)
+    with pytest.raises(ValueError, match=match):
+        nvfp4_matmul(x, *w, variant=variant, block_k=256, x_words=_made_rows(x, layout_of_words), interpret=True)

@@ -1,0 +1,192 @@
+"""An RMSNorm and the float16 word rows of its output in one launch, a Pallas GPU (Triton) kernel.
+
+Before each NVFP4 word kernel, XLA makes the activation's float16 rows (`_quant_common.f16_rows`:
+a row-max reduce, then a scale / convert / reorder fusion). Where that activation is an RMSNorm's
+output (a decoder layer's input norm before its attention or GDN projections, its post-attention
+norm before the MLP or the shared expert), the norm is one more launch before them: three small
+launches of a few KB each, every layer, twice. Here one launch does all three.
+
+For x [M, K] and the norm's weight [K]:
+
+    normed  = rms_norm(x, weight)        [M, K]   (`model.norm.rms_norm`, both of Qwen's styles)
+    words   = normed's float16 rows, each scaled by `f16_rows`' power of two, laid out as the word
+              kernels read them:
+                "columns": [M, K] float16 in `word_columns` order (gemv_ws, dot_w, dot_ws, ...)
+                "pairs":   [M, K/2] uint32, `word_x_pairs` (the half2 word gemvs, gemv_h2w_ws ...)
+    inverse = the rows' inverse factors  [M] float32
+
+The grid is blocks of `block_w` 8-column words. Every program takes the rows' sums of squares and
+then the normed rows' max |x| over all of K (a few KB, from L2), and writes its own block: the
+normed columns as they are, and the words by gathered loads in the layout's element order (no
+register transposes). The arithmetic is the reference's except the order of the sum of squares,
+so a row's norm factor may differ from XLA's by an ulp, as two XLA builds may; the words and the
+inverse always follow from this kernel's own normed rows exactly as `f16_rows` would make them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _e2m1_half2 as h2
+from pallas_kernels import _quant_common as qc
+from pallas_kernels import compat
+
+LAYOUTS = ("columns", "pairs")
+MAX_ROWS = 16  # decode rows; more rows are prefill, where the norm's launches do not matter
+MAX_BLOCK_W = 32  # 8-column words a program writes
+MAX_CHUNK = 512  # columns a step of the passes over K
+DEFAULT_NUM_WARPS = 4
+
+
+def _out_dtype(x: jax.Array, weight: jax.Array, zero_centered: bool):
+    return x.dtype if zero_centered else jnp.result_type(weight.dtype, x.dtype)
+
+
+def reference_rms_norm_rows(
+    x: jax.Array, weight: jax.Array, *, eps: float, zero_centered: bool, layout: str = "columns"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(normed, words, inverse) in plain JAX: `model.norm.rms_norm`, then `f16_rows` and the
+    layout's reorder (`word_columns` or `word_x_pairs`) of the normed rows."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if zero_centered:
+        normed = (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    else:  # as transformers' Qwen3RMSNorm: back to x's dtype before the weight
+        normed = weight * normed.astype(x.dtype)
+    x16, inverse = qc.f16_rows(normed)
+    return normed, qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+
+
+def _normed(tile, w, r, *, zero_centered: bool, in_dtype, out_dtype):
+    """The reference's norm of a tile of rows (float32 values, r [rows] the rows' 1/rms) with its
+    weight tile w broadcast against it: values of out_dtype (returned as float32)."""
+    normed = tile * r
+    if zero_centered:
+        return (normed * (1.0 + w)).astype(out_dtype).astype(jnp.float32)
+    product = w * normed.astype(in_dtype).astype(jnp.float32)  # exact in float32: rounded once below
+    return product.astype(out_dtype).astype(jnp.float32)
+
+
+def _norm_rows_kernel(
+    x_ref, w_ref, normed_ref, words_ref, inverse_ref,
+    *, m: int, k: int, eps: float, zero_centered: bool, layout: str, block_w: int, chunk: int,
+):  # fmt: skip
+    m_pad = compat.pow2_at_least(m)
+    rows = jnp.arange(m_pad, dtype=jnp.int32)
+    row_ok = rows < m
+    in_dtype, out_dtype = x_ref.dtype, normed_ref.dtype
+    norm = functools.partial(_normed, zero_centered=zero_centered, in_dtype=in_dtype, out_dtype=out_dtype)
+    steps = k // chunk
+    tile_ok = jnp.broadcast_to(row_ok[:, None], (m_pad, chunk))
+
+    def x_chunk(i):
+        return compat.load(x_ref.at[compat.ds(0, m_pad), compat.ds(i * chunk, chunk)], mask=tile_ok, other=0)
+
+    def w_chunk(i):
+        return compat.load(w_ref.at[compat.ds(i * chunk, chunk)]).astype(jnp.float32)[None, :]
+
+    def squares(i, acc):  # elementwise: one reduction after the loop
+        t = x_chunk(i).astype(jnp.float32)
+        return acc + t * t
+
+    sums = jnp.sum(jax.lax.fori_loop(0, steps, squares, jnp.zeros((m_pad, chunk), jnp.float32)), axis=1)
+    r = jax.lax.rsqrt(sums / k + eps)[:, None]
+
+    def row_max(i, running):
+        return jnp.maximum(running, jnp.abs(norm(x_chunk(i).astype(jnp.float32), w_chunk(i), r)))
+
+    running = jax.lax.fori_loop(0, steps, row_max, jnp.zeros((m_pad, chunk), jnp.float32))
+    factor, inverse = qc.f16_row_factors(jnp.max(running, axis=1))
+    block = compat.program_id(0)
+    w0 = block * block_w
+
+    # the normed rows' own columns, as they are
+    c0 = 8 * w0
+    ok = jnp.broadcast_to(row_ok[:, None], (m_pad, 8 * block_w))
+    t = compat.load(x_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], mask=ok, other=0)
+    w = compat.load(w_ref.at[compat.ds(c0, 8 * block_w)]).astype(jnp.float32)[None, :]
+    normed = norm(t.astype(jnp.float32), w, r)
+    compat.store(normed_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], normed.astype(out_dtype), mask=ok)
+
+    def words_at(col):
+        """Scaled float16 values of the normed rows at columns `col` (any shape, broadcast against
+        the rows on a new leading axis)."""
+        shape = (m_pad, *col.shape)
+        row_index = rows.reshape((m_pad,) + (1,) * col.ndim)
+        mask = jnp.broadcast_to(row_ok.reshape((m_pad,) + (1,) * col.ndim), shape)
+        t = compat.load(x_ref.at[row_index, col[None]], mask=mask, other=0).astype(jnp.float32)
+        w = compat.load(w_ref.at[col]).astype(jnp.float32)[None]
+        f = factor.reshape((m_pad,) + (1,) * col.ndim)
+        return (norm(t, w, r.reshape((m_pad,) + (1,) * col.ndim)) * f).astype(jnp.float16), mask
+
+    j = w0 + jnp.arange(block_w, dtype=jnp.int32)
+    if layout == "columns":  # [m, p, j] = element p of word j: words_ref is the [M, 8, K/8] view
+        col = 8 * j[None, :] + jnp.arange(8, dtype=jnp.int32)[:, None]
+        x16, mask = words_at(col)
+        compat.store(words_ref.at[compat.ds(0, m_pad), compat.ds(0, 8), compat.ds(w0, block_w)], x16, mask=mask)
+    else:  # [m, p, j] = the pair (element p, element p + 4) of word j, low half first: [M, 4, K/8]
+        col = 8 * j[None, :] + jnp.arange(4, dtype=jnp.int32)[:, None]
+        low, mask = words_at(col)
+        high, _ = words_at(col + 4)
+        bits = [jax.lax.bitcast_convert_type(h, jnp.uint16).astype(jnp.uint32) for h in (low, high)]
+        pairs = bits[0] | jax.lax.shift_left(bits[1], jnp.uint32(16))
+        compat.store(words_ref.at[compat.ds(0, m_pad), compat.ds(0, 4), compat.ds(w0, block_w)], pairs, mask=mask)
+
+    @compat.when(block == 0)
+    def _():
+        compat.store(inverse_ref.at[compat.ds(0, m_pad)], inverse, mask=row_ok)
+
+
+def supports(rows: int, k: int) -> bool:
+    """Whether the kernel takes `rows` rows of K = `k` columns (whole 8-column words)."""
+    return 1 <= rows <= MAX_ROWS and k % 8 == 0 and k >= 8
+
+
+def validate_rms_norm_rows(x: jax.Array, weight: jax.Array, layout: str) -> None:
+    if x.ndim != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x must be [M, K] and weight [K]; got {x.shape} and {weight.shape}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if not supports(*x.shape):
+        raise ValueError(f"the norm-rows kernel takes 1-{MAX_ROWS} rows of K divisible by 8; got {x.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "zero_centered", "layout", "num_warps", "interpret"))
+def rms_norm_rows(
+    x: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    zero_centered: bool,
+    layout: str = "columns",
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`reference_rms_norm_rows` in one launch (see the module docstring); the same outputs."""
+    validate_rms_norm_rows(x, weight, layout)
+    m, k = x.shape
+    words_k = k // 8
+    block_w = min(MAX_BLOCK_W, words_k & -words_k)
+    chunk = min(MAX_CHUNK, k & -k)
+    kernel = functools.partial(
+        _norm_rows_kernel, m=m, k=k, eps=float(eps), zero_centered=zero_centered, layout=layout,
+        block_w=block_w, chunk=chunk,
+    )  # fmt: skip
+    words_shape = (m, 8, words_k) if layout == "columns" else (m, 4, words_k)
+    words_dtype = jnp.float16 if layout == "columns" else jnp.uint32
+    normed, words, inverse = compat.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((m, k), _out_dtype(x, weight, zero_centered)),
+            jax.ShapeDtypeStruct(words_shape, words_dtype),
+            jax.ShapeDtypeStruct((m,), jnp.float32),
+        ),
+        grid=(words_k // block_w,),
+        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="rms_norm_rows",
+    )(x, weight)
+    return normed, words.reshape(m, k if layout == "columns" else k // 2), inverse
