@@ -51,6 +51,7 @@ from infernix_jax.cache.attention_choice import recurrent_update_mode
 from infernix_jax.model.mlp import MOE_ROUTING_WAYS, moe_routing, moe_routing_mode, router_top_k
 from infernix_jax.weights.quant import (
     GROUPED_ROWS,
+    NORM_ROWS,
     SCALE_SPREADS,
     STREAMED_GEMV_MODES,
     WORD_DOTS,
@@ -59,6 +60,7 @@ from infernix_jax.weights.quant import (
     fp8_decode_mode,
     fused_experts,
     fused_projections,
+    norm_rows,
     nvfp4_grouped_dot,
     nvfp4_grouped_rows,
     nvfp4_scale_spread,
@@ -181,6 +183,8 @@ NVFP4_VARIANT_SWITCHES = (
     VariantSwitch(nvfp4_word_dot, "dot_w", "word-", WORD_DOTS, "the float16 word dot of NVFP4 weights at rows past one"),
     VariantSwitch(nvfp4_word_rows, "xla", "word-rows-", WORD_ROWS,
                   "where the dense NVFP4 word kernels (gemv_w, gemv_ws, dot_jw) make their float16 rows"),
+    VariantSwitch(norm_rows, "xla", "norm-rows-", NORM_ROWS,
+                  "where the NVFP4 word kernels after a layer's norms get their float16 rows (one launch with the norm)"),
 )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import rms_norm
 from infernix_jax.model.params import AttentionParams
 from infernix_jax.model.rope import apply_rope, rope_cos_sin
-from infernix_jax.weights.quant import matmul, matmuls
+from infernix_jax.weights.quant import NormSource, matmul, matmuls
 
 
 def _linear(x: jax.Array, w, bias) -> jax.Array:
@@ -81,19 +81,21 @@ def attention(
     kv,
     cfg: ModelConfig,
     tree_parents: jax.Array | None = None,
+    norm: NormSource | None = None,
 ):
     """x [B, T, D] at positions [B, T] (-1 = padding) -> (out [B, T, D], kv with this step's keys written).
 
     `kv` is any cache view with `write(k, v, positions)` and `attend(q, positions, scale)`.
     tree_parents i32 [B, T] (a tree-shaped verify window, see the module docstring): positions are
     start + depth, keys go to slots start + node index, and each node sees only its ancestors.
+    norm: x is that RMSNorm's output (the layer's input norm; `weights.quant.NormSource`).
     """
     b, t, _ = x.shape
     h, hk, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = (  # one launch where the weights allow it (`matmuls`)
         y if bias is None else y + bias.astype(y.dtype)
         for y, bias in zip(
-            matmuls(x, (p.q_proj, p.k_proj, p.v_proj)), (p.q_bias, p.k_bias, p.v_bias), strict=True
+            matmuls(x, (p.q_proj, p.k_proj, p.v_proj), norm), (p.q_bias, p.k_bias, p.v_bias), strict=True
         )
     )
     if cfg.attn_output_gate:

@@ -25,7 +25,7 @@ from infernix_jax.model.mlp import (
 from infernix_jax.model.ngram_memory import ngram_memory
 from infernix_jax.model.norm import rms_norm
 from infernix_jax.model.params import LayerParams, Params
-from infernix_jax.weights.quant import matmul
+from infernix_jax.weights.quant import NormSource, matmul
 
 
 def decoder_layer(
@@ -50,18 +50,20 @@ def decoder_layer(
     if getattr(p, "ngram", None) is not None:
         x = ngram_memory(p.ngram, x, memory_rows, cfg)
     h = rms_norm(x, p.input_norm, eps, zc)
+    norm = NormSource(x, p.input_norm, eps, zc)  # the projections may take h's rows from the norm's launch
     snapshots = None
     if p.attn is not None:
-        h, entry = attention(p.attn, h, positions, entry, cfg, tree_parents=tree_parents)
+        h, entry = attention(p.attn, h, positions, entry, cfg, tree_parents=tree_parents, norm=norm)
     elif snapshot_at is None:
         h, entry = gated_deltanet(
-            p.gdn, h, positions, entry, cfg, keep_states=keep_states, tree_parents=tree_parents
+            p.gdn, h, positions, entry, cfg, keep_states=keep_states, tree_parents=tree_parents, norm=norm
         )
     else:
-        h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at)
+        h, entry, snapshots = gated_deltanet(p.gdn, h, positions, entry, cfg, snapshot_at, norm=norm)
     x = x + h
     h = rms_norm(x, p.post_norm, eps, zc)
-    h = moe(p.moe, h, cfg, valid=positions >= 0) if p.moe is not None else mlp(p.mlp, h)
+    norm = NormSource(x, p.post_norm, eps, zc)
+    h = moe(p.moe, h, cfg, valid=positions >= 0, norm=norm) if p.moe is not None else mlp(p.mlp, h, norm)
     if snapshots is not None:
         return x + h, entry, snapshots
     return x + h, entry

@@ -30,7 +30,7 @@ from infernix_jax.cache.state_pool import SlottedGDNState
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import gated_rms_norm
 from infernix_jax.model.params import GDNParams
-from infernix_jax.weights.quant import matmul, matmuls
+from infernix_jax.weights.quant import NormSource, matmul, matmuls
 
 CHUNK = 64
 # Windows up to this length run the per-token recurrence (decode, draft verification); longer
@@ -318,6 +318,7 @@ def gated_deltanet(
     snapshot_at: jax.Array | None = None,
     keep_states: bool = False,
     tree_parents: jax.Array | None = None,
+    norm: NormSource | None = None,
 ):
     """x [B, T, D] at positions [B, T] -> (out [B, T, D], new state). A row starting at position 0 starts fresh.
 
@@ -336,6 +337,8 @@ def gated_deltanet(
 
     A SlottedGDNState `state` comes back as a SlottedGDNState with the rows' new states in their
     slots (not with keep_states or tree_parents, whose per-position states are the caller's to pick).
+
+    norm: x is that RMSNorm's output (the layer's input norm; `weights.quant.NormSource`).
     """
     keep_states = keep_states or tree_parents is not None
     if keep_states and x.shape[1] > RECURRENT_MAX_TOKENS:
@@ -357,7 +360,7 @@ def gated_deltanet(
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     fresh = positions[:, 0] == 0
 
-    mixed, z, b_in, a_in = matmuls(x, (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a))  # one launch
+    mixed, z, b_in, a_in = matmuls(x, (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a), norm)  # one launch
     z = z.reshape(b, t, hv, dv)
     if in_place:  # conv, gates and recurrence on the rows' slots in one kernel
         out, entry = slotted.recurrent_update(

@@ -35,6 +35,7 @@ from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.switches import env_mode, switched
 from infernix_jax.weights.quant import (
     ExpertStackPair,
+    NormSource,
     QuantizedWeight,
     dequantize,
     grouped_expert_matmul,
@@ -112,8 +113,9 @@ def moe_routing(way: str) -> contextlib.AbstractContextManager[None]:
     return switched(_modes, "moe_routing", way, MOE_ROUTING_WAYS, "MoE routing")
 
 
-def mlp(p: MLPParams, x: jax.Array) -> jax.Array:
-    gate, up = matmuls(x, (p.gate_proj, p.up_proj))  # one launch where the weights allow it
+def mlp(p: MLPParams, x: jax.Array, norm: NormSource | None = None) -> jax.Array:
+    """SwiGLU: down(silu(gate(x)) * up(x)). norm: x is that RMSNorm's output (`NormSource`)."""
+    gate, up = matmuls(x, (p.gate_proj, p.up_proj), norm)  # one launch where the weights allow it
     return matmul(jax.nn.silu(gate) * up, p.down_proj)
 
 
@@ -275,19 +277,23 @@ def _experts_routed_in_kernel(
     return weights, _grouped_outputs(p, xs, ids, order, group_sizes, rank, x_words)
 
 
-def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None) -> jax.Array:
+def moe(
+    p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = None, norm: NormSource | None = None
+) -> jax.Array:
     """x [..., D] -> [..., D]: sum_k w_k E_k(x) + sigmoid(shared_gate(x)) * shared(x).
 
     valid [...] bool (optional): False marks padding tokens (of a batch or chunk bucket). They take
     the first valid token's experts, so that they make no expert read (nor fetch, for experts
-    beyond device memory) of their own; their outputs are meaningless, as they are anyway."""
+    beyond device memory) of their own; their outputs are meaningless, as they are anyway.
+    norm: x is that RMSNorm's output (the layer's post-attention norm; `NormSource`), which the
+    shared expert's projections may take their rows from."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     valid = None if valid is None else valid.reshape(-1)
     if _routes_in_kernel(p, xf.shape[0], cfg):
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
         weights, per_pair = _experts_routed_in_kernel(p, xf, cfg, valid)
-        return _combine(p, xf, weights, per_pair).reshape(shape)
+        return _combine(p, xf, weights, per_pair, norm).reshape(shape)
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
@@ -299,15 +305,17 @@ def moe(p: MoEParams, x: jax.Array, cfg: ModelConfig, valid: jax.Array | None = 
     else:
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
         per_pair = _experts_resident(p, xf, ids, cfg.num_experts)
-    return _combine(p, xf, weights, per_pair).reshape(shape)
+    return _combine(p, xf, weights, per_pair, norm).reshape(shape)
 
 
-def _combine(p: MoEParams, xf: jax.Array, weights: jax.Array, per_pair: jax.Array) -> jax.Array:
+def _combine(
+    p: MoEParams, xf: jax.Array, weights: jax.Array, per_pair: jax.Array, norm: NormSource | None = None
+) -> jax.Array:
     """The routed experts' weighted sum plus the gated shared expert: [N, D]."""
     out = jnp.einsum("nk,nkd->nd", weights, per_pair)
     if p.shared is not None:
         gate = jax.nn.sigmoid(matmul(xf, p.shared_gate))
-        out = out + gate * mlp(p.shared, xf)
+        out = out + gate * mlp(p.shared, xf, norm)
     return out
 
 

@@ -57,6 +57,7 @@ import numpy as np
 from infernix_jax.switches import env_mode, switched
 from pallas_kernels import compat
 from pallas_kernels import moe_routing as routing_kernel
+from pallas_kernels import norm_rows as norm_rows_kernel
 from pallas_kernels._quant_common import SCALE_SPREADS
 from pallas_kernels.fp8_matmul import fp8_matmul
 from pallas_kernels.moe_matmul import (
@@ -73,6 +74,7 @@ from pallas_kernels.nvfp4_matmul import (
     STREAMED_WORD_VARIANTS,
     nvfp4_matmul,
     nvfp4_matmuls,
+    x_words_layout,
 )
 
 Array = jax.Array
@@ -174,8 +176,9 @@ class QuantizedWeight:
         """
         return self.dequantize(jnp.float32)
 
-    def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array | None:
-        """The Pallas path for x [M, K]; None when this format has no kernel."""
+    def _kernel_matmul(self, x2d: Array, interpret: bool, norm: NormSource | None = None) -> Array | None:
+        """The Pallas path for x [M, K]; None when this format has no kernel. norm: x is that
+        norm's output (`NormSource`), which a kernel may take its rows from."""
         return None
 
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
@@ -191,14 +194,15 @@ class QuantizedWeight:
         float32 reference runs)."""
         return None
 
-    def matmul(self, x: Array) -> Array:
-        """x [..., K] @ W.T -> [..., N] in x's dtype (W is this weight, [N, K])."""
+    def matmul(self, x: Array, norm: NormSource | None = None) -> Array:
+        """x [..., K] @ W.T -> [..., N] in x's dtype (W is this weight, [N, K]). norm: x is that
+        RMSNorm's output, so a kernel may take x's float16 rows from the norm's launch."""
         if x.shape[-1] != self.shape[-1]:
             raise ValueError(f"x has K={x.shape[-1]} but the weight is {self.shape}")
         rows = math.prod(x.shape[:-1])
         use_kernel, interpret = _kernel_choice(rows, self.ndim)
         if use_kernel:
-            y = self._kernel_matmul(x.reshape(rows, x.shape[-1]), interpret)
+            y = self._kernel_matmul(x.reshape(rows, x.shape[-1]), interpret, norm)
             if y is not None:
                 return y.reshape(*x.shape[:-1], self.shape[-2])
         if _gpu_choice(x.dtype, self.ndim):  # prefill on a GPU: no float32 matmul at full precision
@@ -268,7 +272,8 @@ class NVFP4Weight(QuantizedWeight):
         w = values * _group_expand(self.block_scale, NVFP4_BLOCK) * _bcast_tail(self.tensor_scale, self.ndim)
         return w.astype(dtype)
 
-    def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
+    def _kernel_matmul(self, x2d: Array, interpret: bool, norm: NormSource | None = None) -> Array:
+        tiles = nvfp4_tiles(*x2d.shape, self.shape[0], x2d.dtype)
         return nvfp4_matmul(
             x2d,
             self.packed,
@@ -276,7 +281,8 @@ class NVFP4Weight(QuantizedWeight):
             self.tensor_scale,
             interpret=interpret,
             scale_spread=_modes["nvfp4_scale_spread"],
-            **nvfp4_tiles(*x2d.shape, self.shape[0], x2d.dtype),
+            x_words=_norm_words(norm, x2d, x_words_layout(tiles["variant"], tiles.get("x_rows")), interpret),
+            **tiles,
         )
 
     def _grouped_operands(self) -> tuple[str, tuple[Array, ...], int | None] | None:
@@ -451,7 +457,7 @@ class FP8Weight(QuantizedWeight):
     def dequantize(self, dtype=jnp.bfloat16) -> Array:
         return (self.data.astype(jnp.float32) * self._scale_full()).astype(dtype)
 
-    def _kernel_matmul(self, x2d: Array, interpret: bool) -> Array:
+    def _kernel_matmul(self, x2d: Array, interpret: bool, norm: NormSource | None = None) -> Array:
         per_tensor = self.block_size is None
         if per_tensor and _mode == "auto" and fp8_decode_way(x2d.shape[0], *self.shape[::-1]) == "xla":
             return fp8_xla_matmul(x2d, self.data, self.scale)  # ("kernel" mode: always the kernel)
@@ -511,10 +517,15 @@ GROUPED_ROWS = ("xla", "kernel")
 # gemv_ws, dot_jw: `pallas_kernels.nvfp4_matmul.KERNEL_ROWS_VARIANTS`), where "xla" launches a
 # reduce, a convert and (but for dot_jw) a transpose before each call.
 WORD_ROWS = GROUPED_ROWS
+# Where an NVFP4 word kernel whose input is an RMSNorm's output (`NormSource`) gets its float16
+# rows: "xla" (the norm, then a reduce and a reorder: three launches) or "kernel" (one launch that
+# norms and makes the rows, pallas_kernels/norm_rows.py; the norm's arithmetic may differ from
+# XLA's by an ulp, as two XLA builds may).
+NORM_ROWS = ("xla", "kernel")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
-# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`, `nvfp4_word_rows`).
+# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`, `nvfp4_word_rows`, `norm_rows`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
@@ -526,6 +537,7 @@ _modes = {
     "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", WORD_DOTS),
     "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
     "nvfp4_word_rows": env_mode("INFERNIX_NVFP4_WORD_ROWS", "xla", WORD_ROWS),
+    "norm_rows": env_mode("INFERNIX_NORM_ROWS", "xla", NORM_ROWS),
 }
 
 
@@ -780,10 +792,11 @@ def quantize_q4(w: Array, *, group_size: int = 32, scale_dtype=jnp.float16) -> Q
 QUANTIZED_TYPES = (NVFP4Weight, FP8Weight, Int8Weight, Q8Weight, Q4Weight)
 
 
-def matmul(x: Array, w: Any) -> Array:
-    """x [..., K] times a weight w [N, K] (HF [out, in] layout) -> [..., N] in x's dtype."""
+def matmul(x: Array, w: Any, norm: NormSource | None = None) -> Array:
+    """x [..., K] times a weight w [N, K] (HF [out, in] layout) -> [..., N] in x's dtype. norm:
+    x is that RMSNorm's output (`NormSource`; a kernel may take its rows from the norm's launch)."""
     if isinstance(w, QuantizedWeight):
-        return w.matmul(x)
+        return w.matmul(x, norm)
     return jnp.einsum("...k,nk->...n", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(
         x.dtype
     )
@@ -846,21 +859,61 @@ def _fused_tiles(x: Array, ws: tuple[Any, ...]) -> dict | None:
     return {**tiles, "interpret": interpret, "scale_spread": _modes["nvfp4_scale_spread"]}
 
 
-def matmuls(x: Array, ws: tuple[Any, ...] | list[Any]) -> list[Array]:
+def matmuls(x: Array, ws: tuple[Any, ...] | list[Any], norm: NormSource | None = None) -> list[Array]:
     """x [..., K] times each weight of `ws` -> one [..., N_i] per weight, in x's dtype: its NVFP4
     weights in one kernel launch at decode rows on a GPU (`_fused_tiles`), every other weight (and
-    all of them where the launch does not apply) through `matmul`."""
+    all of them where the launch does not apply) through `matmul`. norm: as for `matmul`."""
     ws = tuple(ws)
     picked = [i for i, w in enumerate(ws) if _fusable(x, w)]
     tiles = _fused_tiles(x, tuple(ws[i] for i in picked))
     if tiles is None:
-        return [matmul(x, w) for w in ws]
+        return [matmul(x, w, norm) for w in ws]
     rows = math.prod(x.shape[:-1])
+    x2d = x.reshape(rows, x.shape[-1])
     weights = tuple((ws[i].packed, ws[i].block_scale, ws[i].tensor_scale) for i in picked)
-    fused = dict(zip(picked, nvfp4_matmuls(x.reshape(rows, x.shape[-1]), weights, **tiles), strict=True))
+    x_words = _norm_words(norm, x2d, x_words_layout(tiles["variant"], tiles.get("x_rows")), tiles["interpret"])
+    fused = dict(zip(picked, nvfp4_matmuls(x2d, weights, x_words=x_words, **tiles), strict=True))
     return [
-        fused[i].reshape(*x.shape[:-1], w.shape[0]) if i in fused else matmul(x, w) for i, w in enumerate(ws)
+        fused[i].reshape(*x.shape[:-1], w.shape[0]) if i in fused else matmul(x, w, norm) for i, w in enumerate(ws)
     ]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NormSource:
+    """Says that a matmul's input x is `rms_norm(source, weight)` (model.norm, either style). With
+    `norm_rows("kernel")` an NVFP4 word kernel then takes x's float16 rows from one launch that
+    norms `source` itself (pallas_kernels/norm_rows.py), in place of XLA's norm, row-max reduce and
+    reorder before it; x still serves every other path. Made while tracing a layer, and used
+    within that trace only: the rows it makes are kept per layout, so the projections of one
+    norm share one launch."""
+
+    source: Array  # [..., K]: the norm's input, with x's rows
+    weight: Array  # [K]
+    eps: float
+    zero_centered: bool
+    made: dict = dataclasses.field(default_factory=dict, repr=False)  # layout -> (words, inverse)
+
+
+def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpret: bool):
+    """x's float16 rows in `layout` from the norm's own launch, or None: no norm given, not
+    `norm_rows("kernel")`, no such layout for the formulation, or rows the launch does not take."""
+    if norm is None or layout is None or _modes["norm_rows"] != "kernel":
+        return None
+    rows, k = x2d.shape
+    if (
+        jnp.dtype(x2d.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        or not norm_rows_kernel.supports(rows, k)
+        or norm.source.shape[-1] != k
+        or math.prod(norm.source.shape[:-1]) != rows
+    ):
+        return None
+    if layout not in norm.made:
+        _, words, inverse = norm_rows_kernel.rms_norm_rows(
+            norm.source.reshape(rows, k), norm.weight, eps=norm.eps, zero_centered=norm.zero_centered,
+            layout=layout, interpret=interpret,
+        )  # fmt: skip
+        norm.made[layout] = (words, inverse)
+    return norm.made[layout]
 
 
 def take(w: Any, expert_ids: Array) -> Any:
@@ -1102,6 +1155,16 @@ def nvfp4_word_rows(where: str) -> Iterator[None]:
     order (WORD_ROWS; default: INFERNIX_NVFP4_WORD_ROWS, "xla" until a GPU measures it:
     docs/gpu_runs.md row 6v). The same bits either way."""
     with switched(_modes, "nvfp4_word_rows", where, WORD_ROWS, "NVFP4 word rows"):
+        yield
+
+
+@contextlib.contextmanager
+def norm_rows(where: str) -> Iterator[None]:
+    """Where NVFP4 word kernels whose input is an RMSNorm's output (`NormSource`) get its float16
+    rows while tracing inside this block: "xla" (the norm, a reduce and a reorder launched before
+    the kernel) or "kernel" (one launch: pallas_kernels/norm_rows.py). NORM_ROWS; default:
+    INFERNIX_NORM_ROWS, "xla" until a GPU measures it (docs/gpu_runs.md row 6x)."""
+    with switched(_modes, "norm_rows", where, NORM_ROWS, "norm rows"):
         yield
 
 

@@ -1,0 +1,70 @@
+"""A layer's projections taking their float16 rows from the norm's own launch
+(`quant.norm_rows("kernel")`, pallas_kernels/norm_rows.py) leave a decode step's logits as they
+are, one launch per norm: the input norm's (attention or GDN projections) and the
+post-attention norm's (the MLP's gate / up, or the MoE layer's shared expert)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels.norm_rows as norm_rows_kernel
+from infernix_jax.cache.sequence import init_cache
+from infernix_jax.config import ModelConfig
+from infernix_jax.model.forward import forward
+from infernix_jax.weights.hf import load_params
+from infernix_jax.weights.quant import kernel_mode, norm_rows
+from tests.conftest import HF_FIXTURES
+from tests.model.test_fused_projections import _nvfp4_projections
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_5", "qwen3_next"])
+def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(fixture, monkeypatch):
+    path = HF_FIXTURES / fixture
+    cfg = ModelConfig.from_hf_config(path)
+    params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
+    ids = np.load(path / "reference.npz")["input_ids"][:9]
+    prefill = jax.jit(forward, static_argnums=(4,))
+    _, _, cache = prefill(params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg)
+    launches = []
+    real = norm_rows_kernel.rms_norm_rows
+    monkeypatch.setattr(
+        norm_rows_kernel, "rms_norm_rows", lambda x, w, **kw: launches.append(kw["layout"]) or real(x, w, **kw)
+    )
+    out = {}
+    for way in ("xla", "kernel"):
+        with kernel_mode("interpret"), norm_rows(way):
+            # a fresh function, traced under this way (jit wrappers of one function share traces)
+            step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
+            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache)
+        out[way] = np.asarray(logits[0, 0], np.float32)
+        if way == "xla":
+            assert launches == []
+    assert len(launches) == 2 * len(cfg.layer_types)  # one a norm, shared by that norm's projections
+    # not bit for bit: XLA fuses the norm into its own row preparation and keeps the normed rows in
+    # float32 there (excess precision), where the kernel rounds them to bfloat16 as the model's
+    # norm does; with XLA_FLAGS=--xla_allow_excess_precision=false the two ways agree exactly
+    scale = np.abs(out["xla"]).max()
+    assert np.abs(out["kernel"] - out["xla"]).max() <= 3e-2 * scale
+    assert np.argmax(out["kernel"]) == np.argmax(out["xla"])
+
+
+def test_prefill_rows_keep_xlas_norm(monkeypatch):
+    """Past the kernel's rows (a prompt of 20 tokens) the projections make their rows as before."""
+    path = HF_FIXTURES / "qwen3_5"
+    cfg = ModelConfig.from_hf_config(path)
+    params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
+    launches = []
+    monkeypatch.setattr(norm_rows_kernel, "rms_norm_rows", lambda *a, **kw: launches.append(1))
+    ids = jnp.arange(20)[None] % cfg.vocab_size
+    with kernel_mode("interpret"), norm_rows("kernel"):
+        step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
+        step.lower(params, ids, jnp.arange(20)[None], init_cache(cfg, 1, 64))
+    assert launches == []
+
+
+def test_unknown_way_is_refused():
+    with pytest.raises(ValueError, match="norm rows"), norm_rows("fused"):
+        pass
