@@ -59,10 +59,11 @@ def test_a_decode_step_gives_the_same_logits_with_projections_fused(monkeypatch)
     out = {}
     for fused in (True, False):
         with kernel_mode(mode), fused_projections(fused):
-            step = jax.jit(forward, static_argnums=(4,))
-            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache, cfg)
+            # a fresh function, traced under this switch (jit wrappers of one function share traces)
+            step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
+            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache)
         out[fused] = np.asarray(logits[0, 0], np.float32)
-    # per layer: 4 GDN input projections or q / k / v, then gate / up (traced once, fused only)
+    # per layer: 4 GDN input projections or q / k / v, then gate / up (fused only)
     gdn = sum(t == "linear_attention" for t in cfg.layer_types)
     assert sorted(launches) == sorted(
         [4] * gdn + [3] * (len(cfg.layer_types) - gdn) + [2] * len(cfg.layer_types)
