@@ -230,11 +230,11 @@ def test_whole_forward_with_nvfp4_experts_is_the_same_through_the_kernel():
     params = tiny_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 13)), jnp.int32)
 
-    def run():
-        step = jax.jit(forward, static_argnums=4)
+    def run():  # a fresh function for each mode: jit wrappers of one function share their traces
+        step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
         cache = init_cache(cfg, 1, 32)
-        prefill, _, cache = step(params, tokens[:, :12], jnp.arange(12)[None], cache, cfg)
-        decode, _, _ = step(params, tokens[:, 12:], jnp.full((1, 1), 12), cache, cfg)
+        prefill, _, cache = step(params, tokens[:, :12], jnp.arange(12)[None], cache)
+        decode, _, _ = step(params, tokens[:, 12:], jnp.full((1, 1), 12), cache)
         return np.asarray(prefill), np.asarray(decode)
 
     with kernel_mode("reference"):
