@@ -15,6 +15,10 @@ For x [M, K] and the norm's weight [K]:
                 "pairs":   [M, K/2] uint32, `word_x_pairs` (the half2 word gemvs, gemv_h2w_ws ...)
     inverse = the rows' inverse factors  [M] float32
 
+`gated_rms_norm_rows` does the same for the GDN output norm before a linear-attention layer's
+out_proj (`model.norm.gated_rms_norm` of each Dv-column head, times silu of its gate): one head
+a program, each head's 1/rms from its own columns.
+
 The grid is blocks of `block_w` 8-column words. Every program takes the rows' sums of squares and
 then the normed rows' max |x| over all of K (a few KB, from L2), and writes its own block: the
 normed columns as they are, and the words by gathered loads in the layout's element order (no
@@ -71,56 +75,87 @@ def _normed(tile, w, r, *, zero_centered: bool, in_dtype, out_dtype):
 
 
 def _norm_rows_kernel(
-    x_ref, w_ref, normed_ref, words_ref, inverse_ref,
-    *, m: int, k: int, eps: float, zero_centered: bool, layout: str, block_w: int, chunk: int,
+    *refs, m: int, k: int, eps: float, zero_centered: bool, layout: str, block_w: int, chunk: int,
+    head: int, weight_dtype,
 ):  # fmt: skip
+    """head > 0: the gated norm of `head`-column groups (x, gate, weight [head]), one group a
+    program; head == 0: the plain norm of whole rows (x, weight [K])."""
+    if head:
+        x_ref, g_ref, w_ref, normed_ref, words_ref, inverse_ref = refs
+    else:
+        (x_ref, w_ref, normed_ref, words_ref, inverse_ref), g_ref = refs, None
     m_pad = compat.pow2_at_least(m)
     rows = jnp.arange(m_pad, dtype=jnp.int32)
     row_ok = rows < m
     in_dtype, out_dtype = x_ref.dtype, normed_ref.dtype
-    norm = functools.partial(_normed, zero_centered=zero_centered, in_dtype=in_dtype, out_dtype=out_dtype)
     steps = k // chunk
     tile_ok = jnp.broadcast_to(row_ok[:, None], (m_pad, chunk))
 
-    def x_chunk(i):
-        return compat.load(x_ref.at[compat.ds(0, m_pad), compat.ds(i * chunk, chunk)], mask=tile_ok, other=0)
+    def value(t, w, g, r):
+        """The activation (float32 values of out_dtype) at loaded x, weight and gate tiles."""
+        if not head:
+            return _normed(t, w, r, zero_centered=zero_centered, in_dtype=in_dtype, out_dtype=out_dtype)
+        out = (w * (t * r).astype(in_dtype).astype(jnp.float32)).astype(jnp.result_type(weight_dtype, in_dtype))
+        gated = out.astype(jnp.float32) * (g * jax.nn.sigmoid(g))
+        return gated.astype(out_dtype).astype(jnp.float32)
+
+    def chunk_of(ref, i):
+        return compat.load(ref.at[compat.ds(0, m_pad), compat.ds(i * chunk, chunk)], mask=tile_ok, other=0).astype(
+            jnp.float32
+        )
 
     def w_chunk(i):
-        return compat.load(w_ref.at[compat.ds(i * chunk, chunk)]).astype(jnp.float32)[None, :]
+        return compat.load(w_ref.at[compat.ds(0 if head else i * chunk, chunk)]).astype(jnp.float32)[None, :]
 
-    def squares(i, acc):  # elementwise: one reduction after the loop
-        t = x_chunk(i).astype(jnp.float32)
-        return acc + t * t
+    def rsqrt_mean(sums, n):
+        return jax.lax.rsqrt(sums / n + eps)[:, None]
 
-    sums = jnp.sum(jax.lax.fori_loop(0, steps, squares, jnp.zeros((m_pad, chunk), jnp.float32)), axis=1)
-    r = jax.lax.rsqrt(sums / k + eps)[:, None]
+    if head:  # one pass: each head's 1/rms from its own chunk
+        def row_max(i, running):
+            t = chunk_of(x_ref, i)
+            r = rsqrt_mean(jnp.sum(t * t, axis=1), head)
+            return jnp.maximum(running, jnp.abs(value(t, w_chunk(i), chunk_of(g_ref, i), r)))
 
-    def row_max(i, running):
-        return jnp.maximum(running, jnp.abs(norm(x_chunk(i).astype(jnp.float32), w_chunk(i), r)))
+        r = None
+    else:
+        def squares(i, acc):  # elementwise: one reduction after the loop
+            t = chunk_of(x_ref, i)
+            return acc + t * t
+
+        r = rsqrt_mean(jnp.sum(jax.lax.fori_loop(0, steps, squares, jnp.zeros((m_pad, chunk), jnp.float32)), axis=1), k)
+
+        def row_max(i, running):
+            return jnp.maximum(running, jnp.abs(value(chunk_of(x_ref, i), w_chunk(i), None, r)))
 
     running = jax.lax.fori_loop(0, steps, row_max, jnp.zeros((m_pad, chunk), jnp.float32))
     factor, inverse = qc.f16_row_factors(jnp.max(running, axis=1))
     block = compat.program_id(0)
     w0 = block * block_w
 
-    # the normed rows' own columns, as they are
+    # the activation's own columns, as they are (gated: the program's head, whose 1/rms this is)
     c0 = 8 * w0
     ok = jnp.broadcast_to(row_ok[:, None], (m_pad, 8 * block_w))
-    t = compat.load(x_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], mask=ok, other=0)
-    w = compat.load(w_ref.at[compat.ds(c0, 8 * block_w)]).astype(jnp.float32)[None, :]
-    normed = norm(t.astype(jnp.float32), w, r)
-    compat.store(normed_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], normed.astype(out_dtype), mask=ok)
+    t = compat.load(x_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], mask=ok, other=0).astype(jnp.float32)
+    w = compat.load(w_ref.at[compat.ds(0 if head else c0, 8 * block_w)]).astype(jnp.float32)[None, :]
+    g = None
+    if head:
+        g = compat.load(g_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], mask=ok, other=0)
+        g = g.astype(jnp.float32)
+        r = rsqrt_mean(jnp.sum(t * t, axis=1), head)
+    own = value(t, w, g, r)
+    compat.store(normed_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], own.astype(out_dtype), mask=ok)
 
     def words_at(col):
-        """Scaled float16 values of the normed rows at columns `col` (any shape, broadcast against
+        """Scaled float16 values of the activation at columns `col` (any shape, broadcast against
         the rows on a new leading axis)."""
-        shape = (m_pad, *col.shape)
-        row_index = rows.reshape((m_pad,) + (1,) * col.ndim)
-        mask = jnp.broadcast_to(row_ok.reshape((m_pad,) + (1,) * col.ndim), shape)
-        t = compat.load(x_ref.at[row_index, col[None]], mask=mask, other=0).astype(jnp.float32)
-        w = compat.load(w_ref.at[col]).astype(jnp.float32)[None]
-        f = factor.reshape((m_pad,) + (1,) * col.ndim)
-        return (norm(t, w, r.reshape((m_pad,) + (1,) * col.ndim)) * f).astype(jnp.float16), mask
+        lead = (m_pad,) + (1,) * col.ndim
+        mask = jnp.broadcast_to(row_ok.reshape(lead), (m_pad, *col.shape))
+        t = compat.load(x_ref.at[rows.reshape(lead), col[None]], mask=mask, other=0).astype(jnp.float32)
+        w = compat.load(w_ref.at[col % head if head else col]).astype(jnp.float32)[None]
+        g = None
+        if head:
+            g = compat.load(g_ref.at[rows.reshape(lead), col[None]], mask=mask, other=0).astype(jnp.float32)
+        return (value(t, w, g, r.reshape(lead)) * factor.reshape(lead)).astype(jnp.float16), mask
 
     j = w0 + jnp.arange(block_w, dtype=jnp.int32)
     if layout == "columns":  # [m, p, j] = element p of word j: words_ref is the [M, 8, K/8] view
@@ -173,20 +208,81 @@ def rms_norm_rows(
     chunk = min(MAX_CHUNK, k & -k)
     kernel = functools.partial(
         _norm_rows_kernel, m=m, k=k, eps=float(eps), zero_centered=zero_centered, layout=layout,
-        block_w=block_w, chunk=chunk,
+        block_w=block_w, chunk=chunk, head=0, weight_dtype=weight.dtype,
     )  # fmt: skip
+    out_dtype = _out_dtype(x, weight, zero_centered)
+    return _call(kernel, (x, weight), m, k, block_w, out_dtype, layout, num_warps, interpret, "rms_norm_rows")
+
+
+def _call(kernel, operands, m, k, block_w, out_dtype, layout, num_warps, interpret, name):
+    words_k = k // 8
     words_shape = (m, 8, words_k) if layout == "columns" else (m, 4, words_k)
     words_dtype = jnp.float16 if layout == "columns" else jnp.uint32
     normed, words, inverse = compat.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((m, k), _out_dtype(x, weight, zero_centered)),
+            jax.ShapeDtypeStruct((m, k), out_dtype),
             jax.ShapeDtypeStruct(words_shape, words_dtype),
             jax.ShapeDtypeStruct((m,), jnp.float32),
         ),
         grid=(words_k // block_w,),
         compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="rms_norm_rows",
-    )(x, weight)
+        name=name,
+    )(*operands)
     return normed, words.reshape(m, k if layout == "columns" else k // 2), inverse
+
+
+def reference_gated_rms_norm_rows(
+    x: jax.Array, gate: jax.Array, weight: jax.Array, *, eps: float, layout: str = "columns"
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(gated, words, inverse) in plain JAX for x and gate [M, H * Dv] and weight [Dv]:
+    `model.norm.gated_rms_norm` of each Dv-column head (the GDN output norm), then `f16_rows` and
+    the layout's reorder of the [M, H * Dv] result."""
+    m, k = x.shape
+    d = weight.shape[0]
+    xf = x.reshape(m, k // d, d).astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    out = weight * normed.astype(x.dtype)
+    gated = (out.astype(jnp.float32) * jax.nn.silu(gate.reshape(xf.shape).astype(jnp.float32))).astype(x.dtype)
+    gated = gated.reshape(m, k)
+    x16, inverse = qc.f16_rows(gated)
+    return gated, qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+
+
+def supports_gated(rows: int, k: int, head_dim: int) -> bool:
+    """Whether the gated kernel takes `rows` rows of K = `k` columns in heads of `head_dim`: one head a
+    program, so head_dim / 8 words must be a power of two."""
+    words = head_dim // 8
+    return supports(rows, k) and head_dim % 8 == 0 and words & (words - 1) == 0 and k % head_dim == 0
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "layout", "num_warps", "interpret"))
+def gated_rms_norm_rows(
+    x: jax.Array,
+    gate: jax.Array,
+    weight: jax.Array,
+    *,
+    eps: float,
+    layout: str = "columns",
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`reference_gated_rms_norm_rows` in one launch: the GDN output norm of each head, gated, and the
+    float16 rows of the result for the output projection's word kernel."""
+    if x.ndim != 2 or gate.shape != x.shape or weight.ndim != 1:
+        raise ValueError(f"x and gate must be [M, H * Dv] and weight [Dv]; got {x.shape}, {gate.shape}, {weight.shape}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    m, k = x.shape
+    head = weight.shape[0]
+    if not supports_gated(m, k, head):
+        raise ValueError(
+            f"the gated norm-rows kernel takes 1-{MAX_ROWS} rows of heads of a multiple of 8 columns "
+            f"(a power-of-two count of words); got x {x.shape}, heads of {head}"
+        )
+    kernel = functools.partial(
+        _norm_rows_kernel, m=m, k=k, eps=float(eps), zero_centered=False, layout=layout, block_w=head // 8,
+        chunk=head, head=head, weight_dtype=weight.dtype,
+    )  # fmt: skip
+    return _call(kernel, (x, gate, weight), m, k, head // 8, x.dtype, layout, num_warps, interpret, "gated_rms_norm_rows")

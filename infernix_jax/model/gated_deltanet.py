@@ -309,6 +309,15 @@ def _conv_states_at(conv_state: jax.Array, x: jax.Array, offsets: jax.Array) -> 
     return jnp.swapaxes(states, 2, 3).astype(conv_state.dtype)
 
 
+def _output_projection(p: GDNParams, out: jax.Array, z: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """out_proj of the gated output norm of out [B, T, Hv, Dv] (z its gate): [B, T, D]. The
+    projection may take its float16 rows from the norm's own launch (`NormSource` with the gate)."""
+    b, t, hv, dv = z.shape
+    normed = gated_rms_norm(out, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
+    norm = NormSource(out.reshape(b, t, hv * dv), p.norm, cfg.rms_norm_eps, gate=z.reshape(b, t, hv * dv))
+    return matmul(normed, p.out_proj, norm)
+
+
 def gated_deltanet(
     p: GDNParams,
     x: jax.Array,
@@ -367,8 +376,7 @@ def gated_deltanet(
             mixed, b_in, a_in, (p.conv_weight, p.A_log, p.dt_bias), fresh, n_valid, key_heads=hk,
             interpret=interpret,
         )  # fmt: skip
-        out = gated_rms_norm(out, z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
-        return matmul(out, p.out_proj), entry
+        return _output_projection(p, out, z, cfg), entry
 
     conv_state = jnp.where(fresh[:, None, None], 0, state.conv)
     raw = mixed
@@ -399,9 +407,11 @@ def gated_deltanet(
     else:
         offsets = jnp.clip(snapshot_at, 0, t)
         out, new_rec, rec_snapshots = _rule_with_snapshots(q, k, v, g, beta, rec_state, offsets)
-    out = gated_rms_norm(out.astype(x.dtype), z, p.norm, cfg.rms_norm_eps).reshape(b, t, hv * dv)
     new_state = GDNState(conv=new_conv, recurrent=new_rec)
-    result = (matmul(out, p.out_proj), new_state if slotted is None else slotted.commit(new_state))
+    result = (
+        _output_projection(p, out.astype(x.dtype), z, cfg),
+        new_state if slotted is None else slotted.commit(new_state),
+    )
     if snapshot_at is None:
         return result
     snapshots = GDNState(conv=_conv_states_at(conv_state, raw, offsets), recurrent=rec_snapshots)

@@ -880,7 +880,8 @@ def matmuls(x: Array, ws: tuple[Any, ...] | list[Any], norm: NormSource | None =
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NormSource:
-    """Says that a matmul's input x is `rms_norm(source, weight)` (model.norm, either style). With
+    """Says that a matmul's input x is `rms_norm(source, weight)` (model.norm, either style), or with
+    `gate` the GDN output norm `gated_rms_norm` of each weight-sized head of `source`. With
     `norm_rows("kernel")` an NVFP4 word kernel then takes x's float16 rows from one launch that
     norms `source` itself (pallas_kernels/norm_rows.py), in place of XLA's norm, row-max reduce and
     reorder before it; x still serves every other path. Made while tracing a layer, and used
@@ -888,9 +889,10 @@ class NormSource:
     norm share one launch."""
 
     source: Array  # [..., K]: the norm's input, with x's rows
-    weight: Array  # [K]
+    weight: Array  # [K], or [head dim] with a gate
     eps: float
-    zero_centered: bool
+    zero_centered: bool = False
+    gate: Array | None = None  # [..., K]: the gated norm's gate (its heads of weight.shape[0] columns)
     made: dict = dataclasses.field(default_factory=dict, repr=False)  # layout -> (words, inverse)
 
 
@@ -900,18 +902,29 @@ def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpr
     if norm is None or layout is None or _modes["norm_rows"] != "kernel":
         return None
     rows, k = x2d.shape
+    takes = (
+        norm_rows_kernel.supports(rows, k)
+        if norm.gate is None
+        else norm_rows_kernel.supports_gated(rows, k, norm.weight.shape[0])
+    )
     if (
         jnp.dtype(x2d.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        or not norm_rows_kernel.supports(rows, k)
+        or not takes
         or norm.source.shape[-1] != k
         or math.prod(norm.source.shape[:-1]) != rows
     ):
         return None
     if layout not in norm.made:
-        _, words, inverse = norm_rows_kernel.rms_norm_rows(
-            norm.source.reshape(rows, k), norm.weight, eps=norm.eps, zero_centered=norm.zero_centered,
-            layout=layout, interpret=interpret,
-        )  # fmt: skip
+        source = norm.source.reshape(rows, k)
+        if norm.gate is None:
+            _, words, inverse = norm_rows_kernel.rms_norm_rows(
+                source, norm.weight, eps=norm.eps, zero_centered=norm.zero_centered, layout=layout,
+                interpret=interpret,
+            )  # fmt: skip
+        else:
+            _, words, inverse = norm_rows_kernel.gated_rms_norm_rows(
+                source, norm.gate.reshape(rows, k), norm.weight, eps=norm.eps, layout=layout, interpret=interpret
+            )
         norm.made[layout] = (words, inverse)
     return norm.made[layout]
 

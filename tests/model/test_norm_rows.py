@@ -68,3 +68,35 @@ def test_prefill_rows_keep_xlas_norm(monkeypatch):
 def test_unknown_way_is_refused():
     with pytest.raises(ValueError, match="norm rows"), norm_rows("fused"):
         pass
+
+
+def test_the_gdn_output_projection_takes_its_rows_from_the_gated_norm(monkeypatch):
+    """The 80B-A3B's GDN output shape (32 heads of 128, out_proj on the streamed gemv at one row):
+    the projection of the gated norm takes its rows from one gated launch, with the same result as
+    the norm's XLA rows but for the norm's rounding (see above)."""
+    from types import SimpleNamespace
+
+    from infernix_jax.model.gated_deltanet import _output_projection
+    from infernix_jax.weights.quant import quantize_nvfp4
+
+    rng = np.random.default_rng(0)
+    out = jnp.asarray(rng.standard_normal((1, 1, 32, 128)), jnp.bfloat16)
+    z = jnp.asarray(rng.standard_normal((1, 1, 32, 128)), jnp.bfloat16)
+    p = SimpleNamespace(
+        norm=jnp.asarray(1 + 0.2 * rng.standard_normal(128), jnp.bfloat16),
+        out_proj=quantize_nvfp4(jnp.asarray(rng.standard_normal((64, 4096)) * 0.02, jnp.bfloat16)),
+    )
+    cfg = SimpleNamespace(rms_norm_eps=1e-6)
+    launches = []
+    real = norm_rows_kernel.gated_rms_norm_rows
+    monkeypatch.setattr(
+        norm_rows_kernel, "gated_rms_norm_rows", lambda *a, **kw: launches.append(kw["layout"]) or real(*a, **kw)
+    )
+    got = {}
+    for way in ("xla", "kernel"):
+        with kernel_mode("interpret"), norm_rows(way):
+            step = jax.jit(lambda w, o, z: _output_projection(SimpleNamespace(norm=p.norm, out_proj=w), o, z, cfg))
+            got[way] = np.asarray(step(p.out_proj, out, z), np.float32)
+    assert launches == ["columns"]
+    scale = np.abs(got["xla"]).max()
+    assert got["kernel"].shape == (1, 1, 64) and np.abs(got["kernel"] - got["xla"]).max() <= 2e-2 * scale

@@ -10,11 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.model.norm import rms_norm
+from infernix_jax.model.norm import gated_rms_norm, rms_norm
 from pallas_kernels import _e2m1_half2 as h2
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
-from pallas_kernels.norm_rows import MAX_ROWS, reference_rms_norm_rows, rms_norm_rows
+from pallas_kernels.norm_rows import (
+    MAX_ROWS,
+    gated_rms_norm_rows,
+    reference_gated_rms_norm_rows,
+    reference_rms_norm_rows,
+    rms_norm_rows,
+)
 
 
 def _inputs(m: int, k: int, weight_dtype=jnp.bfloat16, scale: float = 7.0):
@@ -97,4 +103,43 @@ def test_lowers_to_one_triton_call(layout):
         return rms_norm_rows(x, w, eps=1e-6, zero_centered=True, layout=layout)
 
     shapes = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048,), jnp.bfloat16))
+    assert compat.lower_for_cuda(jax.jit(fn), *shapes).count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize(
+    "m,heads,head_dim,layout,weight_dtype",
+    [
+        (1, 32, 128, "columns", jnp.bfloat16),  # the 80B-A3B's GDN output (out_proj K = 4096)
+        (1, 48, 128, "pairs", jnp.bfloat16),  # the 27B's (K = 6144)
+        (3, 4, 16, "columns", jnp.float32),  # a float32 weight: float32 before the gate, as the model
+        (16, 2, 64, "pairs", jnp.bfloat16),
+    ],
+)
+def test_gated_kernel_equals_the_reference_and_the_model_norm(m, heads, head_dim, layout, weight_dtype):
+    k = heads * head_dim
+    rng = np.random.default_rng(k + m)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((m, k)) * 2, jnp.bfloat16)
+    w = jnp.asarray(1 + 0.3 * rng.standard_normal(head_dim), weight_dtype)
+    want = reference_gated_rms_norm_rows(x, gate, w, eps=1e-6, layout=layout)
+    got = gated_rms_norm_rows(x, gate, w, eps=1e-6, layout=layout, interpret=True)
+    for name, a, b in zip(("gated", "words", "inverse"), want, got, strict=True):
+        _same_bits(b, a, name)
+    model = gated_rms_norm(x.reshape(m, heads, head_dim), gate.reshape(m, heads, head_dim), w, 1e-6)
+    _same_bits(want[0], model.reshape(m, k), "model")
+
+
+@pytest.mark.parametrize("shape,head_dim,match", [((1, 96), 24, "power-of-two"), ((1, 100), 20, "multiple of 8")])
+def test_gated_kernel_refuses_heads_it_cannot_split(shape, head_dim, match):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        gated_rms_norm_rows(x, x, jnp.ones(head_dim, jnp.bfloat16), eps=1e-6, interpret=True)
+
+
+def test_gated_kernel_lowers_to_one_triton_call():
+    def fn(x, gate, w):
+        return gated_rms_norm_rows(x, gate, w, eps=1e-6, layout="columns")
+
+    rows = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    shapes = (rows, rows, jax.ShapeDtypeStruct((128,), jnp.bfloat16))
     assert compat.lower_for_cuda(jax.jit(fn), *shapes).count("xla.gpu.triton") == 1
