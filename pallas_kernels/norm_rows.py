@@ -4,7 +4,8 @@ Before each NVFP4 word kernel, XLA makes the activation's float16 rows (`_quant_
 a row-max reduce, then a scale / convert / reorder fusion). Where that activation is an RMSNorm's
 output (a decoder layer's input norm before its attention or GDN projections, its post-attention
 norm before the MLP or the shared expert), the norm is one more launch before them: three small
-launches of a few KB each, every layer, twice. Here one launch does all three.
+launches of a few KB each, twice a layer (three times on a linear-attention layer, whose output
+norm precedes its out_proj). Here one launch does all three.
 
 For x [M, K] and the norm's weight [K]:
 
