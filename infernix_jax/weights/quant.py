@@ -39,6 +39,11 @@ launch (`nvfp4_matmuls`), everything else as separate `matmul`s. `fused_projecti
 INFERNIX_FUSED_PROJECTIONS=off) keeps them separate, for measuring. `grouped_expert_matmuls` does
 the same for an expert's gate and up stacks in the grouped kernel (`fused_experts`,
 INFERNIX_FUSED_EXPERTS, on: it won end to end on an H100, docs/quant_formats.md).
+
+`matmul(x, w, norm)` / `matmuls(x, ws, norm)`: a `NormSource` says x is an RMSNorm's output (or
+the GDN output norm's); under `norm_rows("kernel")` (INFERNIX_NORM_ROWS) the NVFP4 word kernels
+then take x's float16 rows from one launch that norms too (pallas_kernels/norm_rows.py) instead
+of XLA's norm, row-max reduce and reorder before them (docs/pallas.md).
 """
 
 from __future__ import annotations
