@@ -106,16 +106,6 @@ WORD_VARIANTS = (
 # The word variants that can take x as given and make its float16 rows themselves
 # (MatmulConfig.x_rows="kernel", `_x_word_tiles`); the others need XLA's `f16_rows` before the launch.
 KERNEL_ROWS_VARIANTS = ("gemv_w", "gemv_wp", "gemv_ws", "dot_jw")
-
-
-def x_words_layout(variant: str, x_rows: str | None = None) -> str | None:
-    """How a formulation reads x's float16 rows when they are made before its launch (`x_words`
-    of `nvfp4_matmul` / `nvfp4_matmuls`): "columns" (`_quant_common.word_columns` order), "pairs"
-    (`_e2m1_half2.word_x_pairs`), or None where it takes no such rows (the bfloat16 decode,
-    "dot_jw"'s natural order, x_rows="kernel", and "gemv_h2_ws"'s own pairs)."""
-    if x_rows == "kernel" or variant not in WORD_VARIANTS or variant in ("dot_jw", "gemv_h2_ws"):
-        return None
-    return "pairs" if variant in ("gemv_h2w_ws", "gemv_h2wx_ws") else "columns"
 # gemv_w sums the 8 products of a word in float16 (each product is exact there): its result differs
 # from the float32 reference by rounding, at most about this fraction of max |y| (tests use it).
 GEMV_W_TOLERANCE = 4e-3
@@ -853,6 +843,16 @@ def validate_nvfp4_matmul(
             f"block_k={block_k} must be >= {WORD_MIN_BLOCK_K} for variant={variant!r} "
             "(its dots run over block_k / 8 words, and Triton dots need 16)"
         )
+
+
+def x_words_layout(variant: str, x_rows: str | None = None) -> str | None:
+    """How a formulation reads x's float16 rows when they are made before its launch (`x_words`
+    of `nvfp4_matmul` / `nvfp4_matmuls`): "columns" (`_quant_common.word_columns` order), "pairs"
+    (`_e2m1_half2.word_x_pairs`), or None where it takes no such rows (the bfloat16 decode,
+    "dot_jw"'s natural order, x_rows="kernel", and "gemv_h2_ws"'s own pairs)."""
+    if x_rows == "kernel" or variant not in WORD_VARIANTS or variant in ("dot_jw", "gemv_h2_ws"):
+        return None
+    return "pairs" if variant in ("gemv_h2w_ws", "gemv_h2wx_ws") else "columns"
 
 
 def _check_x_words(x_words, cfg: qc.MatmulConfig, m: int, k: int) -> None:
