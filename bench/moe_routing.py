@@ -19,40 +19,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.chained_calls import best_seconds, chained
 from bench.record import machine_name, machine_slug, make_record, write_records
 from pallas_kernels.moe_routing import DEFAULT_NUM_WARPS, moe_routing, reference_moe_routing
 
 OUTPUTS = ("weights", "ids", "order", "rank", "sizes", "xs", "words", "inverse")
 
 
-def _chained(fn, calls: int):
-    """A program running fn `calls` times, each call's logits nudged by the last call's outputs."""
-
-    def run(logits, x, valid):
-        def body(_, lg):
-            out = fn(logits=lg, x=x, valid=valid)
-            tie = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in out) + out[0].astype(jnp.float32).sum()
-            return lg + 1e-30 * tie
-
-        return jax.lax.fori_loop(0, calls, body, logits)
-
-    return jax.jit(run)
-
-
-def _seconds(fn, *args, repeats: int = 5) -> float:
-    fn(*args).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _tie(out) -> jax.Array:
+    """A float32 scalar that depends on every output of a routing call."""
+    return sum(jnp.ravel(a)[0].astype(jnp.float32) for a in out) + out[0].astype(jnp.float32).sum()
 
 
 def measure(
@@ -80,8 +61,8 @@ def measure(
     for name, a, b in zip(OUTPUTS, want, got):  # the last two with word_rows only
         out[f"{name}_equal"] = bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)))
     out["weights_max_abs_diff"] = float(np.max(np.abs(np.asarray(want[0], np.float32) - np.asarray(got[0], np.float32))))
-    out["kernel_us"] = _seconds(_chained(kernel, calls), logits, x, valid) / calls * 1e6
-    out["reference_us"] = _seconds(_chained(reference, calls), logits, x, valid) / calls * 1e6
+    out["kernel_us"] = best_seconds(chained(kernel, calls, _tie), logits, x, valid) / calls * 1e6
+    out["reference_us"] = best_seconds(chained(reference, calls, _tie), logits, x, valid) / calls * 1e6
     return out
 
 

@@ -1114,14 +1114,13 @@ def _word_call(
     raw = cfg.x_rows == "kernel"  # the kernel makes its own float16 rows and undoes their factors
     if raw:
         x_rows, row_scale = x, tensor_factor[None]
-    elif x_words is not None:  # made before, in word-column order
-        x_cols, inv = x_words
-        row_scale = inv * tensor_factor
     else:
-        x_rows, inv = qc.f16_rows(x)
+        if x_words is not None:  # made before, in word-column order
+            x_cols, inv = x_words
+        else:
+            x_rows, inv = qc.f16_rows(x)
+            x_cols = None if cfg.variant == "dot_jw" else qc.word_columns(x_rows)  # dot_jw: natural order
         row_scale = inv * tensor_factor
-    if not raw and x_words is None and cfg.variant != "dot_jw":
-        x_cols = qc.word_columns(x_rows)
     params = qc.compiler_params(cfg)
     if cfg.variant == "tiled_w":
         m_tiles, n_tiles = qc.tiled_grid(m, n, block_m, cfg.block_n)
