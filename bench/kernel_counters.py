@@ -2,13 +2,15 @@
 
     python -m bench.kernel_counters --variant gemv_ws --n 17408 --k 5120 --out-dir /tmp/ncu   # GPU + ncu
     python -m bench.kernel_counters --variant gemv_ws --n 5120 --k 17408 --out-dir /tmp/ncu --tag down
+    python -m bench.kernel_counters --experts 512 --rows 10 --n 1024 --k 2048 --variant dot_w --block-n 64 \
+        --block-k 256 --warps 4 --out-dir /tmp/ncu --tag gate-up-1    # the grouped kernel, one token
 
 Timing variants that leave a stage out (bench.kernel_bounds) says *that* a kernel stops short of
 HBM bandwidth; the counters say *why*: DRAM throughput, issue-slot use, occupancy, and the warp
 stall reasons (waiting on memory, on a long-latency conversion, on the scoreboard of a load that
 was asked for too late). This runs itself under `ncu` (child mode: compile the configuration,
 `--warm` calls, then the profiled call), profiles the one launch of `nvfp4_matmul_<variant>`
-after the warm ones with the full section set, and exports from the report:
+(`grouped_nvfp4_matmul_<variant>` with --experts) after the warm ones with the full section set, and exports from the report:
 
     <tag>.ncu-rep          the report (open it in Nsight Compute's GUI)
     <tag>-details.csv      every section's metrics
@@ -32,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.kernel_sass import add_kernel_arguments, kernel_inputs
+from bench.kernel_sass import add_kernel_arguments, kernel_inputs, kernel_name
 
 # Raw metrics kept in the JSON summary, by name prefix (the rest stays in the raw CSV).
 HEADLINE_PREFIXES = (
@@ -66,7 +68,7 @@ def ncu_command(ncu: str, report: Path, args, child_argv: list[str]) -> list[str
     warm calls (by name: XLA's own fusions around it are not profiled)."""
     return [
         ncu, "--clock-control", "none", "--target-processes", "all",
-        "--kernel-name", f"regex:nvfp4_matmul_{args.variant}", "--launch-skip", str(args.warm),
+        "--kernel-name", f"regex:{kernel_name(args)}", "--launch-skip", str(args.warm),
         "--launch-count", "1", "--set", "full", "--import-source", "yes",
         "--export", str(report), "--force-overwrite",
         sys.executable, "-m", "bench.kernel_counters", "--child", *child_argv,

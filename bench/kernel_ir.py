@@ -137,9 +137,6 @@ def report(ttgir: str, ptx: str, sass: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_kernel_arguments(parser)
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--experts", type=int, default=0,
-                        help="the grouped kernel over NVFP4 stacks of this many experts (0: the dense kernel)")  # fmt: skip
     parser.add_argument("--triton-python", default=sys.executable,
                         help="interpreter whose `triton` package compiles the module (default: this one)")  # fmt: skip
     parser.add_argument("--out-dir", required=True)

@@ -126,36 +126,52 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", default="gemv_ws")
     parser.add_argument("--n", type=int, default=17408)
     parser.add_argument("--k", type=int, default=5120)
-    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (grouped: routed rows, one an expert)")
     parser.add_argument("--block-n", type=int, default=32)
     parser.add_argument("--block-k", type=int, default=512)
     parser.add_argument("--warps", type=int, default=8)
+    parser.add_argument("--stages", type=int, default=3, help="software pipeline stages (the dot formulations)")
     parser.add_argument("--programs", type=int, default=None, help="streamed grid (default two per SM)")
     parser.add_argument("--scale-spread", default="reshape", help="word gemvs: reshape or gather (MatmulConfig)")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="the grouped kernel over NVFP4 stacks of this many experts (0: the dense kernel)")  # fmt: skip
+
+
+def kernel_name(args) -> str:
+    """The name of the configuration's Pallas kernel (its CUDA function names contain it)."""
+    return f"grouped_nvfp4_matmul_{args.variant}" if getattr(args, "experts", 0) else f"nvfp4_matmul_{args.variant}"
 
 
 def kernel_inputs(args):
     """The NVFP4 decode kernel of `args` as a jitted function and its inputs: random weights of
-    its shape and `args.rows` bf16 rows (`args.programs`, where given, sizes a streamed grid)."""
+    its shape and `args.rows` bf16 rows (`args.programs`, where given, sizes a streamed grid).
+    With `args.experts`, the grouped kernel (`moe_matmul.grouped_matmul`) over stacks of that many
+    experts with `args.rows` routed rows, one on each of as many distinct random experts (a decode
+    step's pairs: ten rows are one token's top-10)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from pallas_kernels.moe_matmul import grouped_matmul
     from pallas_kernels.nvfp4_matmul import nvfp4_matmul
 
     rng = np.random.default_rng(0)
-    packed = jnp.asarray(rng.integers(0, 256, (args.n, args.k // 2), dtype=np.uint8))
-    scales = jnp.asarray(rng.uniform(0.5, 2, (args.n, args.k // 16)).astype(np.float32)).astype(
+    lead = (args.experts,) if getattr(args, "experts", 0) else ()
+    packed = jnp.asarray(rng.integers(0, 256, (*lead, args.n, args.k // 2), dtype=np.uint8))
+    scales = jnp.asarray(rng.uniform(0.5, 2, (*lead, args.n, args.k // 16)).astype(np.float32)).astype(
         jnp.float8_e4m3fn
     )
     x = jnp.asarray(rng.standard_normal((args.rows, args.k)), jnp.bfloat16)
-    tiles = {
-        "variant": args.variant,
-        "block_n": args.block_n,
-        "block_k": args.block_k,
-        "num_warps": args.warps,
-        "scale_spread": getattr(args, "scale_spread", "reshape"),
-    }
+    tiles = {"variant": args.variant, "block_n": args.block_n, "block_k": args.block_k, "num_warps": args.warps}
+    if lead:
+        if args.rows > args.experts:
+            raise SystemExit(f"--rows {args.rows} routed rows need at least as many --experts")
+        sizes = np.zeros(args.experts, np.int32)
+        sizes[rng.choice(args.experts, args.rows, replace=False)] = 1
+        tiles["num_stages"] = getattr(args, "stages", 3)
+        fn = jax.jit(lambda x, p, s, t, g: grouped_matmul(x, (p, s, t), g, fmt="nvfp4", **tiles))
+        return fn, (x, packed, scales, jnp.ones(lead, jnp.float32), jnp.asarray(sizes))
+    tiles["scale_spread"] = getattr(args, "scale_spread", "reshape")
     if getattr(args, "programs", None):
         tiles["programs"] = args.programs
     fn = jax.jit(lambda x, p, s, t: nvfp4_matmul(x, p, s, t, **tiles))
@@ -185,11 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
     if tool is None:
         raise SystemExit("cuobjdump not found: pass --cuobjdump (it comes with the CUDA toolkit)")
     blob = serialized_executable(args)
-    functions = kernel_sass(blob, f"nvfp4_matmul_{args.variant}", tool)
+    functions = kernel_sass(blob, kernel_name(args), tool)
     if not functions:
-        raise SystemExit(
-            f"no nvfp4_matmul_{args.variant} function in the {len(carve_elfs(blob))} cubins found"
-        )
+        raise SystemExit(f"no {kernel_name(args)} function in the {len(carve_elfs(blob))} cubins found")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {"config": vars(args), "functions": {}}

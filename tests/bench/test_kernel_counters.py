@@ -59,3 +59,19 @@ def test_a_missing_ncu_is_a_clear_error(tmp_path, monkeypatch):
         assert "ncu not found" in str(e)
     else:
         raise AssertionError("no error without ncu")
+
+
+def test_the_grouped_kernel_is_profiled_by_its_own_name_on_a_decode_steps_routed_rows():
+    from bench.kernel_sass import kernel_inputs
+
+    class Args:
+        variant, warm, experts, rows, n, k = "dot_w", 3, 64, 10, 32, 256
+        block_n, block_k, warps, stages = 32, 128, 4, 2
+
+    cmd = kernel_counters.ncu_command("ncu", Path("/tmp/r.ncu-rep"), Args, [])
+    assert dict(itertools.pairwise(cmd))["--kernel-name"] == "regex:grouped_nvfp4_matmul_dot_w"
+    _, (x, packed, scales, tensor_scale, sizes) = kernel_inputs(Args)
+    assert x.shape == (10, 256) and packed.shape == (64, 32, 128) and scales.shape == (64, 32, 16)
+    assert tensor_scale.shape == (64,)
+    # one row on each of ten distinct experts, as one token's top-10
+    assert int(sizes.sum()) == 10 and int(sizes.max()) == 1
