@@ -25,8 +25,8 @@ upper bound, which sizes the grid:
     items <= min(M, E) + M // block_m     (each non-empty group adds at most one partial tile)
 
 The grid is (work items, N tiles, split_k). Each program loads the [E] group sizes and finds
-its own item (`locate_item`: two cumsums and a few masked sums over E, no XLA op before the
-kernel), skips all work when its item is past the last one (a `lax.cond`, `scf.if` in
+its own item (`locate_item`: two independent cumsums and two masked sums over E, no XLA op before
+the kernel), skips all work when its item is past the last one (a `lax.cond`, `scf.if` in
 Triton), and otherwise streams its expert's [block_n, K] weight rows once, decoding them in
 registers as the dense decode kernels do (pallas_kernels/nvfp4_matmul.py, fp8_matmul.py,
 `_quant_common.e2m1_f16_bits`). A group that fits in one item reads its expert's weights exactly
@@ -224,6 +224,9 @@ def max_work_items(m: int, num_experts: int, block_m: int) -> int:
     return max(1, min(m, min(m, num_experts) + m // block_m))
 
 
+PACK_SHIFT = 16  # `locate_item` packs two row counts below 2**15 into one int32
+
+
 def locate_item(
     t: jax.Array, sizes: jax.Array, m: int, block_m: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -233,7 +236,34 @@ def locate_item(
 
     Written with ops the Triton lowering has (cumsum, compare, where, sum), so the kernel runs
     it per program on the group sizes and no XLA op computes the items; `work_items` runs the
-    same function for all items outside (tests, callers that want to see them)."""
+    same function for all items outside (tests, callers that want to see them). Every program
+    runs it before its first weight load, and each scan or sum over E is a round of warp shuffles
+    and barriers: so the tiles are counted from the sizes themselves (the two scans do not wait on
+    each other), and the item's first and end rows travel packed in one int32 (M < 2**15), one
+    scan pair and two sums in all."""
+    e_size = sizes.shape[0]
+    if 2 * m + block_m >= 1 << PACK_SHIFT:  # a first row (< 2 M + block_m) or an end row would not fit
+        return _locate_item_unpacked(t, sizes, m, block_m)
+    sizes = jnp.minimum(sizes, m)  # no group holds more than M rows (and the running sums stay small)
+    # Tiles of the sizes as given: the cut ones up to the group that crosses M, where an item of
+    # that group or a later one starts at or after M and so gets no rows below.
+    tiles = (sizes + (block_m - 1)) // block_m
+    cum = jnp.cumsum(sizes)  # rows up to each group, inclusive
+    tile_ends = jnp.cumsum(tiles)
+    ends = jnp.minimum(cum, m)
+    starts = jnp.minimum(cum - sizes, m)
+    hit = (tile_ends - tiles <= t) & (t < tile_ends)  # the one group whose tiles hold item t
+    first = starts + (t - (tile_ends - tiles)) * block_m  # < 2 M where hit
+    end = jnp.minimum(first + block_m, ends)
+    group = jnp.sum(jnp.where(hit, jnp.arange(e_size, dtype=jnp.int32), 0))
+    rows = jnp.sum(jnp.where(hit, first + (end << PACK_SHIFT), 0))
+    first, end = rows & ((1 << PACK_SHIFT) - 1), rows >> PACK_SHIFT
+    real = end > first
+    return jnp.where(real, group, 0), jnp.where(real, first, 0), jnp.where(real, end, 0)
+
+
+def _locate_item_unpacked(t: jax.Array, sizes: jax.Array, m: int, block_m: int):
+    """`locate_item` for row or item counts too large to pack: two scans and five sums."""
     cum = jnp.cumsum(sizes)
     ends = jnp.minimum(cum, m)
     starts = jnp.minimum(cum - sizes, m)
@@ -475,6 +505,7 @@ def _grouped_tile(
 
     def zero_uncovered_rows():
         """Rows past sum(group_sizes) belong to no item: the last program row writes their zeros."""
+        covered = jnp.minimum(jnp.sum(sizes), m_size)
 
         def chunk(c, carry):
             rows = c * ZERO_ROWS + jnp.arange(ZERO_ROWS)
@@ -489,9 +520,8 @@ def _grouped_tile(
         jax.lax.fori_loop(covered // ZERO_ROWS, compat.cdiv(m_size, ZERO_ROWS), chunk, 0)
 
     jax.lax.cond(r1 > r0, work, lambda: None)
-    covered = jnp.minimum(jnp.sum(sizes), m_size)
-    last_item = t == max_work_items(m_size, num_experts, bm) - 1
-    jax.lax.cond(last_item & (covered < m_size), zero_uncovered_rows, lambda: None)
+    # only the last item's programs sum the sizes (a reduction over E is a few barriers)
+    jax.lax.cond(t == max_work_items(m_size, num_experts, bm) - 1, zero_uncovered_rows, lambda: None)
 
 
 # ------------------------------------------------------------------------------------ validation

@@ -112,6 +112,37 @@ def test_work_items_cover_every_row_once_within_the_static_bound(block_m):
     np.testing.assert_array_equal(covered, (np.arange(m) < sizes.sum()).astype(np.int64))
 
 
+def _brute_force_items(sizes, m, block_m):
+    """(expert, first, end) of every work item: the groups cut at M, then into block_m-row tiles."""
+    items, row = [], 0
+    for e, size in enumerate(sizes):
+        end = min(row + int(size), m)
+        items += [(e, a, min(a + block_m, end)) for a in range(row, end, block_m)]
+        row = end
+    return items
+
+
+def test_items_located_in_the_kernel_are_the_groups_cut_at_m_then_into_tiles():
+    """The kernel's per-program search (one scan pair, packed sums) against a plain loop: sizes
+    that sum to M, fall short of it or run past it, groups larger than M, empty groups."""
+    rng = np.random.default_rng(7)
+    for trial in range(21):  # a few shapes (few compiles); the last a prefill's M, past the packed counts
+        (e, m), block_m = ((12, 40), (5, 97))[trial % 2], (3, 16)[trial // 9 % 2]
+        if trial >= 18:
+            e, m, block_m = 12, 40000, 4096
+        if trial % 3 == 0:
+            sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(e) / e)
+        elif trial % 3 == 1:
+            sizes = rng.integers(0, 3 * m // e + 2, e)
+        else:
+            sizes = np.where(rng.random(e) < 0.7, 0, rng.integers(0, 2 * m + 1, e))
+        expert, first, end = (np.asarray(a) for a in work_items(jnp.asarray(sizes, jnp.int32), m, block_m))
+        real = end > first
+        assert list(zip(expert[real], first[real], end[real], strict=True)) == _brute_force_items(sizes, m, block_m)
+        assert not expert[~real].any() and not first[~real].any() and not end[~real].any()
+        assert real[: real.sum()].all()  # the items come first, in row order
+
+
 def test_decode_pairs_read_each_distinct_expert_once():
     """batch 4 x top-3 of 16 experts, shared experts included: with block_m >= the tokens, every
     routed expert is exactly one work item (its weights are streamed once)."""
