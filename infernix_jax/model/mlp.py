@@ -286,14 +286,20 @@ def moe(
     the first valid token's experts, so that they make no expert read (nor fetch, for experts
     beyond device memory) of their own; their outputs are meaningless, as they are anyway.
     norm: x is that RMSNorm's output (the layer's post-attention norm; `NormSource`), which the
-    shared expert's projections may take their rows from."""
+    shared expert's projections may take their rows from. Where they do, the router, the routing
+    and the shared gate read the norm launch's own output too, so XLA's norm of x goes unused
+    (one launch a layer less; its values may differ from XLA's by an ulp)."""
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     valid = None if valid is None else valid.reshape(-1)
+    shared = None if p.shared is None else mlp(p.shared, xf, norm)  # first: it may launch the norm's kernel
+    kernel_normed = None if norm is None else norm.kernel_output()
+    if kernel_normed is not None and kernel_normed.dtype == xf.dtype:
+        xf = kernel_normed.reshape(xf.shape)
     if _routes_in_kernel(p, xf.shape[0], cfg):
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
         weights, per_pair = _experts_routed_in_kernel(p, xf, cfg, valid)
-        return _combine(p, xf, weights, per_pair, norm).reshape(shape)
+        return _combine(p, xf, weights, per_pair, shared).reshape(shape)
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
@@ -305,17 +311,16 @@ def moe(
     else:
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
         per_pair = _experts_resident(p, xf, ids, cfg.num_experts)
-    return _combine(p, xf, weights, per_pair, norm).reshape(shape)
+    return _combine(p, xf, weights, per_pair, shared).reshape(shape)
 
 
 def _combine(
-    p: MoEParams, xf: jax.Array, weights: jax.Array, per_pair: jax.Array, norm: NormSource | None = None
+    p: MoEParams, xf: jax.Array, weights: jax.Array, per_pair: jax.Array, shared: jax.Array | None
 ) -> jax.Array:
-    """The routed experts' weighted sum plus the gated shared expert: [N, D]."""
+    """The routed experts' weighted sum plus the gated shared expert's output `shared`: [N, D]."""
     out = jnp.einsum("nk,nkd->nd", weights, per_pair)
-    if p.shared is not None:
-        gate = jax.nn.sigmoid(matmul(xf, p.shared_gate))
-        out = out + gate * mlp(p.shared, xf, norm)
+    if shared is not None:
+        out = out + jax.nn.sigmoid(matmul(xf, p.shared_gate)) * shared
     return out
 
 

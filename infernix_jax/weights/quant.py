@@ -898,7 +898,16 @@ class NormSource:
     eps: float
     zero_centered: bool = False
     gate: Array | None = None  # [..., K]: the gated norm's gate (its heads of weight.shape[0] columns)
-    made: dict = dataclasses.field(default_factory=dict, repr=False)  # layout -> (words, inverse)
+    made: dict = dataclasses.field(default_factory=dict, repr=False)  # layout -> (normed, words, inverse)
+
+    def kernel_output(self) -> Array | None:
+        """The norm's output [..., K] from a launch already made for it (any layout), or None.
+        Code that reads x besides the projections (a MoE layer's router and routing) takes this
+        instead, so that XLA's own norm of x, read by nothing else, is not computed at all."""
+        if not self.made:
+            return None
+        normed, _, _ = next(iter(self.made.values()))
+        return normed.reshape(self.source.shape)
 
 
 def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpret: bool):
@@ -922,16 +931,16 @@ def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpr
     if layout not in norm.made:
         source = norm.source.reshape(rows, k)
         if norm.gate is None:
-            _, words, inverse = norm_rows_kernel.rms_norm_rows(
+            normed, words, inverse = norm_rows_kernel.rms_norm_rows(
                 source, norm.weight, eps=norm.eps, zero_centered=norm.zero_centered, layout=layout,
                 interpret=interpret,
             )  # fmt: skip
         else:
-            _, words, inverse = norm_rows_kernel.gated_rms_norm_rows(
+            normed, words, inverse = norm_rows_kernel.gated_rms_norm_rows(
                 source, norm.gate.reshape(rows, k), norm.weight, eps=norm.eps, layout=layout, interpret=interpret
             )
-        norm.made[layout] = (words, inverse)
-    return norm.made[layout]
+        norm.made[layout] = (normed, words, inverse)
+    return norm.made[layout][1:]
 
 
 def take(w: Any, expert_ids: Array) -> Any:

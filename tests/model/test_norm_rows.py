@@ -102,3 +102,30 @@ def test_the_gdn_output_projection_takes_its_rows_from_the_gated_norm(monkeypatc
     assert launches == ["columns"]
     scale = np.abs(got["xla"]).max()
     assert got["kernel"].shape == (1, 1, 64) and np.abs(got["kernel"] - got["xla"]).max() <= 2e-2 * scale
+
+
+def test_a_moe_layer_routes_on_the_norm_launchs_output_when_its_shared_expert_took_rows_from_it():
+    """With the shared expert's gate / up on the norm's launch, the router, the routing and the
+    shared gate read that launch's normed rows too (XLA's own norm is then read by nothing): given
+    an x that is not the norm's output, the layer still computes from the norm of the source."""
+    from infernix_jax.model.mlp import moe
+    from infernix_jax.model.norm import rms_norm
+    from infernix_jax.weights.quant import NormSource
+
+    path = HF_FIXTURES / "qwen3_next"
+    cfg = ModelConfig.from_hf_config(path)
+    params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
+    layer = params.layers[0]
+    source = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, cfg.hidden_size)), jnp.bfloat16)
+    h = rms_norm(source, layer.post_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
+
+    def run(way, x):
+        with kernel_mode("interpret"), norm_rows(way):
+            norm = NormSource(source, layer.post_norm, cfg.rms_norm_eps, cfg.zero_centered_norm)
+            step = jax.jit(lambda p, x: moe(p, x, cfg, norm=norm))
+            return np.asarray(step(layer.moe, x), np.float32)
+
+    want = run("xla", h)
+    got = run("kernel", jnp.zeros_like(h))  # only the norm's launch can give the layer its input
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    assert np.abs(run("xla", jnp.zeros_like(h)) - want).max() > 0.5 * np.abs(want).max()  # x matters there
