@@ -18,7 +18,9 @@ For x [M, K] and the norm's weight [K]:
 
 `gated_rms_norm_rows` does the same for the GDN output norm before a linear-attention layer's
 out_proj (`model.norm.gated_rms_norm` of each Dv-column head, times silu of its gate): one head
-a program, each head's 1/rms from its own columns.
+a program, each head's 1/rms from its own columns. `swiglu_rows` makes the rows of an MLP's
+SwiGLU, silu(gate) * up, for its down projection (the routed experts' grouped one), where XLA
+spends two launches (the SwiGLU fused into a row-max reduce, then the scale / reorder).
 
 The grid is blocks of `block_w` 8-column words. Every program takes the rows' sums of squares and
 then the normed rows' max |x| over all of K (a few KB, from L2), and writes its own block: the
@@ -75,13 +77,27 @@ def _normed(tile, w, r, *, zero_centered: bool, in_dtype, out_dtype):
     return product.astype(out_dtype).astype(jnp.float32)
 
 
+def _swiglu(gate, up, dtype):
+    """silu(gate) * up as the model computes it in `dtype`, float32 values: jax's sigmoid is
+    1 / (1 + exp(-x)) in the input's dtype, so every op is rounded to it."""
+
+    def rounded(v):
+        return v.astype(dtype).astype(jnp.float32)
+
+    sigmoid = rounded(1.0 / rounded(1.0 + rounded(jnp.exp(-gate))))
+    return rounded(rounded(gate * sigmoid) * up)
+
+
 def _norm_rows_kernel(
     *refs, m: int, k: int, eps: float, zero_centered: bool, layout: str, block_w: int, chunk: int,
-    head: int, weight_dtype,
+    head: int, weight_dtype, swiglu: bool = False,
 ):  # fmt: skip
     """head > 0: the gated norm of `head`-column groups (x, gate, weight [head]), one group a
-    program; head == 0: the plain norm of whole rows (x, weight [K])."""
-    if head:
+    program; head == 0: the plain norm of whole rows (x, weight [K]); swiglu: no norm, the
+    SwiGLU of whole rows (gate as x, up as g, no weight)."""
+    if swiglu:
+        (x_ref, g_ref, normed_ref, words_ref, inverse_ref), w_ref = refs, None
+    elif head:
         x_ref, g_ref, w_ref, normed_ref, words_ref, inverse_ref = refs
     else:
         (x_ref, w_ref, normed_ref, words_ref, inverse_ref), g_ref = refs, None
@@ -94,6 +110,8 @@ def _norm_rows_kernel(
 
     def value(t, w, g, r):
         """The activation (float32 values of out_dtype) at loaded x, weight and gate tiles."""
+        if swiglu:
+            return _swiglu(t, g, out_dtype)
         if not head:
             return _normed(t, w, r, zero_centered=zero_centered, in_dtype=in_dtype, out_dtype=out_dtype)
         out = (w * (t * r).astype(in_dtype).astype(jnp.float32)).astype(jnp.result_type(weight_dtype, in_dtype))
@@ -106,12 +124,19 @@ def _norm_rows_kernel(
         )
 
     def w_chunk(i):
+        if swiglu:
+            return None
         return compat.load(w_ref.at[compat.ds(0 if head else i * chunk, chunk)]).astype(jnp.float32)[None, :]
 
     def rsqrt_mean(sums, n):
         return jax.lax.rsqrt(sums / n + eps)[:, None]
 
-    if head:  # one pass: each head's 1/rms from its own chunk
+    if swiglu:  # no norm: one pass for the rows' max
+        def row_max(i, running):
+            return jnp.maximum(running, jnp.abs(value(chunk_of(x_ref, i), None, chunk_of(g_ref, i), None)))
+
+        r = None
+    elif head:  # one pass: each head's 1/rms from its own chunk
         def row_max(i, running):
             t = chunk_of(x_ref, i)
             r = rsqrt_mean(jnp.sum(t * t, axis=1), head)
@@ -137,11 +162,12 @@ def _norm_rows_kernel(
     c0 = 8 * w0
     ok = jnp.broadcast_to(row_ok[:, None], (m_pad, 8 * block_w))
     t = compat.load(x_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], mask=ok, other=0).astype(jnp.float32)
-    w = compat.load(w_ref.at[compat.ds(0 if head else c0, 8 * block_w)]).astype(jnp.float32)[None, :]
+    w = None if swiglu else compat.load(w_ref.at[compat.ds(0 if head else c0, 8 * block_w)]).astype(jnp.float32)[None, :]
     g = None
-    if head:
+    if head or swiglu:
         g = compat.load(g_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], mask=ok, other=0)
         g = g.astype(jnp.float32)
+    if head:
         r = rsqrt_mean(jnp.sum(t * t, axis=1), head)
     own = value(t, w, g, r)
     compat.store(normed_ref.at[compat.ds(0, m_pad), compat.ds(c0, 8 * block_w)], own.astype(out_dtype), mask=ok)
@@ -152,11 +178,12 @@ def _norm_rows_kernel(
         lead = (m_pad,) + (1,) * col.ndim
         mask = jnp.broadcast_to(row_ok.reshape(lead), (m_pad, *col.shape))
         t = compat.load(x_ref.at[rows.reshape(lead), col[None]], mask=mask, other=0).astype(jnp.float32)
-        w = compat.load(w_ref.at[col % head if head else col]).astype(jnp.float32)[None]
+        w = None if swiglu else compat.load(w_ref.at[col % head if head else col]).astype(jnp.float32)[None]
         g = None
-        if head:
+        if head or swiglu:
             g = compat.load(g_ref.at[rows.reshape(lead), col[None]], mask=mask, other=0).astype(jnp.float32)
-        return (value(t, w, g, r.reshape(lead)) * factor.reshape(lead)).astype(jnp.float16), mask
+        r_rows = None if r is None else r.reshape(lead)
+        return (value(t, w, g, r_rows) * factor.reshape(lead)).astype(jnp.float16), mask
 
     j = w0 + jnp.arange(block_w, dtype=jnp.int32)
     if layout == "columns":  # [m, p, j] = element p of word j: words_ref is the [M, 8, K/8] view
@@ -287,3 +314,39 @@ def gated_rms_norm_rows(
         chunk=head, head=head, weight_dtype=weight.dtype,
     )  # fmt: skip
     return _call(kernel, (x, gate, weight), m, k, head // 8, x.dtype, layout, num_warps, interpret, "gated_rms_norm_rows")
+
+
+def reference_swiglu_rows(gate: jax.Array, up: jax.Array, *, layout: str = "columns") -> tuple[jax.Array, ...]:
+    """(h, words, inverse) in plain JAX for gate and up [M, I]: h = silu(gate) * up as `model.mlp`
+    computes it, then `f16_rows` and the layout's reorder of h."""
+    h = jax.nn.silu(gate) * up
+    x16, inverse = qc.f16_rows(h)
+    return h, qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "num_warps", "interpret"))
+def swiglu_rows(
+    gate: jax.Array,
+    up: jax.Array,
+    *,
+    layout: str = "columns",
+    num_warps: int = DEFAULT_NUM_WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`reference_swiglu_rows` in one launch: an MLP's SwiGLU and the float16 rows of it that its
+    down projection's word kernel reads."""
+    if gate.ndim != 2 or up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"gate and up must be [M, I] of one dtype; got {gate.dtype} {gate.shape}, {up.dtype} {up.shape}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    if not supports(*gate.shape):
+        raise ValueError(f"the SwiGLU-rows kernel takes 1-{MAX_ROWS} rows of I divisible by 8; got {gate.shape}")
+    m, k = gate.shape
+    words_k = k // 8
+    block_w = min(MAX_BLOCK_W, words_k & -words_k)
+    chunk = min(MAX_CHUNK, k & -k)
+    kernel = functools.partial(
+        _norm_rows_kernel, m=m, k=k, eps=0.0, zero_centered=False, layout=layout, block_w=block_w, chunk=chunk,
+        head=0, weight_dtype=gate.dtype, swiglu=True,
+    )  # fmt: skip
+    return _call(kernel, (gate, up), m, k, block_w, gate.dtype, layout, num_warps, interpret, "swiglu_rows")

@@ -1,7 +1,8 @@
 """The RMSNorm-and-word-rows kernel (one launch from a layer's residual to the float16 rows an
 NVFP4 word kernel reads) equals its plain-JAX reference bit for bit in interpret mode, in both of
 Qwen's norm styles and both word layouts; the reference is the model's norm followed by the word
-kernels' own row preparation; it refuses what it cannot take; it lowers to one Triton call."""
+kernels' own row preparation; it refuses what it cannot take; it lowers to one Triton call. The
+same holds for its SwiGLU form (the rows of silu(gate) * up for a down projection)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from pallas_kernels.norm_rows import (
     gated_rms_norm_rows,
     reference_gated_rms_norm_rows,
     reference_rms_norm_rows,
+    reference_swiglu_rows,
     rms_norm_rows,
+    swiglu_rows,
 )
 
 
@@ -143,3 +146,36 @@ def test_gated_kernel_lowers_to_one_triton_call():
     rows = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
     shapes = (rows, rows, jax.ShapeDtypeStruct((128,), jnp.bfloat16))
     assert compat.lower_for_cuda(jax.jit(fn), *shapes).count("xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize(
+    "m,k,layout",
+    [
+        (10, 512, "columns"),  # the 80B-A3B's routed experts at one token (10 pairs, I = 512)
+        (1, 17408, "pairs"),  # a 27B MLP's down projection input
+        (16, 64, "columns"),
+        (3, 136, "pairs"),  # 17 words: one word a program
+    ],
+)
+def test_swiglu_kernel_equals_the_reference_and_the_model_mlp(m, k, layout):
+    rng = np.random.default_rng(m * k)
+    gate = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
+    up = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
+    up = up.at[m // 2].set(0)  # a zero row keeps a factor of its own
+    want = reference_swiglu_rows(gate, up, layout=layout)
+    got = swiglu_rows(gate, up, layout=layout, interpret=True)
+    for name, a, b in zip(("h", "words", "inverse"), want, got, strict=True):
+        _same_bits(b, a, name)
+    _same_bits(want[0], jax.jit(lambda g, u: jax.nn.silu(g) * u)(gate, up), "model")  # as model.mlp computes it
+
+
+def test_swiglu_kernel_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="rows"):
+        swiglu_rows(jnp.zeros((MAX_ROWS + 1, 64), jnp.bfloat16), jnp.zeros((MAX_ROWS + 1, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="one dtype"):
+        swiglu_rows(jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((2, 64), jnp.float32))
+
+
+def test_swiglu_kernel_lowers_to_one_triton_call():
+    rows = jax.ShapeDtypeStruct((10, 512), jnp.bfloat16)
+    assert compat.lower_for_cuda(jax.jit(swiglu_rows), rows, rows).count("xla.gpu.triton") == 1
