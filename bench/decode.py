@@ -54,6 +54,7 @@ from infernix_jax.weights.quant import (
     NORM_ROWS,
     SCALE_SPREADS,
     STREAMED_GEMV_MODES,
+    SWIGLU_ROWS,
     WORD_DOTS,
     WORD_ROWS,
     current_modes,
@@ -68,6 +69,7 @@ from infernix_jax.weights.quant import (
     nvfp4_word_dot,
     nvfp4_word_rows,
     streamed_experts,
+    swiglu_rows,
 )
 
 
@@ -185,6 +187,8 @@ NVFP4_VARIANT_SWITCHES = (
                   "where the dense NVFP4 word kernels (gemv_w, gemv_ws, dot_jw) make their float16 rows"),
     VariantSwitch(norm_rows, "xla", "norm-rows-", NORM_ROWS,
                   "where the NVFP4 word kernels after a layer's norms get their float16 rows (one launch with the norm)"),
+    VariantSwitch(swiglu_rows, "xla", "swiglu-rows-", SWIGLU_ROWS,
+                  "where the grouped down projection of NVFP4 experts gets the float16 rows of its SwiGLU input"),
 )  # fmt: skip
 
 

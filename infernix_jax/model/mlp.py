@@ -46,6 +46,7 @@ from infernix_jax.weights.quant import (
     matmuls,
     pairs_read_in_place,
     routing_kernel_takes,
+    swiglu_words,
     take,
 )
 
@@ -236,7 +237,8 @@ def _grouped_outputs(
     n = ids.shape[0]
     gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n, x_words=x_words)
     h = jax.nn.silu(gate) * up  # [N*k, I]
-    down = grouped_expert_matmul(h, p.down_proj, group_sizes, tokens=n)
+    h_words = swiglu_words(gate, up, p.down_proj, n)  # h's rows from one launch, where that runs
+    down = grouped_expert_matmul(h, p.down_proj, group_sizes, tokens=n, x_words=h_words)
     return _unsort_pairs(down, order, ids, rank)
 
 

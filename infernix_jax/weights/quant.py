@@ -527,10 +527,15 @@ WORD_ROWS = GROUPED_ROWS
 # norms and makes the rows, pallas_kernels/norm_rows.py; the norm's arithmetic may differ from
 # XLA's by an ulp, as two XLA builds may).
 NORM_ROWS = ("xla", "kernel")
+# Where the grouped down projection of NVFP4 experts gets the float16 rows of its input, the
+# SwiGLU of the gate / up outputs: "xla" (a reduce with the SwiGLU fused in, then a scale /
+# reorder: two launches) or "kernel" (one launch, `norm_rows.swiglu_rows`; the same bits).
+SWIGLU_ROWS = NORM_ROWS
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
-# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`, `nvfp4_word_rows`, `norm_rows`).
+# `nvfp4_word_dot`, `nvfp4_grouped_dot`, `nvfp4_grouped_rows`, `nvfp4_word_rows`, `norm_rows`,
+# `swiglu_rows`).
 _modes = {
     "fp8_decode": env_mode("INFERNIX_FP8_DECODE", "auto", FP8_DECODE_MODES),
     "fused_projections": env_mode("INFERNIX_FUSED_PROJECTIONS", "on", FUSED_PROJECTION_MODES),
@@ -543,6 +548,7 @@ _modes = {
     "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
     "nvfp4_word_rows": env_mode("INFERNIX_NVFP4_WORD_ROWS", "xla", WORD_ROWS),
     "norm_rows": env_mode("INFERNIX_NORM_ROWS", "xla", NORM_ROWS),
+    "swiglu_rows": env_mode("INFERNIX_SWIGLU_ROWS", "xla", SWIGLU_ROWS),
 }
 
 
@@ -1069,6 +1075,21 @@ def grouped_routing(
     return (*out[:6], tuple(out[6:]) if word_rows else None)
 
 
+def swiglu_words(gate: Array, up: Array, w: Any, tokens: int) -> tuple[Array, Array] | None:
+    """The float16 word rows of silu(gate) * up (gate, up [M, I] sorted by expert) as the grouped
+    kernel over the down stack w reads them, from one launch (`norm_rows.swiglu_rows`), under
+    `swiglu_rows("kernel")`; else None (the kernel does not run, takes other rows, or not these)."""
+    if _modes["swiglu_rows"] != "kernel" or jnp.dtype(gate.dtype) not in (
+        jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+    ):
+        return None
+    use_kernel, interpret = _expert_kernel_choice()
+    if not use_kernel or not norm_rows_kernel.supports(*gate.shape) or not _takes_word_rows(w, tokens, *gate.shape[:1], gate):
+        return None
+    _, words, inverse = norm_rows_kernel.swiglu_rows(gate, up, layout="columns", interpret=interpret)
+    return words, inverse
+
+
 def _takes_word_rows(w: Any, tokens: int, rows: int, x: jax.Array) -> bool:
     """Whether the grouped kernel reads x [tokens, K] for `rows` pairs through stack w with the
     float16 word rows made outside it (NVFP4, a word variant but dot_jw, XLA's rows)."""
@@ -1192,6 +1213,16 @@ def norm_rows(where: str) -> Iterator[None]:
     the kernel) or "kernel" (one launch: pallas_kernels/norm_rows.py). NORM_ROWS; default:
     INFERNIX_NORM_ROWS, "xla" until a GPU measures it (docs/gpu_runs.md row 6x)."""
     with switched(_modes, "norm_rows", where, NORM_ROWS, "norm rows"):
+        yield
+
+
+@contextlib.contextmanager
+def swiglu_rows(where: str) -> Iterator[None]:
+    """Where the grouped down projection of NVFP4 experts gets the float16 rows of its SwiGLU input
+    while tracing inside this block: "xla" (two launches before it) or "kernel" (one:
+    `norm_rows.swiglu_rows`, the same bits). SWIGLU_ROWS; default: INFERNIX_SWIGLU_ROWS, "xla"
+    until a GPU measures it (docs/gpu_runs.md row 6z)."""
+    with switched(_modes, "swiglu_rows", where, SWIGLU_ROWS, "SwiGLU rows"):
         yield
 
 

@@ -392,3 +392,33 @@ def test_pairs_are_read_in_place_only_where_the_kernel_takes_two_stacks():
             assert not quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
     with kernel_mode("reference"):
         assert not quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_swiglu_rows_from_one_launch_give_the_same_block_output(monkeypatch, tokens):
+    """`swiglu_rows("kernel")`: the grouped down projection takes the float16 rows of silu(gate) *
+    up from one launch (`norm_rows.swiglu_rows`) instead of XLA's reduce and reorder; one launch a
+    MoE block, and the block's output is the same. Past the launch's rows (prefill) XLA's stay."""
+    import pallas_kernels.norm_rows as norm_rows_kernel
+
+    launches = []
+    real = norm_rows_kernel.swiglu_rows
+    monkeypatch.setattr(
+        norm_rows_kernel, "swiglu_rows", lambda *a, **kw: launches.append(a[0].shape) or real(*a, **kw)
+    )
+    cfg, p = _config(), _block("nvfp4", seed=21)
+    x = jax.random.normal(jax.random.key(22), (1, tokens, D), jnp.bfloat16) * 5.0
+    out = {}
+    for where in quant.SWIGLU_ROWS:
+        with kernel_mode("interpret"), quant.swiglu_rows(where):
+            out[where] = np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x), np.float32)
+    assert launches == [(tokens * TOP_K, I)]
+    # not bit for bit: XLA keeps the SwiGLU it fuses into its own row scaling in float32 (excess
+    # precision), where the kernel rounds each op to bf16 as the model's SwiGLU alone does; with
+    # XLA_FLAGS=--xla_allow_excess_precision=false the two ways agree exactly
+    _close(out["kernel"], out["xla"])
+    with kernel_mode("interpret"), quant.swiglu_rows("kernel"):  # 40 tokens: 80 rows, past the launch's 16
+        jax.jit(lambda p, x: mlp.moe(p, x, cfg)).lower(p, jnp.zeros((1, 40, D), jnp.bfloat16))
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match="SwiGLU rows"), quant.swiglu_rows("gpu"):
+        pass
