@@ -50,6 +50,7 @@ from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
 from infernix_jax.model.mlp import MOE_ROUTING_WAYS, moe_routing, moe_routing_mode, router_top_k
 from infernix_jax.weights.quant import (
+    GROUPED_DOTS,
     GROUPED_ROWS,
     NORM_ROWS,
     SCALE_SPREADS,
@@ -178,8 +179,8 @@ NVFP4_VARIANT_SWITCHES = (
     VariantSwitch(nvfp4_scale_spread, "reshape", "scale-spread-", SCALE_SPREADS,
                   "how the NVFP4 decode gemvs meet each word with its block scale"),
     VariantSwitch(nvfp4_streamed_gemv, "auto", "", STREAMED_GEMV_MODES, "the streamed NVFP4 gemv of single rows"),
-    VariantSwitch(nvfp4_grouped_dot, "dot_w", "grouped-", WORD_DOTS,
-                  "the grouped kernel's float16 word dot for NVFP4 experts at decode"),
+    VariantSwitch(nvfp4_grouped_dot, "dot_w", "grouped-", GROUPED_DOTS,
+                  "the grouped kernel's formulation for NVFP4 experts at decode"),
     VariantSwitch(nvfp4_grouped_rows, "xla", "grouped-rows-", GROUPED_ROWS,
                   "where the grouped dot_jw makes its float16 rows (with --grouped-dot dot_jw)"),
     VariantSwitch(nvfp4_word_dot, "dot_w", "word-", WORD_DOTS, "the float16 word dot of NVFP4 weights at rows past one"),

@@ -136,6 +136,7 @@ def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> li
                 GroupedConfig("dot_t_w", 16, 32, WORD_MIN_BLOCK_K),
                 GroupedConfig("dot_w", 16, 32, WORD_MIN_BLOCK_K),
                 GroupedConfig("dot_jw", 16, 32, WORD_MIN_BLOCK_K),
+                GroupedConfig("gemv_h2w", gemv_m, 32, WORD_MIN_BLOCK_K),
             ]
         out.append(GroupedConfig("gemv_ws", gemv_m, 32, WORD_MIN_BLOCK_K if words else 64, programs=4))
         return out
@@ -159,6 +160,14 @@ def configs(fmt: str, batch: int, k: int, quick: bool, wide: bool = False) -> li
         ]
         word_tiles += [("dot_w", 64, 256), ("dot_w", 128, 512), ("dot_jw", 64, 256), ("dot_jw", 128, 512)]
         out += [GroupedConfig(v, 16, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax))) for v, bn, bk in word_tiles]
+        # the half2 word gemv, the item's rows unrolled: (block_n, block_k, split_k, num_warps)
+        h2w_tiles = [(32, 512, 1, 8), (32, 512, 1, 4), (32, 256, 1, 4), (16, 512, 1, 4), (64, 512, 1, 8),
+                     (32, 256, 2, 8)]  # fmt: skip
+        out += [
+            GroupedConfig("gemv_h2w", gemv_m, bn, max(WORD_MIN_BLOCK_K, min(bk, kmax)), split_k=sk, num_warps=w)
+            for bn, bk, sk, w in h2w_tiles
+            if k >= bk * sk
+        ]
     # the dense layers' streamed gemv over the work items (8 KB weight tiles, as their 27B defaults)
     if words:
         streamed = [(32, 512, 8), (64, 512, 8), (32, 256, 4), (16, 1024, 8)]
@@ -221,6 +230,8 @@ def bench_projection(fmt, proj, n, k, batches, routings, args, *, shape, hbm, po
             by_kind[kind] = steps
         routes0 = tuple((x, sizes) for x, sizes, _ in by_kind[routings[0]])
         cfgs = configs(fmt, batch, k, args.quick, args.wide)
+        if args.variants:  # an A/B of a few formulations: the rest of the sweep left out
+            cfgs = [c for c in cfgs if c.variant in args.variants.split(",")]
         fns = {cfg: _calls_fn(static, cfg, args.interpret) for cfg in cfgs}
         fns[None] = _calls_fn(static, None, False)
         compiled = _compile(fns, routes0, weight, pool)  # shapes do not depend on the routing
@@ -314,6 +325,7 @@ def main(argv: list[str] | None = None) -> list:
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--routings", type=int, default=None, help="routings per timed call")
     parser.add_argument("--wide", action="store_true", help="NVFP4: also the word-decoded dots at more tiles")
+    parser.add_argument("--variants", default=None, help="only these formulations of the sweep (e.g. dot_w,gemv_h2w)")
     parser.add_argument("--compile-threads", type=int, default=8)
     parser.add_argument("--out", help="output file (default: bench/results/moe-kernels-<machine>.json)")
     args = parser.parse_args(argv)

@@ -57,6 +57,13 @@ Formulations (`variant`):
            With x_rows="kernel" x enters as given (bf16 / f16): each program finds its rows'
            max |x| over all of K first and scales them to float16 itself, with `f16_rows`'
            factors (`_quant_common.f16_row_factors`), so no XLA op runs before the launch.
+  "gemv_h2w"
+           NVFP4 only: the rows of an item unrolled (block_m 1..8) as "gemv", each word's 8
+           products in packed half2 arithmetic on CUDA cores (the dense "gemv_h2w_ws"'s
+           `_e2m1_half2.word_dots`: the decoded pairs are the operands, 1 mul and 3
+           `fma.rn.f16x2` a word): no tensor-core dot on a 16-row tile of which a decode item
+           fills one or two rows, no shared-memory round trip for the dot's operands. x enters
+           as float16 rows (`f16_rows`) regrouped into the word pairs (`_e2m1_half2.word_x_pairs`).
   "gemv_ws"
            NVFP4 and FP8: the dense kernels' streamed gemv (nvfp4_matmul / fp8_matmul "gemv_ws":
            word-decoded float16 products, or float32 products of the e4m3 weight, on CUDA cores,
@@ -91,6 +98,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _e2m1_half2 as h2
 from pallas_kernels import _quant_common as qc
 from pallas_kernels import compat
 from pallas_kernels.fp8_matmul import reference_fp8_matmul
@@ -101,11 +109,14 @@ from pallas_kernels.nvfp4_matmul import (
     _mask2,
     _word_gemv_products,
     _word_loads,
+    _word_scales,
     _word_step,
     reference_nvfp4_matmul,
 )
 
-WORD_VARIANTS = ("dot_w", "dot_t_w", "dot_jw")  # NVFP4 only: float16 dots on weights decoded from uint32 words
+# NVFP4 only: float16 dots on weights decoded from uint32 words, and the half2 word gemv
+WORD_VARIANTS = ("dot_w", "dot_t_w", "dot_jw", "gemv_h2w")
+ROW_VARIANTS = ("gemv", "gemv_h2w")  # rows of an item unrolled (block_m 1..8), no dot
 # NVFP4 and FP8: the dense "gemv_ws" (CUDA-core products over a streamed plan) over work items
 STREAMED_VARIANTS = ("gemv_ws",)
 VARIANTS = ("gemv", "dot", "dot_t", *WORD_VARIANTS, *STREAMED_VARIANTS)
@@ -323,6 +334,7 @@ def _grouped_kernel(
     scale_block: int | None,  # fp8 block size b, or None
     even_n: bool,
     even_k: bool,
+    interpret: bool = False,  # gemv_h2w: its half2 products as jnp ops (the interpreter runs no PTX)
 ):
     x_refs, out_ref = refs[:n_x], refs[-1]
     sources = 1 if first_experts is None else 2
@@ -337,7 +349,7 @@ def _grouped_kernel(
     seg = jax.lax.div(j, n_tiles)  # the weight this program's N tile belongs to
     col0 = (j - seg * n_tiles) * bn  # within the weight
     n_mask = None if even_n else (col0 + jnp.arange(bn)) < n_size
-    gemv = variant == "gemv"
+    gemv = variant in ROW_VARIANTS
     word = variant in WORD_VARIANTS
     raw_rows = word and n_x == 1  # dot_jw with x_rows="kernel": x as given, no row factors
     compute_dtype = x_refs[0].dtype
@@ -355,7 +367,7 @@ def _grouped_kernel(
             expert_scale_ref, in_refs, out_ref, e=e_w, r0=r0, r1=r1, sizes=sizes, col0=col0, out_col0=out_col0,
             w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
             raw_rows=raw_rows, compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
-            n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k,
+            n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k, interpret=interpret,
         )  # fmt: skip
 
     if segments == 1 and sources == 1:
@@ -379,7 +391,7 @@ def _grouped_kernel(
 def _grouped_tile(
     expert_scale_ref, in_refs, out_ref, *, e, r0, r1, sizes, col0, out_col0, w_row0, n_mask, split, t, fmt, variant,
     gemv, word, raw_rows, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block,
-    even_k,
+    even_k, interpret=False,
 ):  # fmt: skip
     """One program's work on one weight (`_grouped_kernel`): its work item's rows times its N tile,
     and on the last item the zeros of rows past the groups."""
@@ -429,6 +441,24 @@ def _grouped_tile(
 
     def step(i, acc, x_factor=None):
         kw = (split * steps + i) * bw
+        if variant == "gemv_h2w":  # x pairs [M, K/2] u32 (h2.word_x_pairs), row factors, words, scale bits
+            words, bits = _word_loads(
+                in_refs[2], in_refs[3], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask, words_k=k_width,
+                even_k=even_k,
+            )  # fmt: skip
+            scale = _word_scales(bits, bn, bw, jnp.float32)
+            k_ok = None if even_k else ((kw + jnp.arange(bw)) < k_width)[None, :]
+            out = []
+            for r in range(bm):
+                mask = jnp.broadcast_to(r0 + r < r1, (1, bw))
+                mask = mask if k_ok is None else mask & k_ok
+                pairs = [
+                    jnp.broadcast_to(qc.load(in_refs[0].at[compat.ds(r0 + r, 1), compat.ds(p * k_width + kw, bw)], mask),
+                                     (bn, bw))
+                    for p in range(4)
+                ]  # fmt: skip
+                out.append(acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale)
+            return tuple(out)
         if variant == "dot_jw":  # x [M, K] in natural order (f16 rows, or raw with x_factor), words, bits
             words, bits = _word_loads(
                 in_refs[wi], in_refs[wi + 1], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask, words_k=k_width,
@@ -479,9 +509,13 @@ def _grouped_tile(
             acc = jax.lax.fori_loop(0, steps, step, init)
             for r in range(bm):
                 row_mask = jnp.broadcast_to(r0 + r < r1, (1, bn))
+                y = acc[r].sum(axis=1)[None, :] * expert_scale
+                if word:  # the row's power-of-two factor (qc.f16_rows) undone
+                    row_ok = jnp.broadcast_to(r0 + r < r1, (1, 1))
+                    y = y * qc.load(in_refs[1].at[compat.ds(r0 + r, 1), compat.ds(0, 1)], row_ok)
                 compat.store(
                     out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(out_col0, bn)],
-                    (acc[r].sum(axis=1)[None, :] * expert_scale).astype(out_dtype),
+                    y.astype(out_dtype),
                     mask=row_mask if n_mask is None else row_mask & n_mask[None, :],
                 )
             return
@@ -590,7 +624,7 @@ def validate_grouped_matmul(
         raise ValueError(f"group_sizes must be integers; got {group_sizes.dtype}")
     if cfg.variant not in VARIANTS:
         raise ValueError(f"variant={cfg.variant!r} must be one of {VARIANTS}")
-    if cfg.variant in ("gemv", *STREAMED_VARIANTS):
+    if cfg.variant in (*ROW_VARIANTS, *STREAMED_VARIANTS):
         if not 1 <= cfg.block_m <= qc.GEMV_MAX_M:
             raise ValueError(
                 f"variant={cfg.variant!r} unrolls block_m rows: block_m={cfg.block_m} must be in 1..8"
@@ -643,7 +677,7 @@ def resolve_config(fmt: str, m: int, **overrides) -> GroupedConfig:
     base = qc.pick_config(DEFAULT_CONFIGS[fmt] if fmt in DEFAULT_CONFIGS else DEFAULT_CONFIGS["fp8"], m)
     given = {k: v for k, v in overrides.items() if v is not None}
     cfg = dataclasses.replace(base, **given)
-    gemv_like = ("gemv", *STREAMED_VARIANTS)  # rows unrolled: block_m 1..8
+    gemv_like = (*ROW_VARIANTS, *STREAMED_VARIANTS)  # rows unrolled: block_m 1..8
     if "block_m" not in given and cfg.variant != base.variant:
         if cfg.variant in gemv_like:  # a gemv default's rows per item suit its streamed form too
             rows = base.block_m if base.variant in gemv_like else qc.GEMV_MAX_M
@@ -756,8 +790,9 @@ def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, c
 
 def takes_x_words(variant: str, x_rows: str | None) -> bool:
     """Whether a grouped NVFP4 formulation reads x as float16 word rows made before its launch
-    (`grouped_matmuls(x_words=...)`): the word variants but dot_jw (natural order), with XLA's rows."""
-    return variant in WORD_VARIANTS and variant != "dot_jw" and x_rows != "kernel"
+    (`grouped_matmuls(x_words=...)`) in word-column order: the word variants but dot_jw (natural
+    order) and gemv_h2w (word pairs), with XLA's rows."""
+    return variant in WORD_VARIANTS and variant not in ("dot_jw", "gemv_h2w") and x_rows != "kernel"
 
 
 def _grouped_call(
@@ -795,9 +830,10 @@ def _grouped_call(
                 f"{x_words[0].shape} and {x_words[1].shape}"
             )
         x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
-    elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw)
+    elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw; word pairs for gemv_h2w)
         x16, row_factor = qc.f16_rows(x)
-        x_inputs = (x16 if cfg.variant == "dot_jw" else qc.word_columns(x16), row_factor[:, None])
+        layout = {"dot_jw": lambda v: v, "gemv_h2w": h2.word_x_pairs}.get(cfg.variant, qc.word_columns)
+        x_inputs = (layout(x16), row_factor[:, None])
         k_width, step_width = k // 8, cfg.block_k // 8
     elif fmt == "nvfp4":
         x_inputs = (xp[:, 0::2], xp[:, 1::2])
@@ -826,6 +862,7 @@ def _grouped_call(
         scale_block=block_size if fmt == "fp8" else None,
         even_n=n % cfg.block_n == 0,
         even_k=k_width % (step_width * cfg.split_k) == 0,
+        interpret=interpret,
     )
     # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
     partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32

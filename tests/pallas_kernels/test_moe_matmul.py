@@ -673,10 +673,52 @@ def test_rejects_an_unknown_format():
         )
 
 
+H2W_CASES = [
+    # (m, e, n, k, group sizes, block_m, options): one row an expert (one token's top-10), ragged N
+    # and K (40 x 160: 20 words against 16-word steps) with rows past the groups, two-row items, K split
+    (10, 32, 64, 512, "decode", 1, {"block_n": 32, "block_k": 256}),
+    (21, 5, 40, 160, [4, 0, 0, 9, 5], 2, {"block_n": 32, "block_k": 128}),
+    (13, 6, 70, 512, [3, 0, 5, 1, 0, 3], 4, {"block_n": 16, "block_k": 128, "split_k": 2}),
+]
+
+
+@pytest.mark.parametrize("m,e,n,k,sizes,block_m,options", H2W_CASES)
+def test_the_half2_word_gemv_matches_the_reference(m, e, n, k, sizes, block_m, options):
+    """gemv_h2w: each word's 8 products summed in float16 (as the dense gemv_h2w_ws), so rows of
+    very different sizes stay within the float16 gemvs' tolerance of the float32 reference, row by
+    row; rows past the groups are zero."""
+    rng = np.random.default_rng(m * 7 + n + k)
+    weight = _nvfp4_stack(rng, e, n, k)
+    if sizes == "decode":
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    sizes = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.resize([1.0, 3e3, 2e-3, 40.0], m)[:, None], jnp.bfloat16)
+    options = {"variant": "gemv_h2w", "block_m": block_m, "out_dtype": jnp.float32, **options}
+    got = np.asarray(grouped_nvfp4_matmul(x, *weight, sizes, interpret=True, **options))
+    want = np.asarray(reference_grouped_matmul(x, weight, sizes, fmt="nvfp4"))
+    covered = int(sizes.sum())
+    for row in range(covered):
+        np.testing.assert_allclose(got[row], want[row], rtol=0, atol=GEMV_W_TOLERANCE * np.abs(want[row]).max())
+    assert not got[covered:].any()
+
+
+def test_the_half2_word_gemv_lowers_for_cuda_as_one_call_with_its_ptx():
+    """The 80B-A3B's gate and up at one token: one Triton call holding the packed half2 FMAs."""
+    fn = jax.jit(functools.partial(grouped_matmuls, fmt="nvfp4", variant="gemv_h2w", block_m=1, block_n=32,
+                                   block_k=512))  # fmt: skip
+    stack = _nvfp4_shapes(512, 512, 2048)
+    text = compat.lower_for_cuda(
+        jax.jit(lambda x, a, b, s: fn(x, (a, b), s)), jax.ShapeDtypeStruct((10, 2048), jnp.bfloat16), stack, stack,
+        jax.ShapeDtypeStruct((512,), jnp.int32),
+    )  # fmt: skip
+    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_gemv_h2w" in text
+
+
 @pytest.mark.parametrize(
     "fmt,variant,block_size",
     [("nvfp4", "gemv", None), ("nvfp4", "dot_w", None), ("nvfp4", "dot_t", None), ("nvfp4", "gemv_ws", None),
-     ("fp8", "gemv", 128), ("plain", "dot_t", None)],
+     ("nvfp4", "gemv_h2w", None), ("fp8", "gemv", 128), ("plain", "dot_t", None)],
 )  # fmt: skip
 def test_several_stacks_in_one_launch_equal_each_alone(fmt, variant, block_size):
     """An expert's gate and up through one launch: ragged groups, a ragged N edge, rows past the

@@ -16,7 +16,6 @@ from infernix_jax.model.params import MoEParams
 from infernix_jax.weights import quant
 from infernix_jax.weights.quant import (
     GROUPED_DECODE_MAX_TOKENS,
-    WORD_DOTS,
     grouped_expert_matmul,
     grouped_kernel_ready,
     grouped_tiles,
@@ -322,23 +321,28 @@ def test_the_grouped_dot_switch_picks_the_decode_formulation_of_nvfp4_experts():
         assert grouped_tiles("nvfp4", 4, 4 * TOP_K, None, jnp.bfloat16)["variant"] == "dot_jw"
         assert grouped_tiles("nvfp4", 256, 256 * TOP_K, None, jnp.bfloat16)["variant"] == "dot"  # prefill
         assert grouped_tiles("fp8", 4, 4 * TOP_K, None, jnp.bfloat16)["variant"] == "dot_t"
+    with quant.nvfp4_grouped_dot("gemv_h2w"):  # the item's rows unrolled: as many as an expert can get
+        assert grouped_tiles("nvfp4", 1, TOP_K, None, jnp.bfloat16)["block_m"] == 1
+        assert grouped_tiles("nvfp4", 3, 3 * TOP_K, None, jnp.bfloat16)["variant"] == "gemv_h2w"
+        assert grouped_tiles("nvfp4", 3, 3 * TOP_K, None, jnp.bfloat16)["block_m"] == 3
     with pytest.raises(ValueError, match="NVFP4 grouped dot"), quant.nvfp4_grouped_dot("dot_t_w"):
         pass
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_the_joined_grouped_dot_gives_the_block_output_of_dot_w(tokens):
-    """NVFP4 experts at decode through "dot_jw" (x in natural order, one dot a K step) give the
-    MoE block's output of "dot_w" (both float16 products of the same exact weights, summed in
-    a different order)."""
+def test_the_joined_grouped_dot_and_the_half2_gemv_give_the_block_output_of_dot_w(tokens):
+    """NVFP4 experts at decode through "dot_jw" (x in natural order, one dot a K step) or
+    "gemv_h2w" (half2 products on CUDA cores) give the MoE block's output of "dot_w" (float16
+    products of the same exact weights, summed in a different order)."""
     cfg, p = _config(), _block("nvfp4", seed=11)
     x = jax.random.normal(jax.random.key(12), (1, tokens, D), jnp.bfloat16)
     out = {}
-    for variant in WORD_DOTS:
+    for variant in quant.GROUPED_DOTS:
         with kernel_mode("interpret"), quant.nvfp4_grouped_dot(variant):
             assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["variant"] == variant
             out[variant] = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
     _close(out["dot_jw"], out["dot_w"])
+    _close(out["gemv_h2w"], out["dot_w"])  # the half2 gemv: float16 sums of each word's products
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
