@@ -109,8 +109,9 @@ def moe_routing(way: str) -> contextlib.AbstractContextManager[None]:
     """How resident MoE layers on the grouped kernel route a decode step in programs traced inside
     this block: "kernel" (one launch, pallas_kernels/moe_routing.py; compiled or interpreted as the
     grouped kernel is, `quant.kernel_mode`) or "xla"; the same routing either way (MOE_ROUTING_WAYS;
-    default: INFERNIX_MOE_ROUTING, "xla": on an H100 the kernel saved its launches but took 7.7 us
-    a call at one token and 344 us at eight, docs/gpu_runs.md row 6w)."""
+    default: INFERNIX_MOE_ROUTING, "xla": on an H100 the kernel saved its launches but took 10.5 us
+    a call at one token and 35.5 us at eight, where XLA's launches take 11.6 and 15.9 us in all,
+    docs/gpu_runs.md row 6w)."""
     return switched(_modes, "moe_routing", way, MOE_ROUTING_WAYS, "MoE routing")
 
 

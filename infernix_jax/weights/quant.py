@@ -1187,7 +1187,7 @@ def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
 def nvfp4_grouped_dot(variant: str) -> Iterator[None]:
     """The formulation `grouped_tiles` gives NVFP4 experts at decode batches while tracing inside
     this block (GROUPED_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w": "dot_jw" lost on an
-    H100, docs/gpu_runs.md row 6t; "gemv_h2w" is to be measured, row 6y)."""
+    H100, docs/gpu_runs.md row 6t; "gemv_h2w" is to be measured, row 6aa)."""
     with switched(_modes, "nvfp4_grouped_dot", variant, GROUPED_DOTS, "NVFP4 grouped dot"):
         yield
 
@@ -1218,7 +1218,9 @@ def norm_rows(where: str) -> Iterator[None]:
     """Where NVFP4 word kernels whose input is an RMSNorm's output (`NormSource`) get its float16
     rows while tracing inside this block: "xla" (the norm, a reduce and a reorder launched before
     the kernel) or "kernel" (one launch: pallas_kernels/norm_rows.py). NORM_ROWS; default:
-    INFERNIX_NORM_ROWS, "xla" until a GPU measures it (docs/gpu_runs.md row 6x)."""
+    INFERNIX_NORM_ROWS, "xla": on an H100 the kernel cut launches but took more device time than
+    XLA's three, 2.88 against 2.61 ms a step on the 80B-A3B, 12.0 against 10.6 on the 27B
+    (docs/gpu_runs.md row 6x)."""
     with switched(_modes, "norm_rows", where, NORM_ROWS, "norm rows"):
         yield
 
@@ -1227,8 +1229,8 @@ def norm_rows(where: str) -> Iterator[None]:
 def swiglu_rows(where: str) -> Iterator[None]:
     """Where the grouped down projection of NVFP4 experts gets the float16 rows of its SwiGLU input
     while tracing inside this block: "xla" (two launches before it) or "kernel" (one:
-    `norm_rows.swiglu_rows`, the same bits). SWIGLU_ROWS; default: INFERNIX_SWIGLU_ROWS, "xla"
-    until a GPU measures it (docs/gpu_runs.md row 6z)."""
+    `norm_rows.swiglu_rows`, the same bits). SWIGLU_ROWS; default: INFERNIX_SWIGLU_ROWS, "xla": on
+    an H100 the launch took 4.7 us where XLA's two average ~1.5 us each (docs/gpu_runs.md row 6z)."""
     with switched(_modes, "swiglu_rows", where, SWIGLU_ROWS, "SwiGLU rows"):
         yield
 
