@@ -193,19 +193,24 @@ WORD_CASES = [
 ]
 
 
+def _word_case(rng, m, e, n, k, sizes, dtype):
+    """An NVFP4 stack, group sizes ("decode": one row on each of m distinct experts) and m rows of
+    very different sizes (within float16's range: |x| < 65504)."""
+    weight = _nvfp4_stack(rng, e, n, k)
+    if sizes == "decode":
+        sizes = np.zeros(e, np.int64)
+        sizes[rng.choice(e, m, replace=False)] = 1
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.resize([1.0, 3e3, 2e-3, 40.0], m)[:, None], dtype)
+    return weight, jnp.asarray(sizes, jnp.int32), x
+
+
 @pytest.mark.parametrize("m,e,n,k,sizes,dtype,options", WORD_CASES)
 def test_nvfp4_word_variants_match_reference(m, e, n, k, sizes, dtype, options):
     """Weights decoded from uint32 words into float16 dots: rows of very different sizes (each row
     is scaled by its own power of two into float16 and back) equal the float32 reference row by
     row; rows past the groups are zero."""
     rng = np.random.default_rng(m * 100 + n + k)
-    weight = _nvfp4_stack(rng, e, n, k)
-    if sizes == "decode":
-        sizes = np.zeros(e, np.int64)
-        sizes[rng.choice(e, m, replace=False)] = 1
-    sizes = jnp.asarray(sizes, jnp.int32)
-    row_size = np.resize([1.0, 3e3, 2e-3, 40.0], m)[:, None]  # f16 range: |x| < 65504
-    x = jnp.asarray(rng.standard_normal((m, k)) * row_size, dtype)
+    weight, sizes, x = _word_case(rng, m, e, n, k, sizes, dtype)
     options = {"block_m": 16, "block_k": 128, **options}
     got = grouped_nvfp4_matmul(x, *weight, sizes, out_dtype=jnp.float32, interpret=True, **options)
     want = np.asarray(reference_grouped_matmul(x, weight, sizes, fmt="nvfp4"))
@@ -687,13 +692,7 @@ def test_the_half2_word_gemv_matches_the_reference(m, e, n, k, sizes, block_m, o
     """gemv_h2w: each word's 8 products summed in float16 (as the dense gemv_h2w_ws), so rows of
     very different sizes stay within the float16 gemvs' tolerance of the float32 reference, row by
     row; rows past the groups are zero."""
-    rng = np.random.default_rng(m * 7 + n + k)
-    weight = _nvfp4_stack(rng, e, n, k)
-    if sizes == "decode":
-        sizes = np.zeros(e, np.int64)
-        sizes[rng.choice(e, m, replace=False)] = 1
-    sizes = jnp.asarray(sizes, jnp.int32)
-    x = jnp.asarray(rng.standard_normal((m, k)) * np.resize([1.0, 3e3, 2e-3, 40.0], m)[:, None], jnp.bfloat16)
+    weight, sizes, x = _word_case(np.random.default_rng(m * 7 + n + k), m, e, n, k, sizes, jnp.bfloat16)
     options = {"variant": "gemv_h2w", "block_m": block_m, "out_dtype": jnp.float32, **options}
     got = np.asarray(grouped_nvfp4_matmul(x, *weight, sizes, interpret=True, **options))
     want = np.asarray(reference_grouped_matmul(x, weight, sizes, fmt="nvfp4"))
