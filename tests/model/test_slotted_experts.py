@@ -55,9 +55,9 @@ def test_slotted_layer_equals_the_resident_one_through_the_grouped_kernel(layer,
     stacks_read = []
     grouped = mlp.grouped_expert_matmul
 
-    def spy(xs, w, group_sizes, *, tokens):
+    def spy(xs, w, group_sizes, *, tokens, **rows):  # the down projection (its rows made before, or not)
         stacks_read.append((isinstance(w, ExpertStackPair), w.shape[0]))
-        return grouped(xs, w, group_sizes, tokens=tokens)
+        return grouped(xs, w, group_sizes, tokens=tokens, **rows)
 
     def spy_pair(xs, ws, group_sizes, *, tokens, **rows):  # gate and up (one launch or two, by `fused_experts`)
         stacks_read.extend((isinstance(w, ExpertStackPair), w.shape[0]) for w in ws)
