@@ -1088,7 +1088,8 @@ def swiglu_words(gate: Array, up: Array, w: Any, tokens: int) -> tuple[Array, Ar
     ):
         return None
     use_kernel, interpret = _expert_kernel_choice()
-    if not use_kernel or not norm_rows_kernel.supports(*gate.shape) or not _takes_word_rows(w, tokens, *gate.shape[:1], gate):
+    rows = gate.shape[0]
+    if not use_kernel or not norm_rows_kernel.supports(*gate.shape) or not _takes_word_rows(w, tokens, rows, gate):
         return None
     _, words, inverse = norm_rows_kernel.swiglu_rows(gate, up, layout="columns", interpret=interpret)
     return words, inverse
@@ -1109,10 +1110,10 @@ def grouped_tiles(
 ) -> dict[str, Any]:
     """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
 
-    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w" (or
-    the joined "dot_jw" under `nvfp4_grouped_dot`; or its "gemv_h2w", 32 x 512, 8 warps, the item's
-    rows unrolled up to 8) 16 x 64 x 256, block_m 16 >= the rows any expert can
-    get, so each routed expert is streamed once (the word-decoded float16 dots: 1202 against 668 GB/s on
+    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w" 16 x 64
+    x 256 (or, under `nvfp4_grouped_dot`, the joined "dot_jw", or "gemv_h2w" 32 x 512 with 8 warps and
+    the item's rows unrolled up to 8), block_m 16 >= the rows any expert can get, so each routed
+    expert is streamed once (the word-decoded float16 dots: 1202 against 668 GB/s on
     the 80B gate_up at batch 8, 997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json;
     at one token too: the 80B gate_up 28.0 against the gemv's 43.7 us on the H200, 19.7 against 26.8 on
     an H100, the down projection 27.2 against 24.3 and 12.3 against 16.1,
