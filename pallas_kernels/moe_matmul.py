@@ -448,8 +448,7 @@ def _grouped_tile(
             )  # fmt: skip
             scale = _word_scales(bits, bn, bw, jnp.float32)
             k_ok = None if even_k else ((kw + jnp.arange(bw)) < k_width)[None, :]
-            out = []
-            for r in range(bm):
+            def row_products(r):
                 mask = jnp.broadcast_to(r0 + r < r1, (1, bw))
                 mask = mask if k_ok is None else mask & k_ok
                 pairs = [
@@ -457,8 +456,15 @@ def _grouped_tile(
                                      (bn, bw))
                     for p in range(4)
                 ]  # fmt: skip
-                out.append(acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale)
-            return tuple(out)
+                return acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale
+
+            # an item has at least one row; the others run only where the item has them (a branch
+            # uniform over the program), so a one-row item of a batch's block pays for one row
+            return tuple(
+                row_products(r) if r == 0
+                else jax.lax.cond(r0 + r < r1, functools.partial(row_products, r), lambda r=r: acc[r])
+                for r in range(bm)
+            )  # fmt: skip
         if variant == "dot_jw":  # x [M, K] in natural order (f16 rows, or raw with x_factor), words, bits
             words, bits = _word_loads(
                 in_refs[wi], in_refs[wi + 1], kw=kw, col0=w_row0, bn=bn, bw=bw, n_mask=n_mask, words_k=k_width,
