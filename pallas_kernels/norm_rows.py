@@ -63,8 +63,21 @@ def reference_rms_norm_rows(
         normed = (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     else:  # as transformers' Qwen3RMSNorm: back to x's dtype before the weight
         normed = weight * normed.astype(x.dtype)
-    x16, inverse = qc.f16_rows(normed)
-    return normed, qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+    return (normed, *_reference_words(normed, layout))
+
+
+def _reference_words(values: jax.Array, layout: str) -> tuple[jax.Array, jax.Array]:
+    """(words, inverse) of an activation as the word kernels' own preparation makes them:
+    `f16_rows`, then the layout's reorder (`word_columns` or `word_x_pairs`)."""
+    x16, inverse = qc.f16_rows(values)
+    return qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+
+
+def _whole_row_tiles(k: int) -> tuple[int, int]:
+    """(block_w, chunk) of a whole-row form: the largest power-of-two word blocks dividing K / 8
+    (at most MAX_BLOCK_W) and passes over K in power-of-two chunks dividing K (at most MAX_CHUNK)."""
+    words_k = k // 8
+    return min(MAX_BLOCK_W, words_k & -words_k), min(MAX_CHUNK, k & -k)
 
 
 def _normed(tile, w, r, *, zero_centered: bool, in_dtype, out_dtype):
@@ -231,9 +244,7 @@ def rms_norm_rows(
     """`reference_rms_norm_rows` in one launch (see the module docstring); the same outputs."""
     validate_rms_norm_rows(x, weight, layout)
     m, k = x.shape
-    words_k = k // 8
-    block_w = min(MAX_BLOCK_W, words_k & -words_k)
-    chunk = min(MAX_CHUNK, k & -k)
+    block_w, chunk = _whole_row_tiles(k)
     kernel = functools.partial(
         _norm_rows_kernel, m=m, k=k, eps=float(eps), zero_centered=zero_centered, layout=layout,
         block_w=block_w, chunk=chunk, head=0, weight_dtype=weight.dtype,
@@ -274,8 +285,7 @@ def reference_gated_rms_norm_rows(
     out = weight * normed.astype(x.dtype)
     gated = (out.astype(jnp.float32) * jax.nn.silu(gate.reshape(xf.shape).astype(jnp.float32))).astype(x.dtype)
     gated = gated.reshape(m, k)
-    x16, inverse = qc.f16_rows(gated)
-    return gated, qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+    return (gated, *_reference_words(gated, layout))
 
 
 def supports_gated(rows: int, k: int, head_dim: int) -> bool:
@@ -320,8 +330,7 @@ def reference_swiglu_rows(gate: jax.Array, up: jax.Array, *, layout: str = "colu
     """(h, words, inverse) in plain JAX for gate and up [M, I]: h = silu(gate) * up as `model.mlp`
     computes it, then `f16_rows` and the layout's reorder of h."""
     h = jax.nn.silu(gate) * up
-    x16, inverse = qc.f16_rows(h)
-    return h, qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16), inverse
+    return (h, *_reference_words(h, layout))
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "num_warps", "interpret"))
@@ -342,9 +351,7 @@ def swiglu_rows(
     if not supports(*gate.shape):
         raise ValueError(f"the SwiGLU-rows kernel takes 1-{MAX_ROWS} rows of I divisible by 8; got {gate.shape}")
     m, k = gate.shape
-    words_k = k // 8
-    block_w = min(MAX_BLOCK_W, words_k & -words_k)
-    chunk = min(MAX_CHUNK, k & -k)
+    block_w, chunk = _whole_row_tiles(k)
     kernel = functools.partial(
         _norm_rows_kernel, m=m, k=k, eps=0.0, zero_centered=False, layout=layout, block_w=block_w, chunk=chunk,
         head=0, weight_dtype=gate.dtype, swiglu=True,
