@@ -179,7 +179,7 @@ NVFP4_VARIANT_SWITCHES = (
     VariantSwitch(nvfp4_scale_spread, "reshape", "scale-spread-", SCALE_SPREADS,
                   "how the NVFP4 decode gemvs meet each word with its block scale"),
     VariantSwitch(nvfp4_streamed_gemv, "auto", "", STREAMED_GEMV_MODES, "the streamed NVFP4 gemv of single rows"),
-    VariantSwitch(nvfp4_grouped_dot, "dot_w", "grouped-", GROUPED_DOTS,
+    VariantSwitch(nvfp4_grouped_dot, "auto", "grouped-", GROUPED_DOTS,
                   "the grouped kernel's formulation for NVFP4 experts at decode"),
     VariantSwitch(nvfp4_grouped_rows, "xla", "grouped-rows-", GROUPED_ROWS,
                   "where the grouped dot_jw makes its float16 rows (with --grouped-dot dot_jw)"),

@@ -517,8 +517,12 @@ STREAMED_GEMV_MODES = ("auto", *STREAMED_GEMVS)
 WORD_DOTS = ("dot_w", "dot_jw")
 # The grouped kernel's decode formulation of NVFP4 experts (`nvfp4_grouped_dot`): the word dots,
 # or "gemv_h2w", the rows of an item unrolled with each word's products in packed half2 on CUDA
-# cores (no 16-row tensor-core tile for one or two rows; pallas_kernels/moe_matmul.py).
-GROUPED_DOTS = (*WORD_DOTS, "gemv_h2w")
+# cores (no 16-row tensor-core tile for one or two rows; pallas_kernels/moe_matmul.py), or "auto":
+# "gemv_h2w" at one token, "dot_w" past it. On an H100 (80B-A3B shape, 24 layers, 8K, 075b26c) one
+# token's decode step took 2.47 ms of device time with gemv_h2w against 2.63-2.66 with dot_w (the
+# gate_up 8.9 against 15.1 us a call, the down 5.4 against 8.0); at eight tokens the gate_up took
+# 99.9 against 65.0 us a call (bench/results/moe-h2w-nvidia-h100-80gb-hbm3.json, docs/pallas.md).
+GROUPED_DOTS = ("auto", *WORD_DOTS, "gemv_h2w")
 # Where the grouped "dot_jw" makes its float16 rows: "xla" (`f16_rows`, a reduce and a convert
 # launched before each grouped call) or "kernel" (each program scales its own rows; the same bits).
 GROUPED_ROWS = ("xla", "kernel")
@@ -548,7 +552,7 @@ _modes = {
     "nvfp4_scale_spread": env_mode("INFERNIX_NVFP4_SCALE_SPREAD", "reshape", SCALE_SPREADS),
     "nvfp4_streamed_gemv": env_mode("INFERNIX_NVFP4_STREAMED_GEMV", "auto", STREAMED_GEMV_MODES),
     "nvfp4_word_dot": env_mode("INFERNIX_NVFP4_WORD_DOT", "dot_w", WORD_DOTS),
-    "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "dot_w", GROUPED_DOTS),
+    "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "auto", GROUPED_DOTS),
     "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
     "nvfp4_word_rows": env_mode("INFERNIX_NVFP4_WORD_ROWS", "xla", WORD_ROWS),
     "norm_rows": env_mode("INFERNIX_NORM_ROWS", "xla", NORM_ROWS),
@@ -1110,9 +1114,10 @@ def grouped_tiles(
 ) -> dict[str, Any]:
     """Grouped-kernel options for `rows` (token, expert) pairs of `tokens` tokens, sorted by expert.
 
-    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: "dot_w" 16 x 64
-    x 256 (or, under `nvfp4_grouped_dot`, the joined "dot_jw", or "gemv_h2w" 32 x 512 with 8 warps and
-    the item's rows unrolled up to 8), block_m 16 >= the rows any expert can get, so each routed
+    NVFP4 with bf16 / f16 activations (`x_dtype`) up to GROUPED_DECODE_MAX_TOKENS tokens: at one token
+    "gemv_h2w" 32 x 512 with 8 warps (`nvfp4_grouped_dot`'s "auto"; the item's rows unrolled, up to 8
+    under "gemv_h2w" past one token), past it "dot_w" 16 x 64 x 256 (or, under `nvfp4_grouped_dot`,
+    the joined "dot_jw"), block_m 16 >= the rows any expert can get, so each routed
     expert is streamed once (the word-decoded float16 dots: 1202 against 668 GB/s on
     the 80B gate_up at batch 8, 997 against 601 at batch 4, bench/results/moe-kernels-nvidia-h200.json;
     at one token too: the 80B gate_up 28.0 against the gemv's 43.7 us on the H200, 19.7 against 26.8 on
@@ -1131,7 +1136,10 @@ def grouped_tiles(
         tiles = {"variant": "gemv_ws", "block_m": min(tokens, 2), "block_n": 32,
                  "block_k": 512 if fmt == "nvfp4" else 256, "num_warps": 8}  # fmt: skip
     elif tokens <= GROUPED_DECODE_MAX_TOKENS and fmt == "nvfp4" and sixteen_bit:
-        tiles = {"variant": _modes["nvfp4_grouped_dot"], "block_m": 16, "block_n": 64, "block_k": 256}
+        variant = _modes["nvfp4_grouped_dot"]
+        if variant == "auto":
+            variant = "gemv_h2w" if tokens == 1 else "dot_w"
+        tiles = {"variant": variant, "block_m": 16, "block_n": 64, "block_k": 256}
         if tiles["variant"] == "gemv_h2w":  # the rows of an item unrolled: the most any expert can get
             tiles = {"variant": "gemv_h2w", "block_m": min(tokens, 8), "block_n": 32, "block_k": 512, "num_warps": 8}
         if tiles["variant"] == "dot_jw":
@@ -1187,8 +1195,10 @@ def nvfp4_streamed_gemv(variant: str) -> Iterator[None]:
 @contextlib.contextmanager
 def nvfp4_grouped_dot(variant: str) -> Iterator[None]:
     """The formulation `grouped_tiles` gives NVFP4 experts at decode batches while tracing inside
-    this block (GROUPED_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "dot_w": "dot_jw" lost on an
-    H100, docs/gpu_runs.md row 6t; "gemv_h2w" is to be measured, row 6aa)."""
+    this block (GROUPED_DOTS; default: INFERNIX_NVFP4_GROUPED_DOT, "auto": "gemv_h2w" at one token,
+    where it cut an H100's 80B-A3B decode step from 2.63-2.66 to 2.47 ms, and "dot_w" past it, where
+    gemv_h2w's gate_up took 1.5x dot_w's time at eight tokens, docs/gpu_runs.md row 6aa; "dot_jw" lost
+    everywhere on an H100, row 6t)."""
     with switched(_modes, "nvfp4_grouped_dot", variant, GROUPED_DOTS, "NVFP4 grouped dot"):
         yield
 

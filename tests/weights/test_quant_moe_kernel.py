@@ -204,9 +204,10 @@ def _check_default_decode_tiles(tokens):
         tiles = grouped_tiles(fmt, tokens, tokens * 10, block_size)
         assert tiles["block_m"] >= tokens
         assert tiles["variant"] == ("gemv" if tokens == 1 else "dot_t")
-    # bf16 activations on NVFP4 experts take the word-decoded float16 dots (float32 would round)
+    # bf16 activations on NVFP4 experts take the word-decoded float16 forms (float32 would round):
+    # the half2 gemv at one token, the word dots past it
     tiles = grouped_tiles("nvfp4", tokens, tokens * 10, None, jnp.bfloat16)
-    assert tiles["block_m"] >= tokens and tiles["variant"] == "dot_w"
+    assert tiles["block_m"] >= tokens and tiles["variant"] == ("gemv_h2w" if tokens == 1 else "dot_w")
     assert grouped_tiles("fp8", tokens, tokens * 10, None, jnp.bfloat16)["variant"] != "dot_w"
 
 
@@ -316,7 +317,13 @@ def test_nvfp4_scale_spread_switch_holds_inside_its_block_and_refuses_unknown_wa
 
 
 def test_the_grouped_dot_switch_picks_the_decode_formulation_of_nvfp4_experts():
-    assert grouped_tiles("nvfp4", 1, TOP_K, None, jnp.bfloat16)["variant"] == "dot_w"
+    # "auto" (the default): the half2 gemv for one token's ten rows, the word dots past one token
+    assert grouped_tiles("nvfp4", 1, TOP_K, None, jnp.bfloat16)["variant"] == "gemv_h2w"
+    assert grouped_tiles("nvfp4", 1, TOP_K, None, jnp.bfloat16)["block_m"] == 1
+    assert grouped_tiles("nvfp4", 2, 2 * TOP_K, None, jnp.bfloat16)["variant"] == "dot_w"
+    assert grouped_tiles("fp8", 1, TOP_K, None, jnp.bfloat16)["variant"] == "gemv"  # NVFP4 only
+    with quant.nvfp4_grouped_dot("dot_w"):
+        assert grouped_tiles("nvfp4", 1, TOP_K, None, jnp.bfloat16)["variant"] == "dot_w"
     with quant.nvfp4_grouped_dot("dot_jw"):
         assert grouped_tiles("nvfp4", 4, 4 * TOP_K, None, jnp.bfloat16)["variant"] == "dot_jw"
         assert grouped_tiles("nvfp4", 256, 256 * TOP_K, None, jnp.bfloat16)["variant"] == "dot"  # prefill
@@ -337,7 +344,7 @@ def test_the_joined_grouped_dot_and_the_half2_gemv_give_the_block_output_of_dot_
     cfg, p = _config(), _block("nvfp4", seed=11)
     x = jax.random.normal(jax.random.key(12), (1, tokens, D), jnp.bfloat16)
     out = {}
-    for variant in quant.GROUPED_DOTS:
+    for variant in ("dot_w", "dot_jw", "gemv_h2w"):
         with kernel_mode("interpret"), quant.nvfp4_grouped_dot(variant):
             assert grouped_tiles("nvfp4", tokens, tokens * TOP_K, None, jnp.bfloat16)["variant"] == variant
             out[variant] = jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x)
@@ -413,8 +420,8 @@ def test_swiglu_rows_from_one_launch_give_the_same_block_output(monkeypatch, tok
     cfg, p = _config(), _block("nvfp4", seed=21)
     x = jax.random.normal(jax.random.key(22), (1, tokens, D), jnp.bfloat16) * 5.0
     out = {}
-    for where in quant.SWIGLU_ROWS:
-        with kernel_mode("interpret"), quant.swiglu_rows(where):
+    for where in quant.SWIGLU_ROWS:  # the word dots' rows (the half2 gemv takes word pairs)
+        with kernel_mode("interpret"), quant.nvfp4_grouped_dot("dot_w"), quant.swiglu_rows(where):
             out[where] = np.asarray(jax.jit(lambda p, x: mlp.moe(p, x, cfg))(p, x), np.float32)
     assert launches == [(tokens * TOP_K, I)]
     # not bit for bit: XLA keeps the SwiGLU it fuses into its own row scaling in float32 (excess
