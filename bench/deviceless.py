@@ -1,0 +1,176 @@
+"""The engine's decode program compiled for an H100 or H200 on a machine without a GPU, and its census.
+
+    pip install -e '.[cuda13]'      # once: the CUDA plugin (its compiler runs without a driver or GPU)
+    python -m bench.deviceless --target h100 --shapes moe --weights nvfp4 --batch 1 --context 8192
+    INFERNIX_NVFP4_GROUPED_DOT=dot_w python -m bench.deviceless --shapes moe     # any switch, by env
+
+Why: most of a decode step's device time at batch 1 goes to launches (the 80B-A3B shape: ~1,000
+kernels a step at ~1.5 us for a small fusion, docs/pallas.md), and which fusions XLA forms is
+decided by its GPU compiler, not by the CPU's. XLA's GPU compiler runs without a device when it is
+given the device's description (a `GpuTargetConfigProto`; the CUDA plugin's topology takes it as
+`target_config`), so the launches a step makes can be counted on any machine. The program is the
+one the engine dispatches (`engine.runner.decode_program`, `--steps` steps in a loop) on abstract
+arguments: the weights are shapes only (`jax.eval_shape` of the benchmark's random model), the
+pools and sampling state the runner's own, each given the target device's sharding.
+
+Prints the census of `bench.hlo_census` (launches of the step's loop body by source line) and, with
+`--json`, writes it. The dump (`--dump-dir`) keeps XLA's HLO, PTX and the Triton kernels' IR.
+
+Limits: the kernels' code and the fusions are the GPU's (the same XLA passes, the target's
+description), but this machine's jaxlib may differ from the GPU machine's (0.10.2 here, 0.11.2
+there), so a count can move by a few launches between them; times are not predicted (a GPU
+measures those: `bench.decode --profile`). The project's code chooses its GPU kernels by
+`jax.default_backend()`, which this tool reports as "gpu" while it traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+CONFIG_DIR = Path(__file__).parent / "target_configs"
+
+
+def prepare_environment(dump_dir: str | None) -> None:
+    """Environment for a deviceless CUDA compile; before jax is imported. The plugin's start-up
+    check of the CUDA libraries' versions needs a driver, so it is skipped; XLA dumps the decode
+    program's optimized HLO into dump_dir."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda")
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    if dump_dir:
+        flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_program.*"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+def target_device(target: str):
+    """The compile-only device of `target` (a key of TARGETS or a GpuTargetConfigProto text file)."""
+    from jax.experimental import topologies
+
+    path = Path(target) if Path(target).is_file() else CONFIG_DIR / TARGETS[target]
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name="", target_config=path.read_text(), topology="1x1x1"
+    )
+    return topology.devices[0]
+
+
+def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, device):
+    """(jitted decode program, args, static kwargs) of the engine's decode dispatch for `batch` rows
+    at `context`, every argument abstract with `device`'s sharding (weights never materialise)."""
+    import jax
+    import numpy as np
+
+    from bench.engine_setup import build_model
+    from infernix_jax.cache.allocators import BLOCK_SIZE
+    from infernix_jax.engine.config import EngineConfig
+    from infernix_jax.engine.runner import Runner, decode_program
+
+    made = {}
+
+    def model():
+        made["cfg"], params = build_model(shape, weights=weights)
+        return params
+
+    params = jax.eval_shape(model)
+    cfg = made["cfg"]
+    room = context + 2 * steps + 1
+    blocks = batch * math.ceil(room / BLOCK_SIZE)
+    config = EngineConfig(
+        max_concurrency=batch, max_context=room, kv_capacity=blocks, prefill_chunk=256,
+        prefill_shape_override=((1, 256),), decode_batch_sizes=(batch,), decode_steps_per_dispatch=steps,
+        compilation_cache_dir=None, progress=False, scoring=False, prefix_cache=False, warmup=False,
+    )  # fmt: skip
+    runner = Runner(cfg, params, config, blocks + 1, batch + 1)  # pools and sampling state: small, real
+    decode = runner.empty_decode(batch, steps)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding)
+
+    args = tuple(
+        jax.tree.map(spec, tree) for tree in (params, runner.kv_pool, runner.state_pool, runner.slot_sampling)
+    ) + tuple(
+        spec(a) for a in (decode.tokens, decode.positions, decode.block_table, decode.slots, decode.max_steps)
+    )
+    program = jax.jit(
+        decode_program.__wrapped__,
+        static_argnames=("cfg", "steps", "num_top"),
+        donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
+    )
+    return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top}
+
+
+def compile_decode(
+    shape: str, weights: str, batch: int, context: int, steps: int, device, as_gpu: bool = True
+):
+    """Lower and compile the decode program for `device`; as_gpu: the project's code traces as on a
+    GPU (its kernels, not the CPU's XLA references). Returns the compiled program."""
+    import jax
+
+    real_backend = jax.default_backend
+    if as_gpu:
+        jax.default_backend = lambda: "gpu"
+    try:
+        program, args, static = decode_call(shape, weights, batch, context, steps, device)
+        return program.lower(*args, **static).compile()
+    finally:
+        jax.default_backend = real_backend
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--target", default="h100", help=f"{', '.join(TARGETS)} or a GpuTargetConfigProto text file"
+    )
+    parser.add_argument("--shapes", default="moe", help="bench.engine_setup.SHAPES keys, comma-separated")
+    parser.add_argument("--weights", default="nvfp4")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
+    parser.add_argument("--top", type=int, default=30, help="sites shown for each computation")
+    parser.add_argument("--dump-dir", default=None, help="keep XLA's dump here (default: a temporary folder)")
+    parser.add_argument("--json", default=None, help="write the census (one entry a shape) here")
+    args = parser.parse_args(argv)
+    if "jax" in sys.modules:
+        raise SystemExit(
+            "run as a program (python -m bench.deviceless): jax must start with XLA's dump flags"
+        )
+    dump = args.dump_dir or tempfile.mkdtemp(prefix="deviceless-")
+    prepare_environment(dump)
+    import jax
+
+    from bench import hlo_census
+
+    device = target_device(args.target)
+    results, seen = [], set()
+    for shape in args.shapes.split(","):
+        start = time.perf_counter()
+        compile_decode(shape, args.weights, args.batch, args.context, args.steps, device)
+        seconds = time.perf_counter() - start
+        files = sorted(set(glob.glob(os.path.join(dump, "*decode_program*after_optimizations.txt"))) - seen)
+        if not files:
+            raise SystemExit(f"XLA wrote no optimized decode program under {dump}")
+        seen.update(files)
+        print(f"{shape} {args.weights} batch {args.batch} ctx {args.context} on {args.target} "
+              f"(jax {jax.__version__}): compiled in {seconds:.0f} s, dump {files[-1]}")  # fmt: skip
+        rows = hlo_census.main([files[-1], "--top", str(args.top)])
+        results.append({"shape": shape, "weights": args.weights, "batch": args.batch, "context": args.context,
+                        "target": args.target, "jax": jax.__version__, "census": rows})  # fmt: skip
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
