@@ -567,3 +567,18 @@ def test_rows_made_before_the_call_are_refused_in_the_wrong_layout(variant, layo
     x, *w = _random_nvfp4(rng, 1, 64, 512)
     with pytest.raises(ValueError, match=match):
         nvfp4_matmul(x, *w, variant=variant, block_k=256, x_words=_made_rows(x, layout_of_words), interpret=True)
+
+
+@pytest.mark.parametrize("rows, k", [(1, 64), (3, 2048)])
+def test_word_x_pairs_holds_each_words_activation_pairs_bit_for_bit(rows, k):
+    """Column p * K/8 + j of `word_x_pairs` is the float16 pair (x[8j + p], x[8j + p + 4]), low
+    half first, bit for bit (signed zeros, infinities and NaNs included): the half2 gemvs read
+    their operands from it (built from 16-bit halves, so XLA fuses it with the row scaling)."""
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((rows, k)) * 1e3).astype(np.float16)
+    x[0, :4] = [0.0, -0.0, np.inf, np.nan]
+    got = np.asarray(h2.word_x_pairs(jnp.asarray(x)))
+    bits = x.view(np.uint16).astype(np.uint32).reshape(rows, k // 8, 2, 4)  # [m, j, half, p]
+    want = (bits[:, :, 0, :] | (bits[:, :, 1, :] << 16)).transpose(0, 2, 1).reshape(rows, k // 2)
+    assert got.dtype == np.uint32
+    np.testing.assert_array_equal(got, want)
