@@ -7,7 +7,7 @@ import json
 import pytest
 
 import bench.record
-from bench.ceilings import Measurement, ceiling_records, main
+from bench.ceilings import QUICK, Measurement, ceiling_records, main, measure_hbm_read
 from bench.record import REQUIRED_FIELDS, make_record, read_records, validate_record, write_records
 
 
@@ -27,6 +27,16 @@ def test_quick_ceilings_run_on_the_cpu_and_write_valid_records(tmp_path):
     read = next(r for r in records if r["name"].startswith("ceiling hbm read"))
     # The figure is the bytes read over the median time, in GB/s.
     assert read["figure"] == pytest.approx(read["details"]["bytes_moved"] / read["details"]["median_s"] / 1e9)
+
+
+def test_the_hbm_read_ceiling_is_the_fastest_of_its_probes():
+    """Each probe (two sums and a copy counted as read + write) is a lower bound on what the memory
+    streams: the ceiling is their maximum, so no probe's bad run lowers it."""
+    m = measure_hbm_read(QUICK)
+    rates = m.details["probe_GBps"]
+    assert set(rates) == {"full sum", "row sums", "copy"}
+    assert m.details["probe"] == max(rates, key=rates.get)
+    assert m.rate / 1e9 == pytest.approx(max(rates.values()))
 
 
 def test_known_devices_report_the_fraction_of_the_datasheet_peak():
