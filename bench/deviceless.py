@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
 import os
 import sys
 import tempfile
@@ -53,6 +52,10 @@ def target_device(target: str):
     """The compile-only device of `target` (a key of TARGETS or a GpuTargetConfigProto text file)."""
     from jax.experimental import topologies
 
+    if not Path(target).is_file() and target not in TARGETS:
+        raise SystemExit(
+            f"--target: one of {', '.join(TARGETS)} or a GpuTargetConfigProto text file; got {target!r}"
+        )
     path = Path(target) if Path(target).is_file() else CONFIG_DIR / TARGETS[target]
     topology = topologies.get_topology_desc(
         platform="cuda", topology_name="", target_config=path.read_text(), topology="1x1x1"
@@ -66,9 +69,8 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
     import jax
     import numpy as np
 
-    from bench.engine_setup import build_model
-    from infernix_jax.cache.allocators import BLOCK_SIZE
-    from infernix_jax.engine.config import EngineConfig
+    from bench.engine_setup import bench_config, build_model
+    from infernix_jax.engine.memory_plan import plan_blocks
     from infernix_jax.engine.runner import Runner, decode_program
 
     made = {}
@@ -79,14 +81,13 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
 
     params = jax.eval_shape(model)
     cfg = made["cfg"]
-    room = context + 2 * steps + 1
-    blocks = batch * math.ceil(room / BLOCK_SIZE)
-    config = EngineConfig(
-        max_concurrency=batch, max_context=room, kv_capacity=blocks, prefill_chunk=256,
-        prefill_shape_override=((1, 256),), decode_batch_sizes=(batch,), decode_steps_per_dispatch=steps,
-        compilation_cache_dir=None, progress=False, scoring=False, prefix_cache=False, warmup=False,
+    config = bench_config(
+        batch=batch, context=context, steps=steps, kv_dtype="bf16", prefill_chunk=256, prefix_cache=False,
+        warmup=False,
     )  # fmt: skip
-    runner = Runner(cfg, params, config, blocks + 1, batch + 1)  # pools and sampling state: small, real
+    blocks = plan_blocks(cfg, config, params.final_norm.dtype, params)  # the engine's own sizing
+    # the runner's own pools and sampling state (small, real: they become shapes below)
+    runner = Runner(cfg, params, config, blocks, config.max_concurrency + 1)
     decode = runner.empty_decode(batch, steps)
     sharding = jax.sharding.SingleDeviceSharding(device)
 

@@ -221,6 +221,19 @@ def make_core(
     """An engine sized for `batch` rows of `context` prompt tokens plus `new_tokens` generated ones
     (default: two dispatches of `steps`); a row that reaches max_context stops generating.
     `overrides` go to EngineConfig (e.g. warmup=False: compile only the programs a bench uses)."""
+    config = bench_config(
+        batch=batch, context=context, steps=steps, kv_dtype=kv_dtype, prefill_chunk=prefill_chunk,
+        new_tokens=new_tokens, **overrides,
+    )  # fmt: skip
+    return EngineCore(cfg, params, config)
+
+
+def bench_config(
+    *, batch: int, context: int, steps: int, kv_dtype: str, prefill_chunk: int,
+    new_tokens: int | None = None, **overrides,
+) -> EngineConfig:
+    """`make_core`'s EngineConfig: room for `batch` rows of `context` + `new_tokens` tokens, one
+    decode batch size and one prefill shape, nothing compiled or cached beyond them."""
     room = context + (2 * steps if new_tokens is None else new_tokens) + 1
     config = EngineConfig(
         max_concurrency=batch, max_context=room, kv_dtype=kv_dtype,
@@ -228,8 +241,7 @@ def make_core(
         prefill_shape_override=((1, prefill_chunk),), decode_batch_sizes=(batch,),
         decode_steps_per_dispatch=steps, compilation_cache_dir=None, progress=False, scoring=False,
     )  # fmt: skip
-    config = dataclasses.replace(config, **overrides)
-    return EngineCore(cfg, params, config)
+    return dataclasses.replace(config, **overrides)
 
 
 def place_prompts_without_compute(core: EngineCore, batch: int, context: int, seed: int = 0) -> None:
