@@ -55,11 +55,20 @@ def gather_states(layer: GDNState, slots: jax.Array) -> GDNState:
 
 
 def scatter_states(layer: GDNState, slots: jax.Array, states: GDNState) -> GDNState:
-    """Write a batch of states back to `slots` [B]; rows aimed at the scratch slot are dropped.
-    A part of `states` that is None (conv or recurrent) leaves that pool as it is."""
-    num_slots = layer.conv.shape[0]
-    target = jnp.where(slots == SCRATCH_SLOT, num_slots, slots)  # out of range -> dropped
-    put = lambda pool, x: pool if x is None else pool.at[target].set(x.astype(pool.dtype), mode="drop")
+    """Write a batch of states back to `slots` [B]; rows aimed at the scratch slot write zeros
+    there, so it still reads zeros (dropping them instead, as an out-of-range index, costs a GPU
+    launch of its own a layer: the index's check before the update). A part of `states` that is
+    None (conv or recurrent) leaves that pool as it is."""
+    scratch = slots == SCRATCH_SLOT
+
+    def put(pool, x):
+        if x is None:
+            return pool
+        x = jnp.where(scratch.reshape((-1,) + (1,) * (x.ndim - 1)), 0, x).astype(pool.dtype)
+        if x.shape[0] == 1:
+            return jax.lax.dynamic_update_slice(pool, x, (slots[0],) + (0,) * (x.ndim - 1))
+        return pool.at[slots].set(x, mode="promise_in_bounds")
+
     return GDNState(conv=put(layer.conv, states.conv), recurrent=put(layer.recurrent, states.recurrent))
 
 
