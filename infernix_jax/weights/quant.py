@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infernix_jax.switches import env_mode, switched
+from infernix_jax.weights.norm_words import rms_norm_words
 from pallas_kernels import compat
 from pallas_kernels import moe_routing as routing_kernel
 from pallas_kernels import norm_rows as norm_rows_kernel
@@ -534,11 +535,13 @@ WORD_ROWS = GROUPED_ROWS
 # rows: "xla" (the norm, then a reduce and a reorder: three launches) or "kernel" (one launch that
 # norms and makes the rows, pallas_kernels/norm_rows.py; the norm's arithmetic may differ from
 # XLA's by an ulp, as two XLA builds may).
-NORM_ROWS = ("xla", "kernel")
+# "source": XLA, the rows' scale bounded from the norm's input, so that the norm's sum of squares
+# and the row max are one reduce launch (two launches; weights/norm_words.py).
+NORM_ROWS = ("xla", "kernel", "source")
 # Where the grouped down projection of NVFP4 experts gets the float16 rows of its input, the
 # SwiGLU of the gate / up outputs: "xla" (a reduce with the SwiGLU fused in, then a scale /
 # reorder: two launches) or "kernel" (one launch, `norm_rows.swiglu_rows`; the same bits).
-SWIGLU_ROWS = NORM_ROWS
+SWIGLU_ROWS = ("xla", "kernel")
 # The choices `matmul` and friends read while tracing: each starts from its environment variable
 # and is changed for a block by its context manager (`fp8_decode_mode`, `fused_projections`,
 # `streamed_experts`, `fused_experts`, `nvfp4_scale_spread`, `nvfp4_streamed_gemv`,
@@ -927,9 +930,11 @@ class NormSource:
 def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpret: bool):
     """x's float16 rows in `layout` from the norm's own launch, or None: no norm given, not
     `norm_rows("kernel")`, no such layout for the formulation, or rows the launch does not take."""
-    if norm is None or layout is None or _modes["norm_rows"] != "kernel":
+    if norm is None or layout is None or _modes["norm_rows"] == "xla":
         return None
     rows, k = x2d.shape
+    if _modes["norm_rows"] == "source":
+        return _source_norm_words(norm, x2d, layout)
     takes = (
         norm_rows_kernel.supports(rows, k)
         if norm.gate is None
@@ -954,6 +959,24 @@ def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpr
                 source, norm.gate.reshape(rows, k), norm.weight, eps=norm.eps, layout=layout, interpret=interpret
             )
         norm.made[layout] = (normed, words, inverse)
+    return norm.made[layout][1:]
+
+
+def _source_norm_words(norm: NormSource, x2d: Array, layout: str):
+    """`_norm_words` under norm_rows("source"): XLA's rows with their scale bounded from the norm's
+    input (weights/norm_words.py), or None for the gated norm and rows the norm does not give."""
+    rows, k = x2d.shape
+    if (
+        norm.gate is not None
+        or jnp.dtype(x2d.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        or norm.source.shape[-1] != k
+        or math.prod(norm.source.shape[:-1]) != rows
+    ):
+        return None
+    if layout not in norm.made:
+        norm.made[layout] = rms_norm_words(
+            norm.source.reshape(rows, k), norm.weight, eps=norm.eps, zero_centered=norm.zero_centered, layout=layout
+        )
     return norm.made[layout][1:]
 
 
@@ -1228,7 +1251,9 @@ def nvfp4_word_rows(where: str) -> Iterator[None]:
 def norm_rows(where: str) -> Iterator[None]:
     """Where NVFP4 word kernels whose input is an RMSNorm's output (`NormSource`) get its float16
     rows while tracing inside this block: "xla" (the norm, a reduce and a reorder launched before
-    the kernel) or "kernel" (one launch: pallas_kernels/norm_rows.py). NORM_ROWS; default:
+    the kernel), "kernel" (one launch: pallas_kernels/norm_rows.py) or "source" (XLA's norm and
+    row max in one reduce launch, the scale bounded from the norm's input: weights/norm_words.py;
+    the gated GDN output norm stays "xla"). NORM_ROWS; default:
     INFERNIX_NORM_ROWS, "xla": on an H100 the kernel cut launches but took more device time than
     XLA's three, 2.88 against 2.61 ms a step on the 80B-A3B, 12.0 against 10.6 on the 27B
     (docs/gpu_runs.md row 6x)."""

@@ -29,11 +29,15 @@ def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(monkeypatch
     params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
     ids = np.load(path / "reference.npz")["input_ids"][:9]
     prefill = jax.jit(forward, static_argnums=(4,))
-    _, _, cache = prefill(params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg)
+    _, _, cache = prefill(
+        params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg
+    )
     launches = []
     real = norm_rows_kernel.rms_norm_rows
     monkeypatch.setattr(
-        norm_rows_kernel, "rms_norm_rows", lambda x, w, **kw: launches.append(kw["layout"]) or real(x, w, **kw)
+        norm_rows_kernel,
+        "rms_norm_rows",
+        lambda x, w, **kw: launches.append(kw["layout"]) or real(x, w, **kw),
     )
     out = {}
     for way in ("xla", "kernel"):
@@ -51,6 +55,37 @@ def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(monkeypatch
     scale = np.abs(out["xla"]).max()
     assert np.abs(out["kernel"] - out["xla"]).max() <= 3e-2 * scale
     assert np.argmax(out["kernel"]) == np.argmax(out["xla"])
+
+
+def test_rows_scaled_from_the_norms_input_give_the_same_logits(monkeypatch):
+    """norm_rows("source") (weights/norm_words.py): XLA's rows, their scale bounded from the norm's
+    input; a decode step's logits stay those of the "xla" way, one set of rows a norm and layout."""
+    from infernix_jax.weights import quant
+
+    path = HF_FIXTURES / "qwen3_next"
+    cfg = ModelConfig.from_hf_config(path)
+    params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
+    ids = np.load(path / "reference.npz")["input_ids"][:9]
+    prefill = jax.jit(forward, static_argnums=(4,))
+    _, _, cache = prefill(
+        params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg
+    )
+    made = []
+    real = quant.rms_norm_words
+    monkeypatch.setattr(
+        quant, "rms_norm_words", lambda x, w, **kw: made.append(kw["layout"]) or real(x, w, **kw)
+    )
+    out = {}
+    for way in ("xla", "source"):
+        with kernel_mode("interpret"), norm_rows(way):
+            step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
+            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache)
+        out[way] = np.asarray(logits[0, 0], np.float32)
+    assert len(made) == 2 * len(cfg.layer_types)
+    # the "xla" way's rows keep XLA's float32 norm (excess precision), these the bfloat16 output
+    scale = np.abs(out["xla"]).max()
+    assert np.abs(out["source"] - out["xla"]).max() <= 3e-2 * scale
+    assert np.argmax(out["source"]) == np.argmax(out["xla"])
 
 
 def test_prefill_rows_keep_xlas_norm(monkeypatch):
@@ -92,12 +127,16 @@ def test_the_gdn_output_projection_takes_its_rows_from_the_gated_norm(monkeypatc
     launches = []
     real = norm_rows_kernel.gated_rms_norm_rows
     monkeypatch.setattr(
-        norm_rows_kernel, "gated_rms_norm_rows", lambda *a, **kw: launches.append(kw["layout"]) or real(*a, **kw)
+        norm_rows_kernel,
+        "gated_rms_norm_rows",
+        lambda *a, **kw: launches.append(kw["layout"]) or real(*a, **kw),
     )
     got = {}
     for way in ("xla", "kernel"):
         with kernel_mode("interpret"), norm_rows(way):
-            step = jax.jit(lambda w, o, z: _output_projection(SimpleNamespace(norm=p.norm, out_proj=w), o, z, cfg))
+            step = jax.jit(
+                lambda w, o, z: _output_projection(SimpleNamespace(norm=p.norm, out_proj=w), o, z, cfg)
+            )
             got[way] = np.asarray(step(p.out_proj, out, z), np.float32)
     assert launches == ["columns"]
     scale = np.abs(got["xla"]).max()

@@ -1,0 +1,58 @@
+"""The float16 word rows of an RMSNorm's output, their scale taken from the norm's input (XLA).
+
+Before an NVFP4 word kernel, XLA makes its input's float16 rows (`_quant_common.f16_rows`): a
+row-max reduce of the input, then a scale / convert / reorder fusion. Where the input is an
+RMSNorm's output, the norm's own sum of squares is a reduce before that one, and the row max,
+reading the norm's output, cannot start until it ends: three launches (norm, max, reorder). Here
+the max is taken from the norm's input instead,
+
+    max |rms_norm(x)| <= max |x * w'| * rsqrt(mean(x^2) + eps) * (1 + 2**-7)
+
+(w' the weight as the style applies it: 1 + w or w; the margin covers the bfloat16 roundings of the
+norm's output), so both reductions read x and XLA fuses them into one launch: two launches a norm.
+
+The bound picks `f16_rows`' power of two or half of it (when a row's max lies within the margin
+below a power of two): the rows' max |x| lands in [2**12, 2**14) instead of [2**13, 2**14), still far
+inside float16's range, and scaling by a power of two keeps every bit of a bfloat16 value in
+float16's normal range. So words * inverse is the norm's output exactly, as with `f16_rows`, and
+a kernel's sums differ at most where float16 rounds a product differently at a different scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _e2m1_half2 as h2
+from pallas_kernels import _quant_common as qc
+
+LAYOUTS = ("columns", "pairs")
+MARGIN = 1.0 + 2.0**-7  # over the f32 bound: the norm output's two bfloat16 roundings (each <= 2**-9)
+
+
+def rms_norm_words(
+    x: jax.Array, weight: jax.Array, *, eps: float, zero_centered: bool, layout: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [M, K], weight [K] -> (normed [M, K] as `model.norm.rms_norm` gives it, words in `layout`
+    ("columns": float16 [M, K] in `word_columns` order; "pairs": uint32 [M, K/2], `word_x_pairs`),
+    inverse row factors [M] float32), the factors from the norm's input (module docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    normed = xf * r
+    if zero_centered:
+        w = 1.0 + weight.astype(jnp.float32)
+        normed = (normed * w).astype(x.dtype)
+    else:  # as transformers' Qwen3RMSNorm: back to x's dtype before the weight
+        w = weight.astype(jnp.float32)
+        normed = weight * normed.astype(x.dtype)
+    bound = jnp.max(jnp.abs(xf * w), axis=-1) * r[:, 0] * MARGIN
+    factor, inverse = qc.f16_row_factors(bound)
+    # the normed values as rounded to their dtype: XLA may otherwise keep a fused producer's float32
+    # (excess precision), and the words would not be the norm's output
+    info = jnp.finfo(normed.dtype)
+    exact = jax.lax.reduce_precision(normed.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    x16 = (exact * factor[:, None]).astype(jnp.float16)
+    words = qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16)
+    return normed, words, inverse
