@@ -20,10 +20,9 @@ from tests.conftest import HF_FIXTURES
 from tests.model.test_fused_projections import _nvfp4_projections
 
 
-def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(monkeypatch):
-    """qwen3_next fixture (GDN and gated attention layers, MoE with a shared expert): the input
-    norm's rows go to the GDN or q / k / v projections, the post-attention norm's to the shared
-    expert's gate / up (the dense MLP's `mlp` call is the same)."""
+def _decode_step_logits(ways: tuple[str, ...]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The qwen3_next fixture with NVFP4 projections: one decode step's logits after an 8-token
+    prefill, traced under each `norm_rows` way."""
     path = HF_FIXTURES / "qwen3_next"
     cfg = ModelConfig.from_hf_config(path)
     params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
@@ -32,6 +31,20 @@ def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(monkeypatch
     _, _, cache = prefill(
         params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg
     )
+    out = {}
+    for way in ways:
+        with kernel_mode("interpret"), norm_rows(way):
+            # a fresh function, traced under this way (jit wrappers of one function share traces)
+            step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
+            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache)
+        out[way] = np.asarray(logits[0, 0], np.float32)
+    return cfg, out
+
+
+def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(monkeypatch):
+    """qwen3_next fixture (GDN and gated attention layers, MoE with a shared expert): the input
+    norm's rows go to the GDN or q / k / v projections, the post-attention norm's to the shared
+    expert's gate / up (the dense MLP's `mlp` call is the same)."""
     launches = []
     real = norm_rows_kernel.rms_norm_rows
     monkeypatch.setattr(
@@ -39,16 +52,9 @@ def test_a_decode_step_gives_the_same_logits_with_rows_from_the_norm(monkeypatch
         "rms_norm_rows",
         lambda x, w, **kw: launches.append(kw["layout"]) or real(x, w, **kw),
     )
-    out = {}
-    for way in ("xla", "kernel"):
-        with kernel_mode("interpret"), norm_rows(way):
-            # a fresh function, traced under this way (jit wrappers of one function share traces)
-            step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
-            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache)
-        out[way] = np.asarray(logits[0, 0], np.float32)
-        if way == "xla":
-            assert launches == []
-    assert len(launches) == 2 * len(cfg.layer_types)  # one a norm, shared by that norm's projections
+    cfg, out = _decode_step_logits(("xla", "kernel"))
+    # one a norm under "kernel", shared by that norm's projections (and none under "xla")
+    assert len(launches) == 2 * len(cfg.layer_types)
     # not bit for bit: XLA fuses the norm into its own row preparation and keeps the normed rows in
     # float32 there (excess precision), where the kernel rounds them to bfloat16 as the model's
     # norm does; with XLA_FLAGS=--xla_allow_excess_precision=false the two ways agree exactly
@@ -62,25 +68,12 @@ def test_rows_scaled_from_the_norms_input_give_the_same_logits(monkeypatch):
     input; a decode step's logits stay those of the "xla" way, one set of rows a norm and layout."""
     from infernix_jax.weights import quant
 
-    path = HF_FIXTURES / "qwen3_next"
-    cfg = ModelConfig.from_hf_config(path)
-    params = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False))
-    ids = np.load(path / "reference.npz")["input_ids"][:9]
-    prefill = jax.jit(forward, static_argnums=(4,))
-    _, _, cache = prefill(
-        params, jnp.asarray(ids[:8])[None], jnp.arange(8)[None], init_cache(cfg, 1, 64), cfg
-    )
     made = []
     real = quant.rms_norm_words
     monkeypatch.setattr(
         quant, "rms_norm_words", lambda x, w, **kw: made.append(kw["layout"]) or real(x, w, **kw)
     )
-    out = {}
-    for way in ("xla", "source"):
-        with kernel_mode("interpret"), norm_rows(way):
-            step = jax.jit(lambda p, t, pos, c: forward(p, t, pos, c, cfg))
-            logits, _, _ = step(params, jnp.asarray(ids[8:9])[None], jnp.full((1, 1), 8), cache)
-        out[way] = np.asarray(logits[0, 0], np.float32)
+    cfg, out = _decode_step_logits(("xla", "source"))
     assert len(made) == 2 * len(cfg.layer_types)
     # the "xla" way's rows keep XLA's float32 norm (excess precision), these the bfloat16 output
     scale = np.abs(out["xla"]).max()
