@@ -759,9 +759,10 @@ def grouped_matmuls(
     concatenated stacks bit for bit.
 
     x_words: x as the word variants but dot_jw take it, made before (the MoE routing kernel makes
-    it with the rows): (float16 [M, K] in word-column order, inverse row factors [M] float32), the
-    bits `f16_rows` + `word_columns` would make of x; then no XLA op runs before the launch. Other
-    formulations ignore it and read x."""
+    it with the rows; a MoE layer from its norm's rows, `quant.grouped_norm_words`): (float16
+    [M, K] in word-column order, or for gemv_h2w uint32 [M, K/2] word pairs, `x_words_layout`;
+    inverse row factors [M] float32), what `f16_rows` and the layout's reorder make of x; then no
+    XLA op runs before the launch. Other formulations ignore it and read x."""
     if not weights:
         raise ValueError("grouped_matmuls needs at least one weight")
     shapes = {tuple(tuple(a.shape) for a in w) for w in weights}
@@ -794,11 +795,20 @@ def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, c
     return e1
 
 
+def x_words_layout(variant: str, x_rows: str | None) -> str | None:
+    """How a grouped NVFP4 formulation reads x's float16 rows made before its launch
+    (`grouped_matmuls(x_words=...)`): "columns" (`word_columns` order: the word variants but dot_jw
+    and gemv_h2w), "pairs" (`word_x_pairs`: gemv_h2w), or None (dot_jw's natural order, rows made
+    in the kernel, the other formulations)."""
+    if variant not in WORD_VARIANTS or variant == "dot_jw" or x_rows == "kernel":
+        return None
+    return "pairs" if variant == "gemv_h2w" else "columns"
+
+
 def takes_x_words(variant: str, x_rows: str | None) -> bool:
-    """Whether a grouped NVFP4 formulation reads x as float16 word rows made before its launch
-    (`grouped_matmuls(x_words=...)`) in word-column order: the word variants but dot_jw (natural
-    order) and gemv_h2w (word pairs), with XLA's rows."""
-    return variant in WORD_VARIANTS and variant not in ("dot_jw", "gemv_h2w") and x_rows != "kernel"
+    """Whether a grouped NVFP4 formulation reads x's float16 word rows made before its launch in
+    word-column order (what the MoE routing kernel makes: `x_words_layout` "columns")."""
+    return x_words_layout(variant, x_rows) == "columns"
 
 
 def _grouped_call(
@@ -829,11 +839,12 @@ def _grouped_call(
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
-    elif word and x_words is not None and takes_x_words(cfg.variant, cfg.x_rows):  # made before: nothing to do
-        if x_words[0].shape != x.shape or x_words[0].dtype != jnp.float16 or x_words[1].shape != (m,):
+    elif word and x_words is not None and (layout := x_words_layout(cfg.variant, cfg.x_rows)):  # made before
+        want = (x.shape, jnp.float16) if layout == "columns" else ((m, k // 2), jnp.uint32)
+        if (x_words[0].shape, x_words[0].dtype) != want or x_words[1].shape != (m,):
             raise ValueError(
-                f"x_words must be float16 {x.shape} rows and [{m}] factors; got {x_words[0].dtype} "
-                f"{x_words[0].shape} and {x_words[1].shape}"
+                f"{cfg.variant!r} takes x_words in the {layout!r} layout: {jnp.dtype(want[1]).name} {want[0]} rows "
+                f"and [{m}] factors; got {x_words[0].dtype} {x_words[0].shape} and {x_words[1].shape}"
             )
         x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
     elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw; word pairs for gemv_h2w)

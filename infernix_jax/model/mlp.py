@@ -41,6 +41,7 @@ from infernix_jax.weights.quant import (
     grouped_expert_matmul,
     grouped_expert_matmuls,
     grouped_kernel_ready,
+    grouped_norm_words,
     grouped_routing,
     matmul,
     matmuls,
@@ -214,14 +215,19 @@ def _unsort_pairs(
     return out.reshape(*ids.shape, -1)
 
 
-def _experts_grouped(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+def _experts_grouped(
+    p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int, norm: NormSource | None = None
+) -> jax.Array:
     """Sort the (token, expert) pairs by expert and run one grouped matmul per projection
     (`grouped_expert_matmul`: the grouped kernel where it runs, else dequantize + ragged_dot)
-    -> per-pair outputs [N, k, D]."""
+    -> per-pair outputs [N, k, D]. norm: x is that RMSNorm's output; the grouped kernel may take
+    the pairs' rows from its tokens' rows (`grouped_norm_words`)."""
     k = ids.shape[1]
     order, group_sizes, rank = _sort_pairs(ids, num_experts)
-    xs = jnp.take(x, order // k, axis=0)  # [N*k, D] grouped by expert
-    return _grouped_outputs(p, xs, ids, order, group_sizes, rank)
+    token = order // k
+    xs = jnp.take(x, token, axis=0)  # [N*k, D] grouped by expert
+    x_words = grouped_norm_words(norm, x, (p.gate_proj, p.up_proj), token)
+    return _grouped_outputs(p, xs, ids, order, group_sizes, rank, x_words)
 
 
 def _grouped_outputs(
@@ -249,10 +255,13 @@ def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks)
 
 
-def _experts_resident(p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
-    """Per-pair outputs [N, k, D] of experts whose stacks are all on the device."""
+def _experts_resident(
+    p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int, norm: NormSource | None = None
+) -> jax.Array:
+    """Per-pair outputs [N, k, D] of experts whose stacks are all on the device (norm: x is that
+    RMSNorm's output, `_experts_grouped`)."""
     if _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj)):
-        return _experts_grouped(p, x, ids, num_experts)
+        return _experts_grouped(p, x, ids, num_experts, norm)
     if ids.size <= max(GATHER_MIN_PAIRS, num_experts // 2):
         return _experts_gathered(p, x, ids)
     return _experts_grouped(p, x, ids, num_experts)
@@ -313,7 +322,7 @@ def moe(
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid, prefetched, then)
     else:
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
-        per_pair = _experts_resident(p, xf, ids, cfg.num_experts)
+        per_pair = _experts_resident(p, xf, ids, cfg.num_experts, norm)
     return _combine(p, xf, weights, per_pair, shared).reshape(shape)
 
 

@@ -74,6 +74,7 @@ from pallas_kernels.moe_matmul import (
     resolve_config,
     takes_x_words,
 )
+from pallas_kernels.moe_matmul import x_words_layout as grouped_x_words_layout
 from pallas_kernels.nvfp4_matmul import (
     E2M1_VALUES,
     KERNEL_ROWS_VARIANTS,
@@ -1104,6 +1105,34 @@ def grouped_routing(
         logits, x, valid, top_k=top_k, renormalize=renormalize, word_rows=word_rows, interpret=interpret
     )
     return (*out[:6], tuple(out[6:]) if word_rows else None)
+
+
+def grouped_norm_words(
+    norm: NormSource | None, x: Array, stacks: tuple[Any, ...], token_of_row: Array
+) -> tuple[Array, Array] | None:
+    """The rows x[token_of_row] of a MoE layer's grouped gate / up as the grouped kernel over
+    `stacks` reads them (`grouped_matmuls(x_words=...)`), made from the tokens' rows of the norm x
+    is the output of, under norm_rows("source"): the row scales come with the norm's own reduce
+    (weights/norm_words.py) and each token's words are gathered for its pairs, where XLA would take
+    a row max of every pair's row and make its words (two launches more). None where the norm's
+    rows do not serve (another way, no norm, stacks that make their rows otherwise)."""
+    if norm is None or _modes["norm_rows"] != "source" or not stacks:
+        return None
+    tokens, rows = x.shape[0], token_of_row.shape[0]
+    layouts = set()
+    for w in stacks:
+        operands = _grouped_kernel_operands(w)
+        if operands is None or operands[0] != "nvfp4" or x.shape[1] % 8:
+            return None
+        tiles = grouped_tiles("nvfp4", tokens, rows, operands[2], x.dtype)
+        layouts.add(grouped_x_words_layout(tiles["variant"], tiles.get("x_rows")))
+    if len(layouts) != 1 or None in layouts:
+        return None
+    made = _source_norm_words(norm, x, layouts.pop())
+    if made is None:
+        return None
+    words, inverse = made
+    return jnp.take(words.reshape(tokens, -1), token_of_row, axis=0), jnp.take(inverse, token_of_row)
 
 
 def swiglu_words(gate: Array, up: Array, w: Any, tokens: int) -> tuple[Array, Array] | None:

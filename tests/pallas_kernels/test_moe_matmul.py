@@ -841,10 +841,12 @@ def test_two_stacks_lower_for_cuda_as_one_call():
     assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_dot_w" in text
 
 
-@pytest.mark.parametrize("variant", ["dot_w", "dot_t_w", "dot_jw", "gemv"])
+@pytest.mark.parametrize("variant", ["dot_w", "dot_t_w", "dot_jw", "gemv", "gemv_h2w"])
 def test_rows_made_before_the_launch_give_the_same_bits(variant):
-    """x_words (the rows as the word kernels take them, made by the MoE routing kernel) replace the
-    XLA op before the launch for dot_w / dot_t_w; dot_jw and the other formulations read x."""
+    """x_words (the rows as the word kernels take them, made by the MoE routing kernel or from a
+    norm's rows) replace the XLA op before the launch for dot_w / dot_t_w (word columns) and
+    gemv_h2w (word pairs); dot_jw and the other formulations read x."""
+    from pallas_kernels import _e2m1_half2 as h2
     from pallas_kernels import _quant_common as qc
 
     rng = np.random.default_rng(11)
@@ -852,12 +854,16 @@ def test_rows_made_before_the_launch_give_the_same_bits(variant):
     sizes = jnp.asarray([1, 0, 3, 0, 2, 1], jnp.int32)
     x = _x(rng, 8, 256) * 50
     x16, inverse = qc.f16_rows(x)
-    block_m = 1 if variant == "gemv" else 16
+    block_m = {"gemv": 1, "gemv_h2w": 1}.get(variant, 16)
     common = {"fmt": "nvfp4", "variant": variant, "block_m": block_m, "out_dtype": jnp.float32, "interpret": True}
+    words = h2.word_x_pairs(x16) if variant == "gemv_h2w" else qc.word_columns(x16)
     want = grouped_matmuls(x, (gate, up), sizes, **common)
-    got = grouped_matmuls(x, (gate, up), sizes, x_words=(qc.word_columns(x16), inverse), **common)
+    got = grouped_matmuls(x, (gate, up), sizes, x_words=(words, inverse), **common)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     if variant == "dot_w":
-        with pytest.raises(ValueError, match="x_words must be float16"):
+        with pytest.raises(ValueError, match="'columns' layout: float16"):
             grouped_matmuls(x, (gate,), sizes, x_words=(x16.astype(jnp.float32), inverse), **common)
+    if variant == "gemv_h2w":  # word columns where it reads word pairs
+        with pytest.raises(ValueError, match="'pairs' layout: uint32"):
+            grouped_matmuls(x, (gate,), sizes, x_words=(qc.word_columns(x16), inverse), **common)

@@ -433,3 +433,45 @@ def test_swiglu_rows_from_one_launch_give_the_same_block_output(monkeypatch, tok
     assert len(launches) == 1
     with pytest.raises(ValueError, match="SwiGLU rows"), quant.swiglu_rows("gpu"):
         pass
+
+
+@pytest.mark.parametrize(("tokens", "grouped_dot"), [(1, "auto"), (3, "auto"), (1, "dot_w")])
+def test_the_pairs_rows_from_the_norms_words_give_the_same_block_output(monkeypatch, tokens, grouped_dot):
+    """`norm_rows("source")`: a MoE block whose input is a norm's output gives its grouped gate / up
+    the pairs' rows gathered from the tokens' word rows that the norm's reduce scales (word pairs
+    for the one-token half2 gemv, word columns for dot_w), instead of a row max of every pair's
+    row; the block's output stays that of XLA's rows, and the norm's rows are made once."""
+    from infernix_jax.model.norm import rms_norm
+    from infernix_jax.weights.quant import NormSource
+
+    made, given = [], []
+    real_grouped = quant.grouped_matmuls
+
+    def spy(xs, *a, x_words=None, **kw):
+        given.append(None if x_words is None else (x_words[0].dtype, x_words[0].shape))
+        return real_grouped(xs, *a, x_words=x_words, **kw)
+
+    monkeypatch.setattr(quant, "grouped_matmuls", spy)
+    real = quant.rms_norm_words
+    monkeypatch.setattr(
+        quant, "rms_norm_words", lambda x, w, **kw: made.append(kw["layout"]) or real(x, w, **kw)
+    )
+    cfg, p = _config(), _block("nvfp4", seed=23)
+    source = jax.random.normal(jax.random.key(24), (1, tokens, D), jnp.bfloat16) * 5.0
+    weight = jax.random.normal(jax.random.key(25), (D,), jnp.bfloat16) * 0.2
+    out = {}
+    for way in ("xla", "source"):
+        with kernel_mode("interpret"), quant.nvfp4_grouped_dot(grouped_dot), quant.norm_rows(way):
+
+            def block(p, source, weight):
+                x = rms_norm(source, weight, cfg.rms_norm_eps, True)
+                return mlp.moe(p, x, cfg, norm=NormSource(source, weight, cfg.rms_norm_eps, True))
+
+            out[way] = np.asarray(jax.jit(block)(p, source, weight), np.float32)
+    want_layout = "pairs" if tokens == 1 and grouped_dot == "auto" else "columns"
+    assert made == [want_layout]
+    rows = tokens * TOP_K
+    want = (jnp.uint32, (rows, D // 2)) if want_layout == "pairs" else (jnp.float16, (rows, D))
+    assert given == [None, want]  # the gate / up launch of each way
+    # not bit for bit: XLA's own rows keep the norm it fuses into them in float32 (excess precision)
+    _close(out["source"], out["xla"])
