@@ -152,7 +152,7 @@ def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     rank = jnp.sum(before, axis=2, dtype=jnp.int32)  # [n, e]
     hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [n, k, e]
     ids = jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=2)
-    values = jnp.sum(jnp.where(hit, probs[:, None, :], 0), axis=2)
+    values = jnp.take_along_axis(probs, ids, axis=1, mode="promise_in_bounds")  # the same bits as a masked sum
     return values, ids
 
 
