@@ -16,6 +16,10 @@ below a power of two): the rows' max |x| lands in [2**12, 2**14) instead of [2**
 inside float16's range, and scaling by a power of two keeps every bit of a bfloat16 value in
 float16's normal range. So words * inverse is the norm's output exactly, as with `f16_rows`, and
 a kernel's sums differ at most where float16 rounds a product differently at a different scale.
+
+The GDN output norm (`gated_rms_norm_words`: each head's own 1/rms, times silu of the gate) takes
+the max over heads of each head's bound; its reductions are two launches, its words one, where
+XLA's norm, row max and words were three.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pallas_kernels import _quant_common as qc
 
 LAYOUTS = ("columns", "pairs")
 MARGIN = 1.0 + 2.0**-7  # over the f32 bound: the norm output's two bfloat16 roundings (each <= 2**-9)
+GATED_MARGIN = 1.0 + 2.0**-6  # three bfloat16 roundings in the gated output
 
 
 def rms_norm_words(
@@ -48,11 +53,37 @@ def rms_norm_words(
         w = weight.astype(jnp.float32)
         normed = weight * normed.astype(x.dtype)
     bound = jnp.max(jnp.abs(xf * w), axis=-1) * r[:, 0] * MARGIN
+    return (normed, *_words(normed, bound, layout))
+
+
+def gated_rms_norm_words(
+    x: jax.Array, gate: jax.Array, weight: jax.Array, *, eps: float, layout: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The GDN output norm's form of `rms_norm_words`: x and gate [M, H * Dv], weight [Dv] ->
+    (gated [M, H * Dv] as `model.norm.gated_rms_norm` gives it, words, inverse), the row factors
+    from the bound max over heads h of rsqrt(mean(x_h^2) + eps) * max |x_h * w * silu(gate_h)|."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    m, k = x.shape
+    d = weight.shape[0]
+    xf = x.reshape(m, k // d, d).astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    out = weight * (xf * r).astype(x.dtype)
+    silu = jax.nn.silu(gate.reshape(xf.shape).astype(jnp.float32))
+    gated = (out.astype(jnp.float32) * silu).astype(x.dtype).reshape(m, k)
+    per_head = jnp.max(jnp.abs(xf * weight.astype(jnp.float32) * silu), axis=-1) * r[..., 0]
+    bound = jnp.max(per_head, axis=-1) * GATED_MARGIN
+    return (gated, *_words(gated, bound, layout))
+
+
+def _words(values: jax.Array, bound: jax.Array, layout: str) -> tuple[jax.Array, jax.Array]:
+    """(words, inverse) of rows [M, K] whose max |x| is at most bound [M] (within the margin)."""
     factor, inverse = qc.f16_row_factors(bound)
-    # the normed values as rounded to their dtype: XLA may otherwise keep a fused producer's float32
+    # the values as rounded to their dtype: XLA may otherwise keep a fused producer's float32
     # (excess precision), and the words would not be the norm's output
-    info = jnp.finfo(normed.dtype)
-    exact = jax.lax.reduce_precision(normed.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    info = jnp.finfo(values.dtype)
+    exact = jax.lax.reduce_precision(
+        values.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant
+    )
     x16 = (exact * factor[:, None]).astype(jnp.float16)
-    words = qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16)
-    return normed, words, inverse
+    return (qc.word_columns(x16) if layout == "columns" else h2.word_x_pairs(x16)), inverse

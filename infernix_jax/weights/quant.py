@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infernix_jax.switches import env_mode, switched
-from infernix_jax.weights.norm_words import rms_norm_words
+from infernix_jax.weights.norm_words import gated_rms_norm_words, rms_norm_words
 from pallas_kernels import compat
 from pallas_kernels import moe_routing as routing_kernel
 from pallas_kernels import norm_rows as norm_rows_kernel
@@ -965,19 +965,25 @@ def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpr
 
 def _source_norm_words(norm: NormSource, x2d: Array, layout: str):
     """`_norm_words` under norm_rows("source"): XLA's rows with their scale bounded from the norm's
-    input (weights/norm_words.py), or None for the gated norm and rows the norm does not give."""
+    input (weights/norm_words.py; the gated GDN output norm's too), or None for rows the norm does
+    not give."""
     rows, k = x2d.shape
     if (
-        norm.gate is not None
-        or jnp.dtype(x2d.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        jnp.dtype(x2d.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         or norm.source.shape[-1] != k
         or math.prod(norm.source.shape[:-1]) != rows
+        or (norm.gate is not None and k % norm.weight.shape[0])
     ):
         return None
     if layout not in norm.made:
-        norm.made[layout] = rms_norm_words(
-            norm.source.reshape(rows, k), norm.weight, eps=norm.eps, zero_centered=norm.zero_centered, layout=layout
-        )
+        source = norm.source.reshape(rows, k)
+        if norm.gate is None:
+            norm.made[layout] = rms_norm_words(
+                source, norm.weight, eps=norm.eps, zero_centered=norm.zero_centered, layout=layout
+            )
+        else:
+            gate = norm.gate.reshape(rows, k)
+            norm.made[layout] = gated_rms_norm_words(source, gate, norm.weight, eps=norm.eps, layout=layout)
     return norm.made[layout][1:]
 
 
@@ -1281,8 +1287,8 @@ def norm_rows(where: str) -> Iterator[None]:
     """Where NVFP4 word kernels whose input is an RMSNorm's output (`NormSource`) get its float16
     rows while tracing inside this block: "xla" (the norm, a reduce and a reorder launched before
     the kernel), "kernel" (one launch: pallas_kernels/norm_rows.py) or "source" (XLA's norm and
-    row max in one reduce launch, the scale bounded from the norm's input: weights/norm_words.py;
-    the gated GDN output norm stays "xla"). NORM_ROWS; default:
+    row max in one reduce launch, the scale bounded from the norm's input: weights/norm_words.py).
+    NORM_ROWS; default:
     INFERNIX_NORM_ROWS, "xla": on an H100 the kernel cut launches but took more device time than
     XLA's three, 2.88 against 2.61 ms a step on the 80B-A3B, 12.0 against 10.6 on the 27B
     (docs/gpu_runs.md row 6x)."""

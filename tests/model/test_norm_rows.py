@@ -124,15 +124,23 @@ def test_the_gdn_output_projection_takes_its_rows_from_the_gated_norm(monkeypatc
         "gated_rms_norm_rows",
         lambda *a, **kw: launches.append(kw["layout"]) or real(*a, **kw),
     )
+    from infernix_jax.weights import quant
+
+    made = []
+    real_words = quant.gated_rms_norm_words
+    monkeypatch.setattr(
+        quant, "gated_rms_norm_words", lambda *a, **kw: made.append(kw["layout"]) or real_words(*a, **kw)
+    )
     got = {}
-    for way in ("xla", "kernel"):
+    for way in ("xla", "kernel", "source"):
         with kernel_mode("interpret"), norm_rows(way):
             step = jax.jit(
                 lambda w, o, z: _output_projection(SimpleNamespace(norm=p.norm, out_proj=w), o, z, cfg)
             )
             got[way] = np.asarray(step(p.out_proj, out, z), np.float32)
-    assert launches == ["columns"]
+    assert launches == ["columns"] and made == ["columns"]  # "source": XLA's rows bounded from the input
     scale = np.abs(got["xla"]).max()
+    assert np.abs(got["source"] - got["xla"]).max() <= 2e-2 * scale
     assert got["kernel"].shape == (1, 1, 64) and np.abs(got["kernel"] - got["xla"]).max() <= 2e-2 * scale
 
 

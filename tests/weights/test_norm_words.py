@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.model.norm import rms_norm
-from infernix_jax.weights.norm_words import rms_norm_words
+from infernix_jax.model.norm import gated_rms_norm, rms_norm
+from infernix_jax.weights.norm_words import gated_rms_norm_words, rms_norm_words
 from pallas_kernels import _quant_common as qc
 
 EPS = 1e-6
@@ -80,3 +80,25 @@ def test_an_unknown_layout_is_refused():
     x, w = _inputs(1, 64)
     with pytest.raises(ValueError, match="layout"):
         rms_norm_words(x, w, eps=EPS, zero_centered=True, layout="rows")
+
+
+@pytest.mark.parametrize("layout", ["columns", "pairs"])
+def test_gated_words_give_back_the_gdn_output_norm_exactly(layout):
+    """The GDN output norm's form: each head's 1/rms from its own columns, times silu of the gate;
+    the row bound is the max over heads of each head's bound."""
+    heads, d = 4, 64
+    x, _ = _inputs(5, heads * d, seed=1)
+    gate, _ = _inputs(5, heads * d, seed=2)
+    w = jnp.asarray(np.random.default_rng(3).standard_normal(d) * 0.3, jnp.bfloat16)
+    gated, words, inverse = gated_rms_norm_words(x, gate, w, eps=EPS, layout=layout)
+    want = gated_rms_norm(x.reshape(5, heads, d), gate.reshape(5, heads, d), w, EPS).reshape(5, heads * d)
+    np.testing.assert_array_equal(np.asarray(gated, np.float32), np.asarray(want, np.float32))
+    rows = _rows_from_words(np.asarray(words), layout).astype(np.float32)
+    # exact but where silu makes a value so small next to its row's max that float16 holds it as
+    # a subnormal (as with `f16_rows`): there within float16's smallest step, scaled back
+    inverse = np.asarray(inverse)[:, None]
+    diff = np.abs(rows * inverse - np.asarray(want, np.float32))
+    assert np.all(diff <= 2.0**-24 * inverse), diff.max()
+    assert np.all(diff[np.abs(rows) >= 2.0**-14] == 0)
+    peak = np.abs(rows).max(axis=1)
+    assert np.all((peak >= 2.0**12) & (peak < 2.0**14)), peak
