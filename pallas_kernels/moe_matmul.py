@@ -311,7 +311,7 @@ def _grouped_kernel(
     # the word variants also multiply it by E2M1_F16_SCALE) and its stored refs; last the output.
     # nvfp4: x_even [M, K/2], x_odd [M, K/2] | packed [E*N, K/2] u8, block scale bits [E*N, K/16] u8
     # nvfp4 dot_w / dot_t_w / dot_jw: x [M, K] f16 (qc.f16_rows; in word order by qc.word_columns
-    #        except for dot_jw), row factors [M, 1] f32
+    #        except for dot_jw), row factors [M, 1] f32 (or with `row_max` the rows' max |x|)
     #        | words [E*N, K/8] u32 (4 packed bytes each), block scale bits [E*N, K/16] u8
     # fp8:   x [M, K] | data bits [E*N, K] u8, block scales [E*ceil(N/b), ceil(K/b)] f32 (or [1, 1])
     # plain: x [M, K] | w [E*N, K] (bf16 / f16 / f32)
@@ -335,6 +335,7 @@ def _grouped_kernel(
     even_n: bool,
     even_k: bool,
     interpret: bool = False,  # gemv_h2w: its half2 products as jnp ops (the interpreter runs no PTX)
+    row_max: bool = False,  # word variants: x's second ref holds each row's max |x|, not its inverse factor
 ):
     x_refs, out_ref = refs[:n_x], refs[-1]
     sources = 1 if first_experts is None else 2
@@ -368,6 +369,7 @@ def _grouped_kernel(
             w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
             raw_rows=raw_rows, compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
             n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k, interpret=interpret,
+            row_max=row_max,
         )  # fmt: skip
 
     if segments == 1 and sources == 1:
@@ -391,7 +393,7 @@ def _grouped_kernel(
 def _grouped_tile(
     expert_scale_ref, in_refs, out_ref, *, e, r0, r1, sizes, col0, out_col0, w_row0, n_mask, split, t, fmt, variant,
     gemv, word, raw_rows, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block,
-    even_k, interpret=False,
+    even_k, interpret=False, row_max=False,
 ):  # fmt: skip
     """One program's work on one weight (`_grouped_kernel`): its work item's rows times its N tile,
     and on the last item the zeros of rows past the groups."""
@@ -506,6 +508,9 @@ def _grouped_tile(
 
     out_dtype = out_ref.dtype
 
+    def row_inverse(v):  # a row's inverse factor from what x's second ref holds (`row_max`)
+        return qc.f16_row_factors(v)[1] if row_max else v
+
     def work():
         expert_scale = expert_scale_ref[e]
         if word:  # the word decode yields e2m1 values / 2**14 (exact: a power of two)
@@ -518,7 +523,7 @@ def _grouped_tile(
                 y = acc[r].sum(axis=1)[None, :] * expert_scale
                 if word:  # the row's power-of-two factor (qc.f16_rows) undone
                     row_ok = jnp.broadcast_to(r0 + r < r1, (1, 1))
-                    y = y * qc.load(in_refs[1].at[compat.ds(r0 + r, 1), compat.ds(0, 1)], row_ok)
+                    y = y * row_inverse(qc.load(in_refs[1].at[compat.ds(r0 + r, 1), compat.ds(0, 1)], row_ok))
                 compat.store(
                     out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(out_col0, bn)],
                     y.astype(out_dtype),
@@ -536,7 +541,7 @@ def _grouped_tile(
         if raw_rows:
             acc = acc * inverse[:, None]
         elif word:  # each row's power-of-two factor (qc.f16_rows) undone
-            acc = acc * qc.load(in_refs[1].at[compat.ds(r0, bm), compat.ds(0, 1)], rows_ok[:, None])
+            acc = acc * row_inverse(qc.load(in_refs[1].at[compat.ds(r0, bm), compat.ds(0, 1)], rows_ok[:, None]))
         compat.store(
             out_ref.at[split, compat.ds(r0, bm), compat.ds(out_col0, bn)],
             acc.astype(out_dtype),
@@ -837,6 +842,7 @@ def _grouped_call(
         return _grouped_streamed_call(x, weights, group_sizes, fmt, block_size, cfg, out_dtype, interpret)
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
+    row_max = False  # x's second input: inverse row factors (True: the rows' max |x|, `_grouped_kernel`)
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
     elif word and x_words is not None and (layout := x_words_layout(cfg.variant, cfg.x_rows)):  # made before
@@ -848,9 +854,13 @@ def _grouped_call(
             )
         x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
     elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw; word pairs for gemv_h2w)
-        x16, row_factor = qc.f16_rows(x)
+        # `f16_rows`' bits; the kernel takes each row's max |x| and makes its inverse factor itself, so
+        # that XLA launches no op of its own for the factors (the row max feeds the words' fusion anyway)
+        xf = x.astype(jnp.float32)
+        peak = jnp.max(jnp.abs(xf), axis=1)
+        x16 = (xf * qc.f16_row_factors(peak)[0][:, None]).astype(jnp.float16)
         layout = {"dot_jw": lambda v: v, "gemv_h2w": h2.word_x_pairs}.get(cfg.variant, qc.word_columns)
-        x_inputs = (layout(x16), row_factor[:, None])
+        x_inputs, row_max = (layout(x16), peak[:, None]), True
         k_width, step_width = k // 8, cfg.block_k // 8
     elif fmt == "nvfp4":
         x_inputs = (xp[:, 0::2], xp[:, 1::2])
@@ -880,6 +890,7 @@ def _grouped_call(
         even_n=n % cfg.block_n == 0,
         even_k=k_width % (step_width * cfg.split_k) == 0,
         interpret=interpret,
+        row_max=row_max,
     )
     # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
     partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32
