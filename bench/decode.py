@@ -186,7 +186,7 @@ NVFP4_VARIANT_SWITCHES = (
     VariantSwitch(nvfp4_word_dot, "dot_w", "word-", WORD_DOTS, "the float16 word dot of NVFP4 weights at rows past one"),
     VariantSwitch(nvfp4_word_rows, "xla", "word-rows-", WORD_ROWS,
                   "where the dense NVFP4 word kernels (gemv_w, gemv_ws, dot_jw) make their float16 rows"),
-    VariantSwitch(norm_rows, "xla", "norm-rows-", NORM_ROWS,
+    VariantSwitch(norm_rows, "source", "norm-rows-", NORM_ROWS,
                   "where the NVFP4 word kernels after a layer's norms get their float16 rows (one launch with the norm)"),
     VariantSwitch(swiglu_rows, "xla", "swiglu-rows-", SWIGLU_ROWS,
                   "where the grouped down projection of NVFP4 experts gets the float16 rows of its SwiGLU input"),

@@ -533,11 +533,11 @@ GROUPED_ROWS = ("xla", "kernel")
 # reduce, a convert and (but for dot_jw) a transpose before each call.
 WORD_ROWS = GROUPED_ROWS
 # Where an NVFP4 word kernel whose input is an RMSNorm's output (`NormSource`) gets its float16
-# rows: "xla" (the norm, then a reduce and a reorder: three launches) or "kernel" (one launch that
+# rows: "xla" (the norm, then a reduce and a reorder: three launches), "kernel" (one launch that
 # norms and makes the rows, pallas_kernels/norm_rows.py; the norm's arithmetic may differ from
-# XLA's by an ulp, as two XLA builds may).
-# "source": XLA, the rows' scale bounded from the norm's input, so that the norm's sum of squares
-# and the row max are one reduce launch (two launches; weights/norm_words.py).
+# XLA's by an ulp, as two XLA builds may) or "source" (the default: XLA, the rows' scale bounded
+# from the norm's input, so that the norm's sum of squares and the row max are one reduce launch;
+# two launches, weights/norm_words.py).
 NORM_ROWS = ("xla", "kernel", "source")
 # Where the grouped down projection of NVFP4 experts gets the float16 rows of its input, the
 # SwiGLU of the gate / up outputs: "xla" (a reduce with the SwiGLU fused in, then a scale /
@@ -559,7 +559,7 @@ _modes = {
     "nvfp4_grouped_dot": env_mode("INFERNIX_NVFP4_GROUPED_DOT", "auto", GROUPED_DOTS),
     "nvfp4_grouped_rows": env_mode("INFERNIX_NVFP4_GROUPED_ROWS", "xla", GROUPED_ROWS),
     "nvfp4_word_rows": env_mode("INFERNIX_NVFP4_WORD_ROWS", "xla", WORD_ROWS),
-    "norm_rows": env_mode("INFERNIX_NORM_ROWS", "xla", NORM_ROWS),
+    "norm_rows": env_mode("INFERNIX_NORM_ROWS", "source", NORM_ROWS),
     "swiglu_rows": env_mode("INFERNIX_SWIGLU_ROWS", "xla", SWIGLU_ROWS),
 }
 
@@ -1288,10 +1288,11 @@ def norm_rows(where: str) -> Iterator[None]:
     rows while tracing inside this block: "xla" (the norm, a reduce and a reorder launched before
     the kernel), "kernel" (one launch: pallas_kernels/norm_rows.py) or "source" (XLA's norm and
     row max in one reduce launch, the scale bounded from the norm's input: weights/norm_words.py).
-    NORM_ROWS; default:
-    INFERNIX_NORM_ROWS, "xla": on an H100 the kernel cut launches but took more device time than
-    XLA's three, 2.88 against 2.61 ms a step on the 80B-A3B, 12.0 against 10.6 on the 27B
-    (docs/gpu_runs.md row 6x)."""
+    NORM_ROWS; default: INFERNIX_NORM_ROWS, "source": on an H100, two runs each in one call,
+    455.6 / 453.7 against 438.4 / 440.1 tok/s with "xla" on the 80B-A3B shape at one token, 99.3 /
+    97.4 against 95.8 / 96.5 on the 27B (docs/gpu_runs.md row 6ac). The kernel cut launches too but
+    took more device time than XLA's three, 2.88 against 2.61 ms a step on the 80B-A3B, 12.0
+    against 10.6 on the 27B (row 6x)."""
     with switched(_modes, "norm_rows", where, NORM_ROWS, "norm rows"):
         yield
 
