@@ -845,12 +845,12 @@ def _grouped_call(
     row_max = False  # x's second input: inverse row factors (True: the rows' max |x|, `_grouped_kernel`)
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
-    elif word and x_words is not None and (layout := x_words_layout(cfg.variant, cfg.x_rows)):  # made before
-        want = (x.shape, jnp.float16) if layout == "columns" else ((m, k // 2), jnp.uint32)
+    elif word and x_words is not None and (words_layout := x_words_layout(cfg.variant, cfg.x_rows)):  # made before
+        want = (x.shape, jnp.float16) if words_layout == "columns" else ((m, k // 2), jnp.uint32)
         if (x_words[0].shape, x_words[0].dtype) != want or x_words[1].shape != (m,):
             raise ValueError(
-                f"{cfg.variant!r} takes x_words in the {layout!r} layout: {jnp.dtype(want[1]).name} {want[0]} rows "
-                f"and [{m}] factors; got {x_words[0].dtype} {x_words[0].shape} and {x_words[1].shape}"
+                f"{cfg.variant!r} takes x_words in the {words_layout!r} layout: {jnp.dtype(want[1]).name} "
+                f"{want[0]} rows and [{m}] factors; got {x_words[0].dtype} {x_words[0].shape} and {x_words[1].shape}"
             )
         x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
     elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw; word pairs for gemv_h2w)

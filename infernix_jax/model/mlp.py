@@ -140,9 +140,10 @@ def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k over the last axis of probs [N, E]: (values [N, k], indices [N, k] int32).
 
     Up to TOP_K_BY_COMPARING_MAX rows (decode) each expert's rank is the count of experts before
-    it (a larger value, or an equal one at a lower index: top_k's order), and the k winners are
-    picked by rank: one or two fusions. XLA's GPU top-k of 10 among 512 is a sort kernel of ~5 us
-    a layer (the 80B-A3B profile, docs/pallas.md). The same values and indices, ties included."""
+    it (a larger value, or an equal one at a lower index: top_k's order), the k winners' ids are
+    picked by rank and their values gathered at those ids (a masked sum over every expert was one
+    launch more). XLA's GPU top-k of 10 among 512 is a sort kernel of ~5 us a layer (the 80B-A3B
+    profile, docs/pallas.md). The same values and indices, ties included."""
     n, e = probs.shape
     if n > TOP_K_BY_COMPARING_MAX or _modes["router_top_k"] == "sort":
         return jax.lax.top_k(probs, k)

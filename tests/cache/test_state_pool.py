@@ -11,10 +11,10 @@ from infernix_jax.cache import SCRATCH_SLOT
 from infernix_jax.cache.state_pool import GDNState, scatter_states
 
 
-def _pool(slots: int) -> GDNState:
-    return GDNState(
-        conv=jnp.zeros((slots, 6, 3), jnp.bfloat16), recurrent=jnp.zeros((slots, 2, 4, 4), jnp.float32)
-    )
+def _pool_in_use(slots: int) -> GDNState:
+    """A pool whose real slots hold ones (states in use) and whose scratch slot holds zeros."""
+    ones = lambda shape, dtype: jnp.ones(shape, dtype).at[SCRATCH_SLOT].set(0)
+    return GDNState(conv=ones((slots, 6, 3), jnp.bfloat16), recurrent=ones((slots, 2, 4, 4), jnp.float32))
 
 
 @pytest.mark.parametrize("slots", [[2], [SCRATCH_SLOT], [3, SCRATCH_SLOT, 1, SCRATCH_SLOT]])
@@ -24,7 +24,7 @@ def test_rows_land_in_their_slots_and_the_scratch_slot_stays_zero(slots):
         conv=jnp.asarray(rng.normal(size=(len(slots), 6, 3)) + 1, jnp.bfloat16),
         recurrent=jnp.asarray(rng.normal(size=(len(slots), 2, 4, 4)) + 1, jnp.float32),
     )
-    pool = jax_tree_ones(_pool(4))
+    pool = _pool_in_use(4)
     new = scatter_states(pool, jnp.asarray(slots, jnp.int32), states)
     for name in ("conv", "recurrent"):
         got, old, rows = (
@@ -42,14 +42,8 @@ def test_rows_land_in_their_slots_and_the_scratch_slot_stays_zero(slots):
 
 
 def test_a_part_given_as_none_leaves_that_pool_as_it_is():
-    pool = jax_tree_ones(_pool(3))
+    pool = _pool_in_use(3)
     conv = jnp.full((1, 6, 3), 5, jnp.bfloat16)
     new = scatter_states(pool, jnp.asarray([1], jnp.int32), GDNState(conv=conv, recurrent=None))
     assert new.recurrent is pool.recurrent
     np.testing.assert_array_equal(np.asarray(new.conv[1]), np.asarray(conv[0]))
-
-
-def jax_tree_ones(pool: GDNState) -> GDNState:
-    """Real slots full of ones (what a slot in use holds), the scratch slot zeros."""
-    ones = lambda a: jnp.ones_like(a).at[SCRATCH_SLOT].set(0)
-    return GDNState(conv=ones(pool.conv), recurrent=ones(pool.recurrent))
