@@ -810,12 +810,6 @@ def x_words_layout(variant: str, x_rows: str | None) -> str | None:
     return "pairs" if variant == "gemv_h2w" else "columns"
 
 
-def takes_x_words(variant: str, x_rows: str | None) -> bool:
-    """Whether a grouped NVFP4 formulation reads x's float16 word rows made before its launch in
-    word-column order (what the MoE routing kernel makes: `x_words_layout` "columns")."""
-    return x_words_layout(variant, x_rows) == "columns"
-
-
 def _grouped_call(
     x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None, x_words=None
 ) -> list[jax.Array]:

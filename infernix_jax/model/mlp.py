@@ -265,7 +265,7 @@ def _experts_resident(
         return _experts_grouped(p, x, ids, num_experts, norm)
     if ids.size <= max(GATHER_MIN_PAIRS, num_experts // 2):
         return _experts_gathered(p, x, ids)
-    return _experts_grouped(p, x, ids, num_experts)
+    return _experts_grouped(p, x, ids, num_experts, norm)
 
 
 def _routes_in_kernel(p: MoEParams, tokens: int, cfg: ModelConfig) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from infernix_jax.model.norm import gated_rms_norm, rms_norm
 from pallas_kernels import _e2m1_half2 as h2
 from pallas_kernels import _quant_common as qc
 
@@ -41,18 +42,12 @@ def rms_norm_words(
     """x [M, K], weight [K] -> (normed [M, K] as `model.norm.rms_norm` gives it, words in `layout`
     ("columns": float16 [M, K] in `word_columns` order; "pairs": uint32 [M, K/2], `word_x_pairs`),
     inverse row factors [M] float32), the factors from the norm's input (module docstring)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    xf = x.astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    normed = xf * r
-    if zero_centered:
-        w = 1.0 + weight.astype(jnp.float32)
-        normed = (normed * w).astype(x.dtype)
-    else:  # as transformers' Qwen3RMSNorm: back to x's dtype before the weight
-        w = weight.astype(jnp.float32)
-        normed = weight * normed.astype(x.dtype)
-    bound = jnp.max(jnp.abs(xf * w), axis=-1) * r[:, 0] * MARGIN
+    _check_layout(layout)
+    normed = rms_norm(x, weight, eps, zero_centered)
+    xf = x.astype(jnp.float32)  # the bound's terms, as the norm computes them (XLA shares the sum)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    w = weight.astype(jnp.float32) + (1.0 if zero_centered else 0.0)
+    bound = jnp.max(jnp.abs(xf * w), axis=-1) * r * MARGIN
     return (normed, *_words(normed, bound, layout))
 
 
@@ -62,18 +57,22 @@ def gated_rms_norm_words(
     """The GDN output norm's form of `rms_norm_words`: x and gate [M, H * Dv], weight [Dv] ->
     (gated [M, H * Dv] as `model.norm.gated_rms_norm` gives it, words, inverse), the row factors
     from the bound max over heads h of rsqrt(mean(x_h^2) + eps) * max |x_h * w * silu(gate_h)|."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout)
     m, k = x.shape
     d = weight.shape[0]
-    xf = x.reshape(m, k // d, d).astype(jnp.float32)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    out = weight * (xf * r).astype(x.dtype)
-    silu = jax.nn.silu(gate.reshape(xf.shape).astype(jnp.float32))
-    gated = (out.astype(jnp.float32) * silu).astype(x.dtype).reshape(m, k)
-    per_head = jnp.max(jnp.abs(xf * weight.astype(jnp.float32) * silu), axis=-1) * r[..., 0]
+    heads = (m, k // d, d)
+    gated = gated_rms_norm(x.reshape(heads), gate.reshape(heads), weight, eps).reshape(m, k)
+    xf = x.reshape(heads).astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    silu = jax.nn.silu(gate.reshape(heads).astype(jnp.float32))
+    per_head = jnp.max(jnp.abs(xf * weight.astype(jnp.float32) * silu), axis=-1) * r
     bound = jnp.max(per_head, axis=-1) * GATED_MARGIN
     return (gated, *_words(gated, bound, layout))
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def _words(values: jax.Array, bound: jax.Array, layout: str) -> tuple[jax.Array, jax.Array]:

@@ -72,7 +72,6 @@ from pallas_kernels.moe_matmul import (
     grouped_matmul,
     grouped_matmuls,
     resolve_config,
-    takes_x_words,
 )
 from pallas_kernels.moe_matmul import x_words_layout as grouped_x_words_layout
 from pallas_kernels.nvfp4_matmul import (
@@ -929,8 +928,9 @@ class NormSource:
 
 
 def _norm_words(norm: NormSource | None, x2d: Array, layout: str | None, interpret: bool):
-    """x's float16 rows in `layout` from the norm's own launch, or None: no norm given, not
-    `norm_rows("kernel")`, no such layout for the formulation, or rows the launch does not take."""
+    """x's float16 rows in `layout` made with the norm, as `norm_rows` says ("kernel": the norm's
+    own launch; "source": `_source_norm_words`), or None: no norm given, `norm_rows("xla")`, no such
+    layout for the formulation, or rows the way does not take."""
     if norm is None or layout is None or _modes["norm_rows"] == "xla":
         return None
     rows, k = x2d.shape
@@ -1125,13 +1125,7 @@ def grouped_norm_words(
     if norm is None or _modes["norm_rows"] != "source" or not stacks:
         return None
     tokens, rows = x.shape[0], token_of_row.shape[0]
-    layouts = set()
-    for w in stacks:
-        operands = _grouped_kernel_operands(w)
-        if operands is None or operands[0] != "nvfp4" or x.shape[1] % 8:
-            return None
-        tiles = grouped_tiles("nvfp4", tokens, rows, operands[2], x.dtype)
-        layouts.add(grouped_x_words_layout(tiles["variant"], tiles.get("x_rows")))
+    layouts = {_grouped_words_layout(w, tokens, rows, x) for w in stacks}
     if len(layouts) != 1 or None in layouts:
         return None
     made = _source_norm_words(norm, x, layouts.pop())
@@ -1159,12 +1153,19 @@ def swiglu_words(gate: Array, up: Array, w: Any, tokens: int) -> tuple[Array, Ar
 
 def _takes_word_rows(w: Any, tokens: int, rows: int, x: jax.Array) -> bool:
     """Whether the grouped kernel reads x [tokens, K] for `rows` pairs through stack w with the
-    float16 word rows made outside it (NVFP4, a word variant but dot_jw, XLA's rows)."""
+    float16 word rows made outside it in word-column order (NVFP4, a word variant but dot_jw and
+    gemv_h2w, XLA's rows)."""
+    return _grouped_words_layout(w, tokens, rows, x) == "columns"
+
+
+def _grouped_words_layout(w: Any, tokens: int, rows: int, x: jax.Array) -> str | None:
+    """The layout in which the grouped kernel over stack w reads x's float16 word rows made outside
+    it for `rows` pairs of x [tokens, K] (`moe_matmul.x_words_layout`), or None where it takes none."""
     operands = _grouped_kernel_operands(w)
     if operands is None or operands[0] != "nvfp4" or x.shape[1] % 8:
-        return False
+        return None
     tiles = grouped_tiles("nvfp4", tokens, rows, operands[2], x.dtype)
-    return takes_x_words(tiles["variant"], tiles.get("x_rows"))
+    return grouped_x_words_layout(tiles["variant"], tiles.get("x_rows"))
 
 
 def grouped_tiles(
