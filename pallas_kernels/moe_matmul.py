@@ -336,15 +336,21 @@ def _grouped_kernel(
     even_k: bool,
     interpret: bool = False,  # gemv_h2w: its half2 products as jnp ops (the interpreter runs no PTX)
     row_max: bool = False,  # word variants: x's second ref holds each row's max |x|, not its inverse factor
+    row_experts: bool = False,  # group_sizes_ref holds each row's expert [M]: program row t works on row t
+    x_div: int = 1,  # gemv_h2w: row r reads x's row r // x_div (the pairs of one token read its row)
 ):
     x_refs, out_ref = refs[:n_x], refs[-1]
     sources = 1 if first_experts is None else 2
     per_weight = (len(refs) - n_x - 1) // (segments * sources)
     t, j, split = compat.program_id(0), compat.program_id(1), compat.program_id(2)
     e_pad = compat.pow2_at_least(num_experts)  # Triton tensors have power-of-two sizes
-    sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
-    sizes = qc.load(group_sizes_ref.at[compat.ds(0, e_pad)], sizes_mask)
-    e, r0, r1 = locate_item(t, sizes, m_size, block_m)
+    if row_experts:  # one row an item, in the rows' own order: nothing to locate
+        sizes, r0, r1 = None, t, t + 1
+        e = jnp.clip(group_sizes_ref[t], 0, num_experts - 1)
+    else:
+        sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
+        sizes = qc.load(group_sizes_ref.at[compat.ds(0, e_pad)], sizes_mask)
+        e, r0, r1 = locate_item(t, sizes, m_size, block_m)
     bn, bw, bm = block_n, step_width, block_m
     n_tiles = compat.cdiv(n_size, bn)
     seg = jax.lax.div(j, n_tiles)  # the weight this program's N tile belongs to
@@ -369,7 +375,7 @@ def _grouped_kernel(
             w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
             raw_rows=raw_rows, compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
             n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k, interpret=interpret,
-            row_max=row_max,
+            row_max=row_max, row_experts=row_experts, x_div=x_div,
         )  # fmt: skip
 
     if segments == 1 and sources == 1:
@@ -393,10 +399,15 @@ def _grouped_kernel(
 def _grouped_tile(
     expert_scale_ref, in_refs, out_ref, *, e, r0, r1, sizes, col0, out_col0, w_row0, n_mask, split, t, fmt, variant,
     gemv, word, raw_rows, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block,
-    even_k, interpret=False, row_max=False,
+    even_k, interpret=False, row_max=False, row_experts=False, x_div=1,
 ):  # fmt: skip
     """One program's work on one weight (`_grouped_kernel`): its work item's rows times its N tile,
-    and on the last item the zeros of rows past the groups."""
+    and on the last item the zeros of rows past the groups (with `row_experts` every row is an
+    item's: none)."""
+
+    def x_row(r):  # the row of x (or of its words and factors) that row r reads
+        return r if x_div == 1 else r // x_div
+
     x_refs = in_refs[:2] if fmt == "nvfp4" and not word else in_refs[:1]
     wi = 1 if raw_rows else 2  # word variants: where the words and scale bits start in in_refs
 
@@ -454,8 +465,10 @@ def _grouped_tile(
                 mask = jnp.broadcast_to(r0 + r < r1, (1, bw))
                 mask = mask if k_ok is None else mask & k_ok
                 pairs = [
-                    jnp.broadcast_to(qc.load(in_refs[0].at[compat.ds(r0 + r, 1), compat.ds(p * k_width + kw, bw)], mask),
-                                     (bn, bw))
+                    jnp.broadcast_to(
+                        qc.load(in_refs[0].at[compat.ds(x_row(r0 + r), 1), compat.ds(p * k_width + kw, bw)], mask),
+                        (bn, bw),
+                    )
                     for p in range(4)
                 ]  # fmt: skip
                 return acc[r] + h2.word_dots(words, pairs, interpret=interpret) * scale
@@ -523,7 +536,7 @@ def _grouped_tile(
                 y = acc[r].sum(axis=1)[None, :] * expert_scale
                 if word:  # the row's power-of-two factor (qc.f16_rows) undone
                     row_ok = jnp.broadcast_to(r0 + r < r1, (1, 1))
-                    y = y * row_inverse(qc.load(in_refs[1].at[compat.ds(r0 + r, 1), compat.ds(0, 1)], row_ok))
+                    y = y * row_inverse(qc.load(in_refs[1].at[compat.ds(x_row(r0 + r), 1), compat.ds(0, 1)], row_ok))
                 compat.store(
                     out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(out_col0, bn)],
                     y.astype(out_dtype),
@@ -565,8 +578,8 @@ def _grouped_tile(
         jax.lax.fori_loop(covered // ZERO_ROWS, compat.cdiv(m_size, ZERO_ROWS), chunk, 0)
 
     jax.lax.cond(r1 > r0, work, lambda: None)
-    # only the last item's programs sum the sizes (a reduction over E is a few barriers)
-    jax.lax.cond(t == max_work_items(m_size, num_experts, bm) - 1, zero_uncovered_rows, lambda: None)
+    if not row_experts:  # only the last item's programs sum the sizes (a reduction over E is a few barriers)
+        jax.lax.cond(t == max_work_items(m_size, num_experts, bm) - 1, zero_uncovered_rows, lambda: None)
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -710,6 +723,7 @@ _STATIC = (
     "num_stages",
     "programs",
     "x_rows",
+    "row_experts",
     "out_dtype",
     "interpret",
 )
@@ -748,6 +762,7 @@ def grouped_matmuls(
     x_rows: str | None = None,
     second: tuple[tuple[jax.Array, ...], ...] | None = None,
     x_words: tuple[jax.Array, jax.Array] | None = None,
+    row_experts: bool = False,
     out_dtype=None,
     interpret: bool = False,
 ) -> list[jax.Array]:
@@ -767,7 +782,14 @@ def grouped_matmuls(
     it with the rows; a MoE layer from its norm's rows, `quant.grouped_norm_words`): (float16
     [M, K] in word-column order, or for gemv_h2w uint32 [M, K/2] word pairs, `x_words_layout`;
     inverse row factors [M] float32), what `f16_rows` and the layout's reorder make of x; then no
-    XLA op runs before the launch. Other formulations ignore it and read x."""
+    XLA op runs before the launch. Other formulations ignore it and read x.
+
+    row_experts: `group_sizes` is instead each row's expert [M] int32, the rows in any order, each
+    row an item of its own (a decode token's (token, expert) pairs in slot order: no count, sort
+    or unsort around the launch; an expert's weights are read once for each row that names it).
+    Not for the streamed variants nor with `second`. With it, gemv_h2w's x_words may hold the
+    tokens' rows [T, K/2] and factors [T] for M = T * k rows in (token, slot) order: row r reads
+    token r // k (no gather of a token's row for each of its pairs)."""
     if not weights:
         raise ValueError("grouped_matmuls needs at least one weight")
     shapes = {tuple(tuple(a.shape) for a in w) for w in weights}
@@ -779,7 +801,7 @@ def grouped_matmuls(
                    split_k=split_k, num_warps=num_warps, num_stages=num_stages, programs=programs,
                    x_rows=x_rows)  # fmt: skip
     return _grouped_call(x, tuple(weights), group_sizes, fmt, options, out_dtype, interpret,
-                         None if second is None else tuple(second), x_words)  # fmt: skip
+                         None if second is None else tuple(second), x_words, row_experts)  # fmt: skip
 
 
 def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, cfg) -> int:
@@ -811,7 +833,7 @@ def x_words_layout(variant: str, x_rows: str | None) -> str | None:
 
 
 def _grouped_call(
-    x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None, x_words=None
+    x, weights, group_sizes, fmt, options, out_dtype, interpret, second=None, x_words=None, row_experts=False
 ) -> list[jax.Array]:
     """The pallas_call of `grouped_matmul` / `grouped_matmuls`: the activation's preparation once,
     each stack's operands, one launch, one [M, N] result per stack."""
@@ -819,7 +841,13 @@ def _grouped_call(
     m = x.shape[0] if x.ndim == 2 else 0
     cfg = resolve_config(fmt, m, **options)
     first_experts = None
-    if second is not None:
+    if row_experts:
+        _check_row_experts(group_sizes, m, cfg, second)
+        e_total = weights[0][0].shape[0]
+        for weight in weights:
+            sizes = jax.ShapeDtypeStruct((e_total,), group_sizes.dtype)
+            validate_grouped_matmul(x, weight, sizes, fmt=fmt, block_size=block_size, cfg=cfg)
+    elif second is not None:
         first_experts = _validate_two_sources(x, weights, second, group_sizes, fmt=fmt, block_size=block_size,
                                               cfg=cfg)  # fmt: skip
     else:
@@ -837,15 +865,11 @@ def _grouped_call(
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     row_max = False  # x's second input: inverse row factors (True: the rows' max |x|, `_grouped_kernel`)
+    x_div = 1  # rows that read each row of x's inputs (`_x_words_div`)
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
     elif word and x_words is not None and (words_layout := x_words_layout(cfg.variant, cfg.x_rows)):  # made before
-        want = (x.shape, jnp.float16) if words_layout == "columns" else ((m, k // 2), jnp.uint32)
-        if (x_words[0].shape, x_words[0].dtype) != want or x_words[1].shape != (m,):
-            raise ValueError(
-                f"{cfg.variant!r} takes x_words in the {words_layout!r} layout: {jnp.dtype(want[1]).name} "
-                f"{want[0]} rows and [{m}] factors; got {x_words[0].dtype} {x_words[0].shape} and {x_words[1].shape}"
-            )
+        x_div = _x_words_div(x_words, x, m, words_layout, cfg.variant, row_experts)
         x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
     elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw; word pairs for gemv_h2w)
         # `f16_rows`' bits; the kernel takes each row's max |x| and makes its inverse factor itself, so
@@ -885,6 +909,8 @@ def _grouped_call(
         even_k=k_width % (step_width * cfg.split_k) == 0,
         interpret=interpret,
         row_max=row_max,
+        row_experts=row_experts,
+        x_div=x_div,
     )
     # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
     partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32
@@ -892,13 +918,36 @@ def _grouped_call(
     partial = compat.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg.split_k, m, segments * n), partial_dtype),
-        grid=(max_work_items(m, num_experts, bm), segments * compat.cdiv(n, cfg.block_n), cfg.split_k),
+        grid=(m if row_experts else max_work_items(m, num_experts, bm), segments * compat.cdiv(n, cfg.block_n),
+              cfg.split_k),
         compiler_params=compat.triton_compiler_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"grouped_{fmt}_matmul_{cfg.variant}",
     )(group_sizes.astype(jnp.int32), *x_inputs, *weight_inputs)
     y = qc.split_sum(partial).astype(out_dtype)
     return [y] if segments == 1 else [y[:, s * n : (s + 1) * n] for s in range(segments)]
+
+
+def _check_row_experts(row_experts, m: int, cfg: GroupedConfig, second) -> None:
+    """Raise ValueError unless `grouped_matmuls(row_experts=True)` can take these inputs."""
+    if second is not None or cfg.variant in STREAMED_VARIANTS:
+        raise ValueError(f"row_experts is not for second stacks nor the streamed variants; got variant={cfg.variant!r}")
+    if row_experts.shape != (m,) or not jnp.issubdtype(row_experts.dtype, jnp.integer):
+        raise ValueError(f"row_experts needs each row's expert, integers [M={m}]; got {row_experts.dtype} {row_experts.shape}")
+
+
+def _x_words_div(x_words, x, m: int, layout: str, variant: str, row_experts: bool) -> int:
+    """How many rows read each row of x_words (1, or a token's pairs under row_experts with
+    gemv_h2w); raise ValueError when x_words does not fit the layout."""
+    rows = x_words[0].shape[0]
+    div = m // rows if row_experts and variant == "gemv_h2w" and rows and m % rows == 0 else 1
+    want = (x.shape, jnp.float16) if layout == "columns" else ((m // div, x.shape[1] // 2), jnp.uint32)
+    if (x_words[0].shape, x_words[0].dtype) != want or x_words[1].shape != (m // div,):
+        raise ValueError(
+            f"{variant!r} takes x_words in the {layout!r} layout: {jnp.dtype(want[1]).name} "
+            f"{want[0]} rows and [{m // div}] factors; got {x_words[0].dtype} {x_words[0].shape} and {x_words[1].shape}"
+        )
+    return div
 
 
 def _stack_inputs(weight: tuple[jax.Array, ...], fmt: str, word: bool, block_size: int | None, k: int) -> list:

@@ -11,8 +11,10 @@ host's graph work. Here one launch does all of it from the router's float32 logi
 For N tokens over E experts, top k, P = N * k (token, expert) pairs:
 
     probs    = softmax(logits)                         [N, E] float32
-    ids      = the k largest probs' experts (ties: the lower expert first, as lax.top_k)
-    weights  = their probs, / their sum if `renormalize`, in x's dtype
+    ids      = the k largest probs' experts (ties: the lower expert first, as lax.top_k); with
+               `renormalize` the k largest logits' (the same experts: softmax keeps the order)
+    weights  = their probs, in x's dtype; with `renormalize` the softmax of the chosen logits
+               (the probs over their sum, which is what `model.mlp.route` computes)
     ids[t]   = ids[first valid token] where valid[t] is False (padding makes no reads of its own)
     rank[p]  = pairs before pair p = t * k + j: a smaller expert, or the same expert earlier
     order    = rank's inverse (the stable argsort of the pairs' experts)
@@ -63,7 +65,7 @@ def reference_moe_routing(
     kernels take it: (float16 [P, D] in word-column order, inverse row factors [P] float32), what
     `f16_rows` + `word_columns` make of xs. logits [N, E] float32, x [N, D], valid [N] bool or None."""
     e = logits.shape[1]
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = logits if renormalize else jax.nn.softmax(logits, axis=-1)  # the order either way
     idx = jnp.arange(e, dtype=jnp.int32)
     a, b = probs[:, :, None], probs[:, None, :]
     before = (b > a) | ((b == a) & (idx[None, None, :] < idx[None, :, None]))  # [n, i, j]: j before i
@@ -72,7 +74,7 @@ def reference_moe_routing(
     ids = jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=2)
     weights = jnp.sum(jnp.where(hit, probs[:, None, :], 0), axis=2)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(weights, axis=-1)
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
     flat = ids.reshape(-1)
@@ -105,12 +107,15 @@ def _routing_kernel(
     tile_ok = row_ok[:, None] & col_ok[None, :]
     logits = compat.load(logits_ref.at[compat.ds(0, n_pad), compat.ds(0, e_pad)], mask=tile_ok, other=0.0)
     logits = jnp.where(col_ok[None, :], logits, -jnp.inf)
-    unnormalized = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
-    probs = unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
+    if renormalize:  # the chosen logits' softmax below: the same experts and weights as the probs'
+        scores = logits
+    else:
+        unnormalized = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+        scores = unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
 
-    # top-k: the largest remaining prob, the lowest expert among equals, k times; slot_of[t, e] is
+    # top-k: the largest remaining score, the lowest expert among equals, k times; slot_of[t, e] is
     # the place j at which token t picked expert e (-1: not picked)
-    remaining = jnp.where(col_ok[None, :], probs, -1.0)
+    remaining = jnp.where(col_ok[None, :], scores, -jnp.inf)
     ids = jnp.zeros((n_pad, k_pad), jnp.int32)
     weights = jnp.zeros((n_pad, k_pad), jnp.float32)
     slot_of = jnp.full((n_pad, e_pad), -1, jnp.int32)
@@ -121,9 +126,11 @@ def _routing_kernel(
         weights = jnp.where(slots[None, :] == j, best, weights)
         picked = cols[None, :] == pick
         slot_of = jnp.where(picked, j, slot_of)
-        remaining = jnp.where(picked, -1.0, remaining)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+        remaining = jnp.where(picked, -jnp.inf, remaining)
+    if renormalize:  # the softmax over the k chosen (slots past k hold nothing)
+        chosen = jnp.where(slots[None, :] < k, weights, -jnp.inf)
+        unnormalized = jnp.exp(chosen - jnp.max(chosen, axis=1, keepdims=True))
+        weights = unnormalized / jnp.sum(unnormalized, axis=1, keepdims=True)
 
     # padding tokens route as the first valid token (as the reference: no reads of their own)
     valid = compat.load(valid_ref.at[compat.ds(0, n_pad)], mask=row_ok, other=0) != 0

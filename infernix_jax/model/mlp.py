@@ -45,8 +45,10 @@ from infernix_jax.weights.quant import (
     grouped_routing,
     matmul,
     matmuls,
+    pair_norm_words,
     pairs_read_in_place,
     routing_kernel_takes,
+    row_experts_ready,
     swiglu_words,
     take,
 )
@@ -123,13 +125,18 @@ def mlp(p: MLPParams, x: jax.Array, norm: NormSource | None = None) -> jax.Array
 
 
 def route(router: jax.Array, x: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Softmax router in fp32 -> (weights [N, k] in x's dtype, expert ids [N, k])."""
+    """Softmax router in fp32 -> (weights [N, k] in x's dtype, expert ids [N, k]).
+
+    With `renormalize` the full softmax cancels out: the chosen experts are the top-k of the
+    logits (softmax keeps their order) and their weights the softmax of the chosen logits, one
+    launch a layer less than a softmax over every expert first (the same weights within float32
+    rounding)."""
     logits = _router_logits(router, x)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = _top_k(probs, top_k)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x.dtype), ids
+        values, ids = _top_k(logits, top_k)
+        return jax.nn.softmax(values, axis=-1).astype(x.dtype), ids
+    values, ids = _top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    return values.astype(x.dtype), ids
 
 
 def _router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
@@ -256,12 +263,33 @@ def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks)
 
 
+def _experts_by_pair(p: MoEParams, x: jax.Array, ids: jax.Array, norm: NormSource | None = None) -> jax.Array:
+    """One token's per-pair outputs [1, k, D] through the grouped kernel with each pair naming its
+    expert (`grouped_expert_matmuls(row_experts=True)`): at one token every pair has an expert of
+    its own, so the pairs need no count, sort, gather of their rows or unsort (four launches a
+    layer fewer than `_experts_grouped` on the 80B-A3B shape); the half2 gemv reads the token's
+    word row from its norm for all of its pairs. The same outputs as `_experts_grouped`."""
+    n, k = ids.shape
+    pair_experts = ids.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [N*k, D]: read only where no words are given
+    x_words = pair_norm_words(norm, x, (p.gate_proj, p.up_proj), k)
+    gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), pair_experts, tokens=n, x_words=x_words,
+                                      row_experts=True)  # fmt: skip
+    h_words = swiglu_words(gate, up, p.down_proj, n)
+    down = grouped_expert_matmul(jax.nn.silu(gate) * up, p.down_proj, pair_experts, tokens=n, x_words=h_words,
+                                 row_experts=True)  # fmt: skip
+    return down.reshape(n, k, -1)
+
+
 def _experts_resident(
     p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int, norm: NormSource | None = None
 ) -> jax.Array:
     """Per-pair outputs [N, k, D] of experts whose stacks are all on the device (norm: x is that
-    RMSNorm's output, `_experts_grouped`)."""
-    if _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj)):
+    RMSNorm's output, `_experts_grouped`); one token through `_experts_by_pair`."""
+    stacks = (p.gate_proj, p.up_proj, p.down_proj)
+    if _takes_grouped_kernel(stacks):
+        if ids.shape[0] == 1 and row_experts_ready(stacks, 1, ids.size, x.dtype):
+            return _experts_by_pair(p, x, ids, norm)
         return _experts_grouped(p, x, ids, num_experts, norm)
     if ids.size <= max(GATHER_MIN_PAIRS, num_experts // 2):
         return _experts_gathered(p, x, ids)
@@ -314,7 +342,7 @@ def moe(
         weights, per_pair = _experts_routed_in_kernel(p, xf, cfg, valid)
         return _combine(p, xf, weights, per_pair, shared).reshape(shape)
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    if valid is not None:
+    if valid is not None and xf.shape[0] > 1:  # one row is its own first row
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
     slotted = isinstance(p.gate_proj, SlottedExperts)
     prefetched = _take_prefetched(p.gate_proj) if slotted else None

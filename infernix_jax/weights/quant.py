@@ -1081,6 +1081,19 @@ def grouped_kernel_ready(*stacks: Any) -> bool:
     return use_kernel and all(_grouped_kernel_operands(part) is not None for w in stacks for part in _stack_parts(w))
 
 
+def row_experts_ready(stacks: tuple[Any, ...], tokens: int, rows: int, x_dtype: Any) -> bool:
+    """Whether the grouped kernel takes these stacks with each of `rows` rows (of `tokens` tokens)
+    naming its expert (`grouped_expert_matmul(row_experts=True)`): it runs for them, and their
+    tiles are not the streamed gemv's."""
+    if not grouped_kernel_ready(*stacks) or any(isinstance(w, ExpertStackPair) for w in stacks):
+        return False
+    for w in stacks:
+        fmt, _, block_size = _grouped_kernel_operands(w)
+        if grouped_tiles(fmt, tokens, rows, block_size, x_dtype)["variant"] in STREAMED_VARIANTS:
+            return False
+    return True
+
+
 def routing_kernel_takes(tokens: int, num_experts: int, top_k: int) -> bool:
     """Whether `grouped_routing` takes a step of `tokens` tokens (the routing kernel's sizes) in the
     kernel mode of programs traced now (the grouped kernel's: "auto" on a GPU, "interpret" /
@@ -1122,17 +1135,44 @@ def grouped_norm_words(
     (weights/norm_words.py) and each token's words are gathered for its pairs, where XLA would take
     a row max of every pair's row and make its words (two launches more). None where the norm's
     rows do not serve (another way, no norm, stacks that make their rows otherwise)."""
+    made = _token_norm_words(norm, x, stacks, token_of_row.shape[0])
+    if made is None:
+        return None
+    words, inverse, _ = made
+    return jnp.take(words, token_of_row, axis=0), jnp.take(inverse, token_of_row)
+
+
+def pair_norm_words(norm: NormSource | None, x: Array, stacks: tuple[Any, ...], top_k: int) -> tuple[Array, Array] | None:
+    """`grouped_norm_words` for the pairs of x's tokens in (token, slot) order, as the grouped kernel
+    takes them under `row_experts`: the half2 gemv reads each token's word row for all of its k
+    pairs (the tokens' rows [T, K/2], no gather); other formulations get each token's row repeated."""
+    made = _token_norm_words(norm, x, stacks, x.shape[0] * top_k)
+    if made is None:
+        return None
+    words, inverse, layout = made
+    if layout == "pairs":
+        return words, inverse
+    return jnp.repeat(words, top_k, axis=0), jnp.repeat(inverse, top_k)
+
+
+def _token_norm_words(
+    norm: NormSource | None, x: Array, stacks: tuple[Any, ...], rows: int
+) -> tuple[Array, Array, str] | None:
+    """The tokens' word rows [T, ...], inverse factors [T] and layout of a grouped gate / up over
+    `rows` pairs of the T tokens of x, from the norm x is the output of; None where they do not
+    serve (`grouped_norm_words`)."""
     if norm is None or _modes["norm_rows"] != "source" or not stacks:
         return None
-    tokens, rows = x.shape[0], token_of_row.shape[0]
+    tokens = x.shape[0]
     layouts = {_grouped_words_layout(w, tokens, rows, x) for w in stacks}
     if len(layouts) != 1 or None in layouts:
         return None
-    made = _source_norm_words(norm, x, layouts.pop())
+    layout = layouts.pop()
+    made = _source_norm_words(norm, x, layout)
     if made is None:
         return None
     words, inverse = made
-    return jnp.take(words.reshape(tokens, -1), token_of_row, axis=0), jnp.take(inverse, token_of_row)
+    return words.reshape(tokens, -1), inverse, layout
 
 
 def swiglu_words(gate: Array, up: Array, w: Any, tokens: int) -> tuple[Array, Array] | None:
@@ -1328,24 +1368,36 @@ def fused_experts(enabled: bool) -> Iterator[None]:
 
 
 def grouped_expert_matmuls(
-    xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int, x_words: tuple[Array, Array] | None = None
+    xs: Array,
+    ws: tuple[Any, ...],
+    group_sizes: Array,
+    *,
+    tokens: int,
+    x_words: tuple[Array, Array] | None = None,
+    row_experts: bool = False,
 ) -> list[Array]:
     """`grouped_expert_matmul` of the same rows through several stacks [E, N, K] (an expert's gate
     and up): one grouped-kernel launch (`grouped_matmuls`) when `fused_experts` is on, the kernel
     runs and the stacks share format, block size and shapes; else one call per stack. x_words:
-    xs already as the word kernels take it (`grouped_routing`), or None."""
+    xs already as the word kernels take it (`grouped_routing`), or None. row_experts: see
+    `grouped_expert_matmul`."""
     if any(isinstance(w, ExpertStackPair) for w in ws):
+        if row_experts:
+            raise ValueError("row_experts is not for expert stack pairs")
         return _pair_matmuls(xs, ws, group_sizes, tokens=tokens)
     use_kernel, interpret = _expert_kernel_choice()
     operands = [_grouped_kernel_operands(w) for w in ws] if _modes["fused_experts"] == "on" and use_kernel else [None]
     if len(ws) < 2 or None in operands or len({(o[0], o[2], tuple(a.shape for a in o[1])) for o in operands}) > 1:
-        return [grouped_expert_matmul(xs, w, group_sizes, tokens=tokens, x_words=x_words) for w in ws]
-    _check_grouped_shapes(xs, ws[0], group_sizes)
+        return [
+            grouped_expert_matmul(xs, w, group_sizes, tokens=tokens, x_words=x_words, row_experts=row_experts)
+            for w in ws
+        ]
+    _check_grouped_shapes(xs, ws[0], group_sizes, row_experts)
     fmt, _, block_size = operands[0]
     tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
     leaves = tuple(o[1] for o in operands)
     return grouped_matmuls(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, x_words=x_words,
-                           interpret=interpret, **tiles)  # fmt: skip
+                           row_experts=row_experts, interpret=interpret, **tiles)  # fmt: skip
 
 
 def _stack_parts(w: Any) -> tuple[Any, ...]:
@@ -1398,16 +1450,24 @@ def _pair_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens:
     return [call([pair])[0] for pair in operands]
 
 
-def _check_grouped_shapes(xs: Array, w: Any, group_sizes: Array) -> None:
-    """Raise ValueError unless xs is [M, K], w [E, N, K] and group_sizes [E]."""
+def _check_grouped_shapes(xs: Array, w: Any, group_sizes: Array, row_experts: bool = False) -> None:
+    """Raise ValueError unless xs is [M, K], w [E, N, K] and group_sizes [E] (row_experts: [M])."""
     if len(w.shape) != 3 or xs.ndim != 2 or xs.shape[-1] != w.shape[-1]:
         raise ValueError(f"expected xs [M, K] and w [E, N, K]; got {xs.shape} and {tuple(w.shape)}")
-    if group_sizes.shape != (w.shape[0],):
+    if row_experts and group_sizes.shape != xs.shape[:1]:
+        raise ValueError(f"row experts must be [M={xs.shape[0]}]; got {group_sizes.shape}")
+    if not row_experts and group_sizes.shape != (w.shape[0],):
         raise ValueError(f"group_sizes must be [E={w.shape[0]}]; got {group_sizes.shape}")
 
 
 def grouped_expert_matmul(
-    xs: Array, w: Any, group_sizes: Array, *, tokens: int, x_words: tuple[Array, Array] | None = None
+    xs: Array,
+    w: Any,
+    group_sizes: Array,
+    *,
+    tokens: int,
+    x_words: tuple[Array, Array] | None = None,
+    row_experts: bool = False,
 ) -> Array:
     """Rows xs [M, K] sorted by expert (group e = the next group_sizes[e] rows) times the stacked
     expert weights w [E, N, K] -> [M, N] in xs's dtype; rows past sum(group_sizes) are zero.
@@ -1416,17 +1476,23 @@ def grouped_expert_matmul(
     ones in registers), when `grouped_kernel_ready(w)`; otherwise dequantizes the whole stack to
     xs's dtype and runs `jax.lax.ragged_dot` (the CPU path). `tokens` (static) is how many tokens
     the M rows came from: it picks the kernel's tiles (`grouped_tiles`). `w` may be an
-    `ExpertStackPair`. x_words: xs as the word kernels take it (`grouped_routing`), or None."""
+    `ExpertStackPair`. x_words: xs as the word kernels take it (`grouped_routing`), or None.
+
+    row_experts: group_sizes is instead each row's expert [M], the rows in any order
+    (`grouped_matmuls(row_experts=True)`; off the kernel each row's expert is gathered)."""
     if isinstance(w, ExpertStackPair):
+        if row_experts:
+            raise ValueError("row_experts is not for expert stack pairs")
         return _pair_matmuls(xs, (w,), group_sizes, tokens=tokens)[0]
-    _check_grouped_shapes(xs, w, group_sizes)
+    _check_grouped_shapes(xs, w, group_sizes, row_experts)
     use_kernel, interpret = _expert_kernel_choice()
     operands = _grouped_kernel_operands(w)
     if use_kernel and operands is not None:
         fmt, leaves, block_size = operands
         tiles = grouped_tiles(fmt, tokens, xs.shape[0], block_size, xs.dtype)
-        return grouped_matmul(
-            xs, leaves, group_sizes, fmt=fmt, block_size=block_size, x_words=x_words, interpret=interpret, **tiles
-        )
+        return grouped_matmul(xs, leaves, group_sizes, fmt=fmt, block_size=block_size, x_words=x_words,
+                              row_experts=row_experts, interpret=interpret, **tiles)  # fmt: skip
+    if row_experts:
+        return expert_matmul(xs, w, expert_ids=group_sizes)
     w_t = jnp.swapaxes(dequantize(w, xs.dtype), 1, 2)  # [E, K, N]
     return jax.lax.ragged_dot(xs, w_t, group_sizes.astype(jnp.int32))

@@ -87,3 +87,22 @@ def test_the_sort_switch_takes_lax_top_k_at_decode_sizes_inside_its_block_only(m
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="router top-k"), mlp.router_top_k("heap"):
         pass
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_renormalized_routing_is_the_chosen_logits_softmax(tokens):
+    """With renormalisation the router takes the top-k of the logits and the softmax of the chosen
+    ones: the experts of the top-k of the full softmax, and its renormalised weights within
+    float32 rounding (one launch a layer fewer)."""
+    rng = np.random.default_rng(tokens)
+    router = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((tokens, 32)), jnp.float32)
+    weights, ids = mlp.route(router, x, 6, True)
+    probs = jax.nn.softmax(mlp._router_logits(router, x), axis=-1)
+    values, want_ids = jax.lax.top_k(probs, 6)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    want = values / values.sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want), rtol=1e-6, atol=0)
+    plain, plain_ids = mlp.route(router, x, 6, False)  # without: the softmax's own values
+    np.testing.assert_array_equal(np.asarray(plain_ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(values), rtol=1e-6, atol=0)

@@ -87,9 +87,9 @@ def test_bf16_rows_reach_the_word_dot_made_by_the_routing_kernel(layer, kernel_c
     seen = []
     real = mlp.grouped_expert_matmuls
 
-    def spy(xs, ws, group_sizes, *, tokens, x_words=None):
+    def spy(xs, ws, group_sizes, *, tokens, x_words=None, **options):
         seen.append(x_words is not None)
-        return real(xs, ws, group_sizes, tokens=tokens, x_words=x_words)
+        return real(xs, ws, group_sizes, tokens=tokens, x_words=x_words, **options)
 
     monkeypatch.setattr(mlp, "grouped_expert_matmuls", spy)
     rng = np.random.default_rng(tokens)

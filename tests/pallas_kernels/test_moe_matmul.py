@@ -867,3 +867,77 @@ def test_rows_made_before_the_launch_give_the_same_bits(variant):
     if variant == "gemv_h2w":  # word columns where it reads word pairs
         with pytest.raises(ValueError, match="'pairs' layout: uint32"):
             grouped_matmuls(x, (gate,), sizes, x_words=(qc.word_columns(x16), inverse), **common)
+
+
+@pytest.mark.parametrize(
+    "fmt,variant,block_m", [("nvfp4", "gemv_h2w", 1), ("nvfp4", "gemv", 1), ("nvfp4", "dot_w", 16), ("plain", "dot_t", 16)]
+)
+def test_rows_naming_their_experts_equal_the_rows_sorted_by_expert(fmt, variant, block_m):
+    """row_experts: a token's pairs in slot order, each naming its expert, give the sorted call's
+    rows bit for bit, put back in slot order (no count, sort or unsort around the launch)."""
+    rng = np.random.default_rng(5)
+    e, n, k, pairs = 32, 40, 256, 10
+    if fmt == "plain":
+        stacks = (jnp.asarray(rng.standard_normal((e, n, k)), jnp.bfloat16),), (jnp.asarray(rng.standard_normal((e, n, k)), jnp.bfloat16),)
+    else:
+        stacks = _nvfp4_stack(rng, e, n, k), _nvfp4_stack(rng, e, n, k)
+    experts = jnp.asarray(rng.permutation(e)[:pairs], jnp.int32)  # one token's top-10, in slot order
+    x = _x(rng, pairs, k) * 30
+    common = {"fmt": fmt, "variant": variant, "block_m": block_m, "out_dtype": jnp.float32, "interpret": True}
+    got = grouped_matmuls(x, stacks, experts, row_experts=True, **common)
+    order = jnp.argsort(experts)
+    sizes = jnp.bincount(experts, length=e).astype(jnp.int32)
+    want = grouped_matmuls(x[order], stacks, sizes, **common)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g)[order], np.asarray(w))
+
+
+def test_pairs_of_one_token_read_its_word_row_once():
+    """gemv_h2w under row_experts takes a token's word row and factor for all of its pairs
+    (x_words [T, K/2] for M = T * k rows): the same bits as each pair's row gathered."""
+    from pallas_kernels import _e2m1_half2 as h2
+    from pallas_kernels import _quant_common as qc
+
+    rng = np.random.default_rng(9)
+    e, n, k, top = 16, 40, 256, 4
+    stacks = _nvfp4_stack(rng, e, n, k), _nvfp4_stack(rng, e, n, k)
+    tokens = _x(rng, 2, k) * 40
+    experts = jnp.asarray(np.concatenate([rng.permutation(e)[:top] for _ in range(2)]), jnp.int32)
+    x = jnp.repeat(tokens, top, axis=0)  # [T * k, K] in (token, slot) order
+    words, inverse = qc.f16_rows(tokens)
+    common = {"fmt": "nvfp4", "variant": "gemv_h2w", "block_m": 1, "out_dtype": jnp.float32, "interpret": True,
+              "row_experts": True}  # fmt: skip
+    got = grouped_matmuls(x, stacks, experts, x_words=(h2.word_x_pairs(words), inverse), **common)
+    want = grouped_matmuls(x, stacks, experts, **common)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="'pairs' layout"):  # three token rows for eight pairs
+        grouped_matmuls(x, stacks, experts, x_words=(h2.word_x_pairs(qc.f16_rows(x[:3])[0]), inverse[:1].repeat(3)),
+                        **common)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "experts,options,match",
+    [((9,), {"variant": "gemv_h2w"}, r"row_experts needs each row's expert, integers \[M=10\]"),
+     ((10,), {"variant": "gemv_ws", "block_m": 1}, "not for second stacks nor the streamed")],
+)  # fmt: skip
+def test_rows_naming_their_experts_refuse_what_they_cannot_serve(experts, options, match):
+    rng = np.random.default_rng(2)
+    stack = _nvfp4_stack(rng, 16, 32, 256)
+    with pytest.raises(ValueError, match=match):
+        grouped_matmuls(_x(rng, 10, 256), (stack,), jnp.zeros(experts, jnp.int32), fmt="nvfp4", row_experts=True,
+                        interpret=True, **options)  # fmt: skip
+
+
+def test_rows_naming_their_experts_lower_for_cuda_as_one_call():
+    """The 80B-A3B's gate and up at one token with the token's word row: one Triton call, nothing
+    before it but the launch's operands."""
+    fn = functools.partial(grouped_matmuls, fmt="nvfp4", variant="gemv_h2w", block_m=1, block_n=32, block_k=512,
+                           row_experts=True)  # fmt: skip
+    stack = _nvfp4_shapes(512, 512, 2048)
+    text = compat.lower_for_cuda(
+        jax.jit(lambda x, a, b, ids, w, inv: fn(x, (a, b), ids, x_words=(w, inv))),
+        jax.ShapeDtypeStruct((10, 2048), jnp.bfloat16), stack, stack, jax.ShapeDtypeStruct((10,), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1024), jnp.uint32), jax.ShapeDtypeStruct((1,), jnp.float32),
+    )  # fmt: skip
+    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_gemv_h2w" in text

@@ -391,18 +391,20 @@ def test_the_streamed_gemv_switch_picks_the_single_row_formulation():
         pass
 
 
-def test_pairs_are_read_in_place_only_where_the_kernel_takes_two_stacks():
+def test_pairs_in_place_and_rows_naming_experts_only_where_the_kernel_takes_them():
     """A slotted layer pairs its slots with the fetched experts only when the grouped kernel runs a
     formulation that reads two stacks: the streamed gemv (`streamed_experts`) reads one, and the
-    pair would be joined whole every step."""
+    pair would be joined whole every step. Nor does the streamed gemv take rows naming their
+    experts (it locates its items itself): a one-token step there keeps the sorted pairs."""
     p = _block("nvfp4", seed=21)
     stacks = (p.gate_proj, p.up_proj, p.down_proj)
-    with kernel_mode("interpret"):
-        assert quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
-        with quant.streamed_experts(True):
-            assert not quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
-    with kernel_mode("reference"):
-        assert not quant.pairs_read_in_place(stacks, 1, TOP_K, jnp.bfloat16)
+    for check in (quant.pairs_read_in_place, quant.row_experts_ready):
+        with kernel_mode("interpret"):
+            assert check(stacks, 1, TOP_K, jnp.bfloat16)
+            with quant.streamed_experts(True):
+                assert not check(stacks, 1, TOP_K, jnp.bfloat16)
+        with kernel_mode("reference"):
+            assert not check(stacks, 1, TOP_K, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -438,8 +440,8 @@ def test_swiglu_rows_from_one_launch_give_the_same_block_output(monkeypatch, tok
 @pytest.mark.parametrize(("tokens", "grouped_dot"), [(1, "auto"), (3, "auto"), (1, "dot_w")])
 def test_the_pairs_rows_from_the_norms_words_give_the_same_block_output(monkeypatch, tokens, grouped_dot):
     """`norm_rows("source")`: a MoE block whose input is a norm's output gives its grouped gate / up
-    the pairs' rows gathered from the tokens' word rows that the norm's reduce scales (word pairs
-    for the one-token half2 gemv, word columns for dot_w), instead of a row max of every pair's
+    the pairs' rows from the tokens' word rows that the norm's reduce scales (word pairs for the
+    one-token half2 gemv, which reads the token's row for each pair; word columns for dot_w), instead of a row max of every pair's
     row; the block's output stays that of XLA's rows, and the norm's rows are made once."""
     from infernix_jax.model.norm import rms_norm
     from infernix_jax.weights.quant import NormSource
@@ -470,8 +472,46 @@ def test_the_pairs_rows_from_the_norms_words_give_the_same_block_output(monkeypa
             out[way] = np.asarray(jax.jit(block)(p, source, weight), np.float32)
     want_layout = "pairs" if tokens == 1 and grouped_dot == "auto" else "columns"
     assert made == [want_layout]
-    rows = tokens * TOP_K
-    want = (jnp.uint32, (rows, D // 2)) if want_layout == "pairs" else (jnp.float16, (rows, D))
+    rows = tokens * TOP_K  # one token's half2 gemv reads the token's own row for all of its pairs
+    want = (jnp.uint32, (tokens, D // 2)) if want_layout == "pairs" else (jnp.float16, (rows, D))
     assert given == [None, want]  # the gate / up launch of each way
     # not bit for bit: XLA's own rows keep the norm it fuses into them in float32 (excess precision)
     _close(out["source"], out["xla"])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block32"])
+@pytest.mark.parametrize("grouped_dot", ["auto", "dot_w"])
+def test_one_token_pairs_naming_their_experts_give_the_sorted_pairs_outputs(monkeypatch, fmt, grouped_dot):
+    """At one token the resident grouped path runs each (token, expert) pair as its own row naming
+    its expert (no count, sort, gather or unsort around the kernel): the per-pair outputs equal the
+    sorted path's bit for bit, from the token's norm words too, and the kernel is told so."""
+    from infernix_jax.model.norm import rms_norm
+    from infernix_jax.weights.quant import NormSource
+
+    named = []
+    real = quant.grouped_matmuls
+    monkeypatch.setattr(
+        quant, "grouped_matmuls", lambda *a, row_experts=False, **kw: named.append(row_experts) or real(
+            *a, row_experts=row_experts, **kw)
+    )  # fmt: skip
+    cfg, p = _config(), _block(fmt, seed=31)
+    source = jax.random.normal(jax.random.key(32), (1, D), jnp.bfloat16) * 5.0
+    weight = jax.random.normal(jax.random.key(33), (D,), jnp.bfloat16) * 0.2
+    ids = jnp.asarray([[6, 3]], jnp.int32)
+    with kernel_mode("interpret"), quant.nvfp4_grouped_dot(grouped_dot):
+
+        def outputs(p, source, weight, by_pair):
+            x = rms_norm(source, weight, cfg.rms_norm_eps, True)
+            norm = NormSource(source, weight, cfg.rms_norm_eps, True)
+            if by_pair:
+                return mlp._experts_resident(p, x, ids, E, norm)
+            return mlp._experts_grouped(p, x, ids, E, norm)
+
+        assert quant.row_experts_ready((p.gate_proj, p.up_proj, p.down_proj), 1, TOP_K, jnp.bfloat16)
+        got = jax.jit(outputs, static_argnums=3)(p, source, weight, True)
+        assert named and all(named)
+        named.clear()
+        want = jax.jit(outputs, static_argnums=3)(p, source, weight, False)
+        assert named and not any(named)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
