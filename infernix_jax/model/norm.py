@@ -6,10 +6,15 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, zero_centered: bool) -> jax.Array:
-    """y = x / rms(x) * (1 + w) (Qwen3-Next/3.5, Gemma style) or * w (Qwen3); computed in fp32."""
+def rms_norm(
+    x: jax.Array, weight: jax.Array, eps: float, zero_centered: bool, mean_square: jax.Array | None = None
+) -> jax.Array:
+    """y = x / rms(x) * (1 + w) (Qwen3-Next/3.5, Gemma style) or * w (Qwen3); computed in fp32.
+    mean_square: each row's mean of x^2 in float32 [..., 1], where the caller reduced it already."""
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if mean_square is None:
+        mean_square = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    normed = xf * jax.lax.rsqrt(mean_square + eps)
     w = weight.astype(jnp.float32)
     if zero_centered:
         return (normed * (1.0 + w)).astype(x.dtype)

@@ -43,11 +43,16 @@ def rms_norm_words(
     ("columns": float16 [M, K] in `word_columns` order; "pairs": uint32 [M, K/2], `word_x_pairs`),
     inverse row factors [M] float32), the factors from the norm's input (module docstring)."""
     _check_layout(layout)
-    normed = rms_norm(x, weight, eps, zero_centered)
-    xf = x.astype(jnp.float32)  # the bound's terms, as the norm computes them (XLA shares the sum)
-    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    xf = x.astype(jnp.float32)
     w = weight.astype(jnp.float32) + (1.0 if zero_centered else 0.0)
-    bound = jnp.max(jnp.abs(xf * w), axis=-1) * r * MARGIN
+    # the sum of squares and the bound's max in one reduce: XLA could otherwise split them in two
+    total, peak = jax.lax.reduce(
+        (xf * xf, jnp.abs(xf * w)), (jnp.float32(0), jnp.float32(0)),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (x.ndim - 1,),
+    )  # fmt: skip
+    mean_square = total / x.shape[-1]
+    normed = rms_norm(x, weight, eps, zero_centered, mean_square=mean_square[..., None])
+    bound = peak * jax.lax.rsqrt(mean_square + eps) * MARGIN
     return (normed, *_words(normed, bound, layout))
 
 
