@@ -32,10 +32,11 @@ def result_files(results_dir: Path = RESULTS_DIR) -> list[Path]:
 
 def newest(records: list[dict]) -> list[dict]:
     """The last record of each (name, machine) in file order (records are appended as they are
-    measured), each where that last one stands."""
+    measured), each where that last one stands. An A/B run's baseline records (an older commit
+    timed beside the new one: `details["baseline"]`) are history, not the engine as it is: left out."""
     seen: set[tuple[str, str]] = set()
     kept = []
-    for r in reversed(records):
+    for r in reversed([r for r in records if not (r.get("details") or {}).get("baseline")]):
         if (r["name"], r["machine"]) not in seen:
             seen.add((r["name"], r["machine"]))
             kept.append(r)

@@ -62,3 +62,13 @@ def test_a_benchmark_measured_again_shows_its_newest_record_per_machine(tmp_path
         ("decode 27b", "h100", "3 tok/s", "2222222"),
         ("decode 27b", "m", "2 tok/s", "3333333"),
     ]
+
+
+def test_an_ab_runs_baseline_records_stay_out_of_the_table(tmp_path):
+    """An A/B call times an older commit after the new one: the table shows the new commit's
+    record, the baseline's stays in the file."""
+    old = make_record("decode moe", 1.0, "tok/s", 4.0, "tok/s", machine="m", commit="0000000",
+                      details={"baseline": True})  # fmt: skip
+    write_records([record("decode moe", 2.0, commit="1111111"), old], tmp_path / "decode-ab-m.json")
+    rows = [[c.strip() for c in row.split("|")[1:-1]] for row in table(tmp_path).splitlines()[2:]]
+    assert [(r[0], r[2], r[5]) for r in rows] == [("decode moe", "2 tok/s", "1111111")]
