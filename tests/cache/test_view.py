@@ -171,7 +171,9 @@ def test_slotted_states_through_the_recurrence_kernel_equal_the_gathered_path(mo
         np.testing.assert_allclose(mg[valid], mw[valid], rtol=1e-4, atol=1e-4)
     for new, old in zip(got_pool.layers, want_pool.layers):
         np.testing.assert_allclose(np.asarray(new.recurrent), np.asarray(old.recurrent), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(new.conv), np.asarray(old.conv), rtol=1e-5, atol=1e-6)
+        # a layer's conv state is its input's projection: earlier layers' float differences (the
+        # kernel's recurrence against XLA's, the router's softmax as each program fuses it) reach it
+        np.testing.assert_allclose(np.asarray(new.conv), np.asarray(old.conv), rtol=1e-4, atol=1e-5)
         assert (
             not np.asarray(new.recurrent[SCRATCH_SLOT]).any() and not np.asarray(new.conv[SCRATCH_SLOT]).any()
         )
