@@ -230,8 +230,10 @@ def _gated_delta_conv_kernel(
     block_v: int,
     width: int,
     drop_slot: int,
+    columns: tuple[int, int, int] = (0, 0, 0),  # where q | k | v, b and a start in their refs' last axis
 ):
     b, h, j = compat.program_id(0), compat.program_id(1), compat.program_id(2)
+    raw_col0, b_col0, a_col0 = columns
     slot = slots_ref[b]
     fresh = fresh_ref[b] != 0
     n_valid = valid_ref[b]
@@ -250,7 +252,7 @@ def _gated_delta_conv_kernel(
         ]  # fmt: skip
         kept, outs = window, []
         for i in range(tokens):
-            window = window + [compat.load(raw_ref.at[b, jnp.int32(i), compat.ds(c0, n)]).astype(f32)]
+            window = window + [compat.load(raw_ref.at[b, jnp.int32(i), compat.ds(raw_col0 + c0, n)]).astype(f32)]
             outs.append(_silu_rounded(sum(x * w for x, w in zip(window, taps)), raw_ref.dtype))
             window = window[1:]
             kept = [jnp.where(i < n_valid, x, y) for x, y in zip(window, kept)]
@@ -271,7 +273,7 @@ def _gated_delta_conv_kernel(
     state = compat.load(block, mask=jnp.broadcast_to(~fresh, (dk, block_v)), other=0.0)
     for i in range(tokens):
         t = jnp.int32(i)
-        g, beta = _gates(b_ref[b, t, h], a_ref[b, t, h], a_log, dt_bias, i < n_valid)
+        g, beta = _gates(b_ref[b, t, b_col0 + h], a_ref[b, t, a_col0 + h], a_log, dt_bias, i < n_valid)
         state, out = _recurrence_step(state, qs[i], ks[i], vs[i], g, beta, dk)
         compat.store(out_ref.at[b, t, h, compat.ds(v0, block_v)], out.astype(out_ref.dtype))
 
@@ -316,14 +318,25 @@ def validate_gated_delta_decode(mixed, g, beta, pool, slots, fresh, key_heads: i
 
 def validate_gated_delta_conv_decode(
     raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, key_heads: int,
-    block_v: int,
+    block_v: int, columns: tuple[int, int, int] | None = None,
 ) -> None:  # fmt: skip
     """Raise ValueError for inputs the conv form does not take."""
-    b, t, hv = _validate_window(raw, pool, slots, fresh, key_heads, block_v)
-    c = raw.shape[2]
-    for name, x in (("b_in", b_in), ("a_in", a_in)):
-        if x.shape != (b, t, hv):
-            raise ValueError(f"{name} must be [{b}, {t}, {hv}]; got {x.shape}")
+    if columns is None:
+        b, t, hv = _validate_window(raw, pool, slots, fresh, key_heads, block_v)
+        c = raw.shape[2]
+        for name, x in (("b_in", b_in), ("a_in", a_in)):
+            if x.shape != (b, t, hv):
+                raise ValueError(f"{name} must be [{b}, {t}, {hv}]; got {x.shape}")
+    else:  # one array holds all three: q | k | v, b and a each within its last axis from its column
+        c = conv_weight.shape[0] if conv_weight.ndim == 2 else -1
+        view = jax.ShapeDtypeStruct((*raw.shape[:2], c), raw.dtype) if raw.ndim == 3 else raw
+        b, t, hv = _validate_window(view, pool, slots, fresh, key_heads, block_v)
+        for name, x, col, n in (("q | k | v", raw, columns[0], c), ("b", b_in, columns[1], hv),
+                                ("a", a_in, columns[2], hv)):  # fmt: skip
+            if x.ndim != 3 or x.shape[:2] != (b, t):
+                raise ValueError(f"with columns, {name}'s array must be [{b}, {t}, C']; got {x.shape}")
+            if not 0 <= col <= x.shape[2] - n:
+                raise ValueError(f"{name} at column {col} does not fit its array's {x.shape[2]} columns ({n} wide)")
     if conv_weight.ndim != 2 or conv_weight.shape[0] != c or conv_weight.shape[1] < 2:
         raise ValueError(f"conv_weight must be [{c}, W >= 2]; got {conv_weight.shape}")
     width = conv_weight.shape[1]
@@ -401,7 +414,7 @@ def gated_delta_decode_call(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("key_heads", "block_v", "num_warps", "drop_slot", "out_dtype", "interpret"),
+    static_argnames=("key_heads", "block_v", "num_warps", "drop_slot", "out_dtype", "interpret", "columns"),
     donate_argnames=("pool",),
 )
 def gated_delta_conv_decode(
@@ -423,37 +436,45 @@ def gated_delta_conv_decode(
     drop_slot: int = 0,
     out_dtype=None,
     interpret: bool = False,
+    columns: tuple[int, int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The conv, the gates and the recurrence in one kernel: same contract as
-    `reference_gated_delta_conv_decode` (the pool donated and updated in place)."""
+    `reference_gated_delta_conv_decode` (the pool donated and updated in place; `columns`: see
+    `gated_delta_conv_decode_call`)."""
     return gated_delta_conv_decode_call(
         raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid,
         key_heads=key_heads, block_v=block_v, num_warps=num_warps, drop_slot=drop_slot, out_dtype=out_dtype,
-        interpret=interpret,
+        interpret=interpret, columns=columns,
     )  # fmt: skip
 
 
 def gated_delta_conv_decode_call(
     raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, *, key_heads,
     block_v=DEFAULT_BLOCK_V, num_warps=DEFAULT_NUM_WARPS, drop_slot=0, out_dtype=None, interpret=False,
+    columns=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    """`gated_delta_conv_decode` without the jit (for traced programs, as `gated_delta_decode_call`)."""
+    """`gated_delta_conv_decode` without the jit (for traced programs, as `gated_delta_decode_call`).
+
+    columns: (q | k | v, b, a) first columns when raw is one array [B, T, C'] holding all three
+    (the GDN input projections' joined output, `weights.quant.matmuls_joined`; pass it as raw,
+    b_in and a_in alike): the kernel reads each at its column, so no slice of it is made first."""
     block_v = min(block_v, pool.shape[3])
     validate_gated_delta_conv_decode(
-        raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, key_heads, block_v
+        raw, b_in, a_in, conv_weight, a_log, dt_bias, conv_pool, pool, slots, fresh, n_valid, key_heads, block_v,
+        columns,
     )  # fmt: skip
     b, t, _ = raw.shape
     _, hv, dk, dv = pool.shape
     kernel = functools.partial(
         _gated_delta_conv_kernel, tokens=t, group=hv // key_heads, key_dim=key_heads * dk, dk=dk, dv=dv,
-        block_v=block_v, width=conv_weight.shape[1], drop_slot=drop_slot,
+        block_v=block_v, width=conv_weight.shape[1], drop_slot=drop_slot, columns=tuple(columns or (0, 0, 0)),
     )  # fmt: skip
     i32 = jnp.int32
     return compat.pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((b, t, hv, dv), raw.dtype if out_dtype is None else out_dtype),
-            jax.ShapeDtypeStruct((b, raw.shape[2], conv_pool.shape[2]), conv_pool.dtype),
+            jax.ShapeDtypeStruct((b, conv_weight.shape[0], conv_pool.shape[2]), conv_pool.dtype),
             jax.ShapeDtypeStruct(pool.shape, pool.dtype),
         ),
         grid=(b, hv, dv // block_v),

@@ -1016,7 +1016,7 @@ STREAMED_WORD_VARIANTS = ("gemv_ws", "gemv_bs_ws", "gemv_bsx_ws", "gemv_h2_ws", 
 @functools.partial(
     jax.jit,
     static_argnames=("variant", "block_m", "block_n", "block_k", "num_warps", "num_stages", "programs",
-                     "scale_spread", "x_rows", "out_dtype", "interpret"),
+                     "scale_spread", "x_rows", "joined", "out_dtype", "interpret"),
 )  # fmt: skip
 def nvfp4_matmuls(
     x: jax.Array,
@@ -1034,6 +1034,7 @@ def nvfp4_matmuls(
     out_dtype=None,
     interpret: bool = False,
     x_words: tuple[jax.Array, jax.Array] | None = None,
+    joined: bool = False,
 ) -> list[jax.Array]:
     """x [M, K] times each of several NVFP4 weights (packed, block_scale, tensor_scale) of that K
     -> one [M, N_s] result per weight, in one launch of a streamed formulation ("gemv_ws",
@@ -1041,7 +1042,12 @@ def nvfp4_matmuls(
     (`_quant_common.Segments`), so the projections of one input (a layer's q / k / v) cost one
     launch and one pass over x's preparation, and small weights ride along with large ones
     instead of paying a launch each. Equal, weight by weight, to `nvfp4_matmul` with the same
-    formulation and tiles. x_words: x's float16 rows already made, as for `nvfp4_matmul`."""
+    formulation and tiles. x_words: x's float16 rows already made, as for `nvfp4_matmul`.
+
+    joined: one [M, n_size] result instead, weight s at columns `joined_columns(N_s..., block_n)[s]`
+    (the kernel's own layout; the columns between weights are padding): a consumer that reads
+    each weight at its offset (a Pallas kernel) then needs no slice launch per weight, and the
+    scales after the kernel are one launch. The same values as the separate results."""
     if variant not in STREAMED_WORD_VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {STREAMED_WORD_VARIANTS}")
     if not weights:
@@ -1058,7 +1064,13 @@ def nvfp4_matmuls(
     for packed, block_scale, tensor_scale in weights:
         validate_nvfp4_matmul(x, packed, block_scale, tensor_scale, block_m, block_n, block_k, 1, variant)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    return _streamed_call(x, list(weights), cfg, block_m, out_dtype, interpret, x_words)
+    return _streamed_call(x, list(weights), cfg, block_m, out_dtype, interpret, x_words, joined)
+
+
+def joined_columns(sizes: tuple[int, ...], block_n: int) -> tuple[int, ...]:
+    """Where each weight of N = sizes[s] starts in `nvfp4_matmuls(joined=True)`'s result."""
+    segments = qc.Segments(tuple(sizes), block_n)
+    return tuple(segments.columns(s).start for s in range(len(sizes)))
 
 
 def _tiled_call(
@@ -1171,7 +1183,7 @@ def _words(packed: jax.Array) -> jax.Array:
 
 
 def _streamed_call(
-    x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret, x_words=None
+    x, weights, cfg: qc.MatmulConfig, block_m: int, out_dtype, interpret, x_words=None, joined=False
 ) -> list[jax.Array]:
     """The streamed formulations for x [M, K] and one or more NVFP4 weights (packed, block scale,
     tensor scale) of that K, all in one launch (`_quant_common.Segments`): one XLA op before the
@@ -1229,6 +1241,13 @@ def _streamed_call(
         name=f"nvfp4_matmul_{cfg.variant}",
     )(x_in, *operands)
     y = qc.split_sum(partial)[:m] * row_factor
+    if joined:  # each column times its weight's tensor scale (a weight's padding tail takes its scale too)
+        starts = [segments.columns(s).start for s in range(len(weights))] + [segments.n_size]
+        scale = jnp.concatenate([
+            jnp.broadcast_to(jnp.asarray(w[2], jnp.float32).reshape(()), (starts[s + 1] - starts[s],))
+            for s, w in enumerate(weights)
+        ])  # fmt: skip
+        return [(y * scale).astype(out_dtype)]
     return [
         (y[:, segments.columns(s)] * jnp.asarray(w[2], jnp.float32).reshape(())).astype(out_dtype)
         for s, w in enumerate(weights)

@@ -107,6 +107,7 @@ class SlottedGDNState:
         *,
         key_heads: int,
         interpret: bool = False,
+        columns: tuple[int, int, int] | None = None,
     ) -> tuple[jax.Array, SlottedGDNState]:
         """The layer's causal conv, gates and gated delta recurrence over a window in one kernel
         (pallas_kernels/gated_delta.py): (out [B, T, Hv, Dv] in raw's dtype, the updated view).
@@ -114,13 +115,14 @@ class SlottedGDNState:
         conv states are read from their slots and scattered back after the kernel (in place they
         would race, see the kernel). raw [B, T, C] is the input projection's q | k | v before the conv, b_in / a_in [B, T, Hv] the
         b / a projections, params (conv_weight [C, W], A_log [Hv], dt_bias [Hv]), fresh [B] bool
-        (start from zeros), n_valid [B] (the row's real tokens; the rest are padding)."""
+        (start from zeros), n_valid [B] (the row's real tokens; the rest are padding). columns: raw,
+        b_in and a_in are one array holding the three from these columns (`matmuls_joined`)."""
         from pallas_kernels import gated_delta  # the cache package imports Pallas only when asked
 
         conv_weight, a_log, dt_bias = params
         out, new_conv, recurrent = gated_delta.gated_delta_conv_decode_call(
             raw, b_in, a_in, conv_weight, a_log, dt_bias, self.conv_pool, self.recurrent_pool, self.slots, fresh,
-            n_valid, key_heads=key_heads, drop_slot=SCRATCH_SLOT, interpret=interpret,
+            n_valid, key_heads=key_heads, drop_slot=SCRATCH_SLOT, interpret=interpret, columns=columns,
         )  # fmt: skip
         conv = scatter_states(self.pools(), self.slots, GDNState(new_conv, None)).conv
         return out, SlottedGDNState(conv, recurrent, self.slots)

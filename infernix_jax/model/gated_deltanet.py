@@ -30,7 +30,7 @@ from infernix_jax.cache.state_pool import SlottedGDNState
 from infernix_jax.config import ModelConfig
 from infernix_jax.model.norm import gated_rms_norm
 from infernix_jax.model.params import GDNParams
-from infernix_jax.weights.quant import NormSource, matmul, matmuls
+from infernix_jax.weights.quant import NormSource, matmul, matmuls, matmuls_joined
 
 CHUNK = 64
 # Windows up to this length run the per-token recurrence (decode, draft verification); longer
@@ -369,7 +369,17 @@ def gated_deltanet(
     n_valid = jnp.sum(valid, axis=1).astype(jnp.int32)
     fresh = positions[:, 0] == 0
 
-    mixed, z, b_in, a_in = matmuls(x, (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a), norm)  # one launch
+    projections = (p.in_proj_qkv, p.in_proj_z, p.in_proj_b, p.in_proj_a)
+    joined = matmuls_joined(x, projections, norm) if in_place else None
+    if joined is not None:  # one array: the kernel reads q | k | v, b and a at their columns (no slices)
+        projected, (c_qkv, c_z, c_b, c_a) = joined
+        z = projected[..., c_z : c_z + hv * dv].reshape(b, t, hv, dv)
+        out, entry = slotted.recurrent_update(
+            projected, projected, projected, (p.conv_weight, p.A_log, p.dt_bias), fresh, n_valid, key_heads=hk,
+            interpret=interpret, columns=(c_qkv, c_b, c_a),
+        )  # fmt: skip
+        return _output_projection(p, out, z, cfg), entry
+    mixed, z, b_in, a_in = matmuls(x, projections, norm)  # one launch
     z = z.reshape(b, t, hv, dv)
     if in_place:  # conv, gates and recurrence on the rows' slots in one kernel
         out, entry = slotted.recurrent_update(

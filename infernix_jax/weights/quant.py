@@ -78,6 +78,7 @@ from pallas_kernels.nvfp4_matmul import (
     E2M1_VALUES,
     KERNEL_ROWS_VARIANTS,
     STREAMED_WORD_VARIANTS,
+    joined_columns,
     nvfp4_matmul,
     nvfp4_matmuls,
     x_words_layout,
@@ -898,6 +899,27 @@ def matmuls(x: Array, ws: tuple[Any, ...] | list[Any], norm: NormSource | None =
     return [
         fused[i].reshape(*x.shape[:-1], w.shape[0]) if i in fused else matmul(x, w, norm) for i, w in enumerate(ws)
     ]
+
+
+def matmuls_joined(
+    x: Array, ws: tuple[Any, ...] | list[Any], norm: NormSource | None = None
+) -> tuple[Array, tuple[int, ...]] | None:
+    """`matmuls` as one array [..., C] and each weight's first column in it, where all of `ws` take
+    the one-launch path (`nvfp4_matmuls(joined=True)`: a Pallas consumer reads each weight at its
+    column, with no slice launch between); None elsewhere (callers take `matmuls`)."""
+    ws = tuple(ws)
+    if not ws or not all(_fusable(x, w) for w in ws):
+        return None
+    tiles = _fused_tiles(x, ws)
+    if tiles is None:
+        return None
+    rows = math.prod(x.shape[:-1])
+    x2d = x.reshape(rows, x.shape[-1])
+    weights = tuple((w.packed, w.block_scale, w.tensor_scale) for w in ws)
+    x_words = _norm_words(norm, x2d, x_words_layout(tiles["variant"], tiles.get("x_rows")), tiles["interpret"])
+    (joined,) = nvfp4_matmuls(x2d, weights, x_words=x_words, joined=True, **tiles)
+    columns = joined_columns(tuple(w.shape[0] for w in ws), tiles["block_n"])
+    return joined.reshape(*x.shape[:-1], joined.shape[-1]), columns
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -6,8 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infernix_jax.cache.sequence import init_cache
+from infernix_jax.cache.allocators import SCRATCH_SLOT
+from infernix_jax.cache.attention_choice import recurrent_update_mode
+from infernix_jax.cache.sequence import GDNState, init_cache
+from infernix_jax.cache.state_pool import slotted_states
 from infernix_jax.config import ModelConfig
+from infernix_jax.model import gated_deltanet as gdn_module
 from infernix_jax.model.forward import forward
 from infernix_jax.weights import quant
 from infernix_jax.weights.hf import load_params
@@ -71,3 +75,42 @@ def test_a_decode_step_gives_the_same_logits_with_projections_fused(monkeypatch)
     scale = np.abs(out[False]).max()
     assert np.abs(out[True] - out[False]).max() <= 2e-2 * scale
     assert np.argmax(out[True]) == np.argmax(out[False])
+
+
+def test_a_gdn_decode_step_reads_the_joined_projections_in_place(monkeypatch):
+    """A linear-attention layer's decode on its slots with NVFP4 input projections in one launch:
+    the gated delta kernel reads q | k | v, b and a from the launch's one joined array at their
+    columns (no slice launch each), and the layer's output and states are those of the four
+    arrays apart, bit for bit."""
+    path = HF_FIXTURES / "qwen3_5"
+    cfg = ModelConfig.from_hf_config(path)
+    p = _nvfp4_projections(load_params(path, cfg, jnp.bfloat16, progress=False)).layers[0].gdn
+    channels = p.conv_weight.shape[0]
+    hv, dk, dv = cfg.linear_num_v_heads, cfg.linear_k_head_dim, cfg.linear_v_head_dim
+    rng = np.random.default_rng(3)
+    pools = GDNState(
+        conv=jnp.asarray(rng.standard_normal((3, channels, p.conv_weight.shape[1] - 1)), jnp.bfloat16),
+        recurrent=jnp.asarray(rng.standard_normal((3, hv, dk, dv)) * 0.3, jnp.float32),
+    )
+    x = jnp.asarray(rng.standard_normal((1, 1, cfg.hidden_size)), jnp.bfloat16)
+    slots = jnp.asarray([2 if SCRATCH_SLOT != 2 else 1], jnp.int32)
+    joined = []
+    real = gdn_module.matmuls_joined
+
+    def spy(*args, **kwargs):
+        made = real(*args, **kwargs)
+        joined.append(made is not None)
+        return made
+
+    monkeypatch.setattr(gdn_module, "matmuls_joined", spy)
+    out = {}
+    for way in ("joined", "apart"):
+        if way == "apart":
+            monkeypatch.setattr(gdn_module, "matmuls_joined", lambda *a, **k: None)
+        with kernel_mode("interpret"), recurrent_update_mode("interpret"):
+            y, state = jax.jit(lambda p, x, pools: gdn_module.gated_deltanet(
+                p, x, jnp.full((1, 1), 5), slotted_states(pools, slots), cfg))(p, x, pools)  # fmt: skip
+        out[way] = (np.asarray(y, np.float32), np.asarray(state.conv_pool), np.asarray(state.recurrent_pool))
+    assert joined == [True]  # the joined launch ran
+    for got, want in zip(out["joined"], out["apart"], strict=True):
+        np.testing.assert_array_equal(got, want)

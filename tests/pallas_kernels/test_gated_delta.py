@@ -290,3 +290,31 @@ def test_conv_form_lowers_for_cuda_with_both_pools_aliased():
     assert (
         "output_operand_aliases" in text and "operand_index = 10" in text and "operand_index = 9" not in text
     )
+
+
+@pytest.mark.parametrize("b, t", [(1, 1), (2, 3)])
+def test_conv_form_reads_one_joined_array_at_its_columns(b, t):
+    """The GDN input projections' joined output (q | k | v, z, b, a at their columns, padding
+    between) read in place: the same outputs, conv states and pool bit for bit as the three
+    arrays apart; columns that do not fit their array are refused."""
+    hk, hv, dk, dv = 2, 4, 16, 32
+    raw, b_in, a_in, *rest = _conv_inputs(31 + t, b, t, hk, hv, dk, dv, slots_total=b + 2)
+    c = raw.shape[2]
+    z = jnp.full((b, t, 48), 7.0, raw.dtype)  # another weight's columns, and padding before b
+    pad = jnp.full((b, t, 16), jnp.nan, raw.dtype)
+    joined = jnp.concatenate([raw, z, pad, b_in, a_in], axis=2)
+    columns = (0, c + 64, c + 64 + hv)
+    slots, fresh = jnp.arange(1, b + 1, dtype=jnp.int32), jnp.arange(b) == 0
+    n_valid = jnp.full(b, t, jnp.int32)
+    common = {"key_heads": hk, "block_v": 16, "interpret": INTERPRET}
+    want = gated_delta_conv_decode(raw, b_in, a_in, *rest[:4], rest[4] + 0, slots, fresh, n_valid, **common)
+    got = gated_delta_conv_decode(joined, joined, joined, *rest[:4], rest[4] + 0, slots, fresh, n_valid,
+                                  columns=columns, **common)  # fmt: skip
+    for name, x, y in zip(("out", "conv", "pool"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    with pytest.raises(ValueError, match="does not fit"):
+        gated_delta_conv_decode(joined, joined, joined, *rest[:4], rest[4] + 0, slots, fresh, n_valid,
+                                columns=(0, c + 64, joined.shape[2] - 1), **common)  # fmt: skip
+    with pytest.raises(ValueError, match="b at column"):  # b's own array is Hv wide: its column is 0
+        gated_delta_conv_decode(joined, b_in, a_in, *rest[:4], rest[4] + 0, slots, fresh, n_valid,
+                                columns=columns, **common)  # fmt: skip

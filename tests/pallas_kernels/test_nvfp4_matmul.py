@@ -20,6 +20,7 @@ from pallas_kernels.nvfp4_matmul import (
     WORD_MIN_BLOCK_K,
     WORD_VARIANTS,
     decode_e2m1,
+    joined_columns,
     nvfp4_matmul,
     nvfp4_matmuls,
     reference_nvfp4_matmul,
@@ -411,6 +412,23 @@ def test_several_weights_in_one_launch_equal_each_alone(variant, m, sizes, progr
         np.testing.assert_allclose(
             np.asarray(g), np.asarray(want), rtol=tol, atol=tol * float(jnp.abs(want).max())
         )
+
+
+@pytest.mark.parametrize("variant", ["gemv_ws", "dot_ws"])
+def test_several_weights_joined_hold_each_result_at_its_column(variant):
+    """joined=True: one array with every weight's result at `joined_columns` (segments start on
+    tile boundaries), bit for bit the separate results, in the output dtype."""
+    rng = np.random.default_rng(17)
+    sizes = (96, 40, 8, 8)
+    x, *_ = _random_nvfp4(rng, 2, 8, 512)
+    weights = tuple(_random_nvfp4(rng, 2, n, 512)[1:] for n in sizes)
+    tiles = {"variant": variant, "block_n": 32, "block_k": 256, "programs": 5, "interpret": True}
+    apart = nvfp4_matmuls(x, weights, **tiles)
+    (joined,) = nvfp4_matmuls(x, weights, joined=True, **tiles)
+    columns = joined_columns(sizes, 32)
+    assert columns == (0, 96, 160, 192) and joined.shape == (2, 200) and joined.dtype == x.dtype
+    for alone, col, n in zip(apart, columns, sizes, strict=True):
+        np.testing.assert_array_equal(np.asarray(joined[:, col : col + n]), np.asarray(alone))
 
 
 def test_several_weights_refuse_other_formulations_and_mixed_k():
