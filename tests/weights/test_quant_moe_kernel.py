@@ -515,3 +515,17 @@ def test_one_token_pairs_naming_their_experts_give_the_sorted_pairs_outputs(monk
         assert named and not any(named)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
+
+
+def test_rows_naming_their_experts_off_the_kernel_gather_each_rows_expert():
+    """Off the grouped kernel (the reference mode) rows naming their experts take each row's
+    expert by a gather: `expert_matmul` with those ids."""
+    p = _block("nvfp4", seed=41)
+    xs = jax.random.normal(jax.random.key(42), (3, D), jnp.bfloat16)
+    ids = jnp.asarray([5, 0, 5], jnp.int32)
+    with kernel_mode("reference"):
+        got = grouped_expert_matmul(xs, p.gate_proj, ids, tokens=1, row_experts=True)
+    want = quant.expert_matmul(xs, p.gate_proj, expert_ids=ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match=r"row experts must be \[M=3\]"):
+        grouped_expert_matmul(xs, p.gate_proj, ids[:2], tokens=1, row_experts=True)
