@@ -147,10 +147,11 @@ def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """jax.lax.top_k over the last axis of probs [N, E]: (values [N, k], indices [N, k] int32).
 
     Up to TOP_K_BY_COMPARING_MAX rows (decode) each expert's rank is the count of experts before
-    it (a larger value, or an equal one at a lower index: top_k's order), the k winners' ids are
-    picked by rank and their values gathered at those ids (a masked sum over every expert was one
-    launch more). XLA's GPU top-k of 10 among 512 is a sort kernel of ~5 us a layer (the 80B-A3B
-    profile, docs/pallas.md). The same values and indices, ties included."""
+    it (a larger value, or an equal one at a lower index: top_k's order), and the k winners' ids and
+    values come from one variadic reduce over the experts by rank (the id a masked sum, the value a
+    masked max: XLA cannot split it, where a gather at the ids was a launch of its own). XLA's GPU
+    top-k of 10 among 512 is a sort kernel of ~5 us a layer (the 80B-A3B profile, docs/pallas.md).
+    The same values and indices, ties included."""
     n, e = probs.shape
     if n > TOP_K_BY_COMPARING_MAX or _modes["router_top_k"] == "sort":
         return jax.lax.top_k(probs, k)
@@ -159,8 +160,11 @@ def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     before = (b > a) | ((b == a) & (idx[None, None, :] < idx[None, :, None]))  # [n, i, j]: j before i
     rank = jnp.sum(before, axis=2, dtype=jnp.int32)  # [n, e]
     hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [n, k, e]
-    ids = jnp.sum(jnp.where(hit, idx[None, None, :], 0), axis=2)
-    values = jnp.take_along_axis(probs, ids, axis=1, mode="promise_in_bounds")  # the same bits as a masked sum
+    ids, values = jax.lax.reduce(
+        (jnp.where(hit, idx[None, None, :], 0), jnp.where(hit, probs[:, None, :], -jnp.inf)),
+        (jnp.int32(0), jnp.array(-jnp.inf, probs.dtype)),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (2,),
+    )  # fmt: skip
     return values, ids
 
 
