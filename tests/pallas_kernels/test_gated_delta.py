@@ -318,3 +318,29 @@ def test_conv_form_reads_one_joined_array_at_its_columns(b, t):
     with pytest.raises(ValueError, match="b at column"):  # b's own array is Hv wide: its column is 0
         gated_delta_conv_decode(joined, b_in, a_in, *rest[:4], rest[4] + 0, slots, fresh, n_valid,
                                 columns=columns, **common)  # fmt: skip
+
+
+def test_conv_form_reading_the_joined_array_lowers_for_cuda():
+    """The Triton lowering takes the joined array at the Qwen3-Next-80B layer's shapes (q | k | v,
+    z, b, a at their columns), one call with the pool aliased."""
+    b, hk, hv, dk, dv, width = 1, 16, 32, 128, 128, 4
+    c = 2 * hk * dk + hv * dv
+    bf16 = jnp.bfloat16
+    joined = jax.ShapeDtypeStruct((b, 1, c + hv * dv + 2 * hv), bf16)
+    shapes = (
+        joined,
+        joined,
+        joined,
+        jax.ShapeDtypeStruct((c, width), bf16),
+        jax.ShapeDtypeStruct((hv,), jnp.float32),
+        jax.ShapeDtypeStruct((hv,), bf16),
+        jax.ShapeDtypeStruct((9, c, width - 1), bf16),
+        jax.ShapeDtypeStruct((9, hv, dk, dv), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.bool_),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )
+    columns = (0, c + hv * dv, c + hv * dv + hv)
+    fn = jax.jit(lambda *a: gated_delta_conv_decode_call(*a, key_heads=hk, block_v=32, num_warps=4, columns=columns))
+    text = compat.lower_for_cuda(fn, *shapes)
+    assert text.count("xla.gpu.triton") == 1 and "operand_index = 10" in text
