@@ -161,12 +161,12 @@ def _paged_decode_kernel(
 
 
 def _merge_softmax_partials(a, b):
-    """The log-sum-exp monoid on (max, sum, acc): associative and commutative, identity (-inf, 0, 0)."""
-    (m1, l1, acc1), (m2, l2, acc2) = a, b
+    """The log-sum-exp monoid on (max, sum): associative and commutative, identity (-inf, 0)."""
+    (m1, l1), (m2, l2) = a, b
     m = jnp.maximum(m1, m2)
     w1 = jnp.where(m1 == -jnp.inf, 0.0, jnp.exp(m1 - m))  # an empty side weighs nothing (no inf - inf)
     w2 = jnp.where(m2 == -jnp.inf, 0.0, jnp.exp(m2 - m))
-    return m, l1 * w1 + l2 * w2, acc1 * w1 + acc2 * w2
+    return m, l1 * w1 + l2 * w2
 
 
 def combine_partitions(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
@@ -176,17 +176,20 @@ def combine_partitions(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     exp(s - m) v) -> [..., G, Dh] float32. Empty partitions (m = -inf) weigh nothing; a row
     with no token at all gives zeros.
 
-    One variadic reduction over NP with the log-sum-exp merge as its body (m and l broadcast
-    over Dh), so XLA emits a single reduction kernel instead of a max pass and two sums.
+    First the global max and sum over NP from the small m, l (one variadic reduction with the
+    log-sum-exp merge as its body), then acc's sum over NP weighted by exp(m - max), whose weights
+    XLA computes inside that reduction's input. A single variadic reduction over (m, l, acc) needs
+    m and l broadcast to acc's shape, which XLA wrote out as arrays of their own: two more
+    launches and two acc-sized temporaries a layer.
     """
-    axis = acc.ndim - 3
-    m_b = jnp.broadcast_to(m[..., None], acc.shape)
-    l_b = jnp.broadcast_to(l[..., None], acc.shape)
+    axis = m.ndim - 2
     zero = jnp.zeros((), jnp.float32)
-    _, total, out = jax.lax.reduce(
-        (m_b, l_b, acc), (jnp.float32(-jnp.inf), zero, zero), _merge_softmax_partials, (axis,)
+    top, total = jax.lax.reduce(
+        (m, l), (jnp.float32(-jnp.inf), zero), _merge_softmax_partials, (axis,)
     )
-    return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.expand_dims(top, axis)))  # [..., NP, G]
+    out = jnp.sum(acc * weight[..., None], axis=axis)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def _is_pow2(v: int) -> bool:
