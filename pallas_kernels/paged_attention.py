@@ -14,7 +14,8 @@ Decode reads every KV byte once, so the kernel is built for bandwidth ("flash de
 * Grid (B, K, partitions): each program takes one batch row, one KV head and one partition of
   `partition_size` tokens of the sequence, so batch 1 with few KV heads still fills the SMs at
   long context. Each program writes a partial (running max m, running sum l, unnormalized acc);
-  one XLA reduction (`combine_partitions`) merges the partitions by log-sum-exp and normalizes.
+  XLA merges the partitions by log-sum-exp and normalizes (`combine_partitions`: the max and sum
+  by one small reduction, then acc's weighted sum).
 * All G = H / K query heads of a KV group are processed together as the M side of the dots
   (padded to Gp = max(16, pow2(G)) rows: Triton dots need every dimension >= 16), so each K / V
   tile is loaded once for the whole group.
