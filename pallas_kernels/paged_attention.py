@@ -178,10 +178,10 @@ def combine_partitions(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     with no token at all gives zeros.
 
     First the global max and sum over NP from the small m, l (one variadic reduction with the
-    log-sum-exp merge as its body), then acc's sum over NP weighted by exp(m - max), whose weights
-    XLA computes inside that reduction's input. A single variadic reduction over (m, l, acc) needs
-    m and l broadcast to acc's shape, which XLA wrote out as arrays of their own: two more
-    launches and two acc-sized temporaries a layer.
+    log-sum-exp merge as its body), then acc's sum over NP weighted by exp(m - max) (the weights
+    [..., NP, G] are one small fusion; the weighted sum reads acc as the kernel wrote it). A single
+    variadic reduction over (m, l, acc) needed m and l broadcast to acc's shape, which XLA wrote out
+    as arrays of their own: one launch more and two acc-sized temporaries a layer.
     """
     axis = m.ndim - 2
     zero = jnp.zeros((), jnp.float32)
