@@ -891,11 +891,7 @@ def matmuls(x: Array, ws: tuple[Any, ...] | list[Any], norm: NormSource | None =
     tiles = _fused_tiles(x, tuple(ws[i] for i in picked))
     if tiles is None:
         return [matmul(x, w, norm) for w in ws]
-    rows = math.prod(x.shape[:-1])
-    x2d = x.reshape(rows, x.shape[-1])
-    weights = tuple((ws[i].packed, ws[i].block_scale, ws[i].tensor_scale) for i in picked)
-    x_words = _norm_words(norm, x2d, x_words_layout(tiles["variant"], tiles.get("x_rows")), tiles["interpret"])
-    fused = dict(zip(picked, nvfp4_matmuls(x2d, weights, x_words=x_words, **tiles), strict=True))
+    fused = dict(zip(picked, _one_launch(x, tuple(ws[i] for i in picked), norm, tiles), strict=True))
     return [
         fused[i].reshape(*x.shape[:-1], w.shape[0]) if i in fused else matmul(x, w, norm) for i, w in enumerate(ws)
     ]
@@ -913,13 +909,18 @@ def matmuls_joined(
     tiles = _fused_tiles(x, ws)
     if tiles is None:
         return None
-    rows = math.prod(x.shape[:-1])
-    x2d = x.reshape(rows, x.shape[-1])
-    weights = tuple((w.packed, w.block_scale, w.tensor_scale) for w in ws)
-    x_words = _norm_words(norm, x2d, x_words_layout(tiles["variant"], tiles.get("x_rows")), tiles["interpret"])
-    (joined,) = nvfp4_matmuls(x2d, weights, x_words=x_words, joined=True, **tiles)
+    (joined,) = _one_launch(x, ws, norm, tiles, joined=True)
     columns = joined_columns(tuple(w.shape[0] for w in ws), tiles["block_n"])
     return joined.reshape(*x.shape[:-1], joined.shape[-1]), columns
+
+
+def _one_launch(x: Array, ws: tuple[Any, ...], norm: NormSource | None, tiles: dict, joined: bool = False) -> list:
+    """NVFP4 weights `ws` over x's rows in one `nvfp4_matmuls` launch with `_fused_tiles`' tiles
+    (x's rows from the norm where it makes them): [rows, N] results, or one joined."""
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    weights = tuple((w.packed, w.block_scale, w.tensor_scale) for w in ws)
+    x_words = _norm_words(norm, x2d, x_words_layout(tiles["variant"], tiles.get("x_rows")), tiles["interpret"])
+    return nvfp4_matmuls(x2d, weights, x_words=x_words, joined=joined, **tiles)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -265,16 +265,23 @@ def test_conv_form_rejected_inputs(change, match):
         gated_delta_conv_decode(**change(args), interpret=INTERPRET)
 
 
-def test_conv_form_lowers_for_cuda_with_both_pools_aliased():
-    """The Triton lowering takes the conv form at the Qwen3.5-27B layer's shapes, the pool aliased
-    and the conv pool not (the rows' conv states come out apart)."""
-    b, hk, hv, dk, dv, width = 2, 16, 48, 128, 128, 4
+@pytest.mark.parametrize("joined", [False, True])
+def test_conv_form_lowers_for_cuda_with_both_pools_aliased(joined):
+    """The Triton lowering takes the conv form at the Qwen3.5-27B layer's shapes (q | k | v, b, a
+    apart) and at the Qwen3-Next-80B layer's with the joined array (q | k | v, z, b, a at their
+    columns): one call, the pool aliased and the conv pool not (the rows' conv states come out apart)."""
+    b, hk, hv = (1, 16, 32) if joined else (2, 16, 48)
+    dk, dv, width = 128, 128, 4
     c = 2 * hk * dk + hv * dv
     bf16 = jnp.bfloat16
+    if joined:
+        projected = jax.ShapeDtypeStruct((b, 1, c + hv * dv + 2 * hv), bf16)
+        inputs, columns = (projected,) * 3, (0, c + hv * dv, c + hv * dv + hv)
+    else:
+        gates = jax.ShapeDtypeStruct((b, 1, hv), bf16)
+        inputs, columns = (jax.ShapeDtypeStruct((b, 1, c), bf16), gates, gates), None
     shapes = (
-        jax.ShapeDtypeStruct((b, 1, c), bf16),
-        jax.ShapeDtypeStruct((b, 1, hv), bf16),
-        jax.ShapeDtypeStruct((b, 1, hv), bf16),
+        *inputs,
         jax.ShapeDtypeStruct((c, width), bf16),
         jax.ShapeDtypeStruct((hv,), jnp.float32),
         jax.ShapeDtypeStruct((hv,), bf16),
@@ -284,7 +291,7 @@ def test_conv_form_lowers_for_cuda_with_both_pools_aliased():
         jax.ShapeDtypeStruct((b,), jnp.bool_),
         jax.ShapeDtypeStruct((b,), jnp.int32),
     )
-    fn = jax.jit(lambda *a: gated_delta_conv_decode_call(*a, key_heads=hk, block_v=32, num_warps=4))
+    fn = jax.jit(lambda *a: gated_delta_conv_decode_call(*a, key_heads=hk, block_v=32, num_warps=4, columns=columns))
     text = compat.lower_for_cuda(fn, *shapes)
     assert text.count("xla.gpu.triton") == 1 and "gated_delta_conv_decode" in text
     assert (
@@ -318,29 +325,3 @@ def test_conv_form_reads_one_joined_array_at_its_columns(b, t):
     with pytest.raises(ValueError, match="b at column"):  # b's own array is Hv wide: its column is 0
         gated_delta_conv_decode(joined, b_in, a_in, *rest[:4], rest[4] + 0, slots, fresh, n_valid,
                                 columns=columns, **common)  # fmt: skip
-
-
-def test_conv_form_reading_the_joined_array_lowers_for_cuda():
-    """The Triton lowering takes the joined array at the Qwen3-Next-80B layer's shapes (q | k | v,
-    z, b, a at their columns), one call with the pool aliased."""
-    b, hk, hv, dk, dv, width = 1, 16, 32, 128, 128, 4
-    c = 2 * hk * dk + hv * dv
-    bf16 = jnp.bfloat16
-    joined = jax.ShapeDtypeStruct((b, 1, c + hv * dv + 2 * hv), bf16)
-    shapes = (
-        joined,
-        joined,
-        joined,
-        jax.ShapeDtypeStruct((c, width), bf16),
-        jax.ShapeDtypeStruct((hv,), jnp.float32),
-        jax.ShapeDtypeStruct((hv,), bf16),
-        jax.ShapeDtypeStruct((9, c, width - 1), bf16),
-        jax.ShapeDtypeStruct((9, hv, dk, dv), jnp.float32),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-        jax.ShapeDtypeStruct((b,), jnp.bool_),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-    )
-    columns = (0, c + hv * dv, c + hv * dv + hv)
-    fn = jax.jit(lambda *a: gated_delta_conv_decode_call(*a, key_heads=hk, block_v=32, num_warps=4, columns=columns))
-    text = compat.lower_for_cuda(fn, *shapes)
-    assert text.count("xla.gpu.triton") == 1 and "operand_index = 10" in text
