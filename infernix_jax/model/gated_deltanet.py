@@ -373,6 +373,9 @@ def gated_deltanet(
     joined = matmuls_joined(x, projections, norm) if in_place else None
     if joined is not None:  # one array: the kernel reads q | k | v, b and a at their columns (no slices)
         projected, (c_qkv, c_z, c_b, c_a) = joined
+        # its readers take the array as written (the kernel reads it anyway): at the 27B's shapes XLA
+        # otherwise redid its partial sums inside the output norm's reduce and split that in two
+        projected = jax.lax.optimization_barrier(projected)
         z = projected[..., c_z : c_z + hv * dv].reshape(b, t, hv, dv)
         out, entry = slotted.recurrent_update(
             projected, projected, projected, (p.conv_weight, p.A_log, p.dt_bias), fresh, n_valid, key_heads=hk,
