@@ -346,7 +346,12 @@ def _grouped_kernel(
     e_pad = compat.pow2_at_least(num_experts)  # Triton tensors have power-of-two sizes
     if row_experts:  # one row an item, in the rows' own order: nothing to locate
         sizes, r0, r1 = None, t, t + 1
-        e = jnp.clip(group_sizes_ref[t], 0, num_experts - 1)
+        named = group_sizes_ref.shape[0]  # rows past these name the second stack's experts in order
+        if named == m_size:
+            e = jnp.clip(group_sizes_ref[t], 0, num_experts - 1)
+        else:
+            e_named = jnp.clip(group_sizes_ref[jnp.minimum(t, named - 1)], 0, num_experts - 1)
+            e = jnp.where(t < named, e_named, jnp.minimum(first_experts + t - named, num_experts - 1))
     else:
         sizes_mask = None if e_pad == num_experts else jnp.arange(e_pad) < num_experts
         sizes = qc.load(group_sizes_ref.at[compat.ds(0, e_pad)], sizes_mask)
@@ -787,9 +792,12 @@ def grouped_matmuls(
     row_experts: `group_sizes` is instead each row's expert [M] int32, the rows in any order, each
     row an item of its own (a decode token's (token, expert) pairs in slot order: no count, sort
     or unsort around the launch; an expert's weights are read once for each row that names it).
-    Not for the streamed variants nor with `second`. With it, gemv_h2w's x_words may hold the
-    tokens' rows [T, K/2] and factors [T] for M = T * k rows in (token, slot) order: row r reads
-    token r // k (no gather of a token's row for each of its pairs)."""
+    Not for the streamed variants. With it, gemv_h2w's x_words may hold the tokens' rows [T, K/2]
+    and factors [T] for M = T * k rows in (token, slot) order: row r reads token r // k (no gather
+    of a token's row for each of its pairs). With `second` a row names an expert of either stack,
+    and `group_sizes` may name only the first M - E2 rows: the last E2 rows then name the second
+    stack's experts in order (one token's MoE pairs and its shared expert, a one-expert second
+    stack, as the last row: no launch to append its id)."""
     if not weights:
         raise ValueError("grouped_matmuls needs at least one weight")
     shapes = {tuple(tuple(a.shape) for a in w) for w in weights}
@@ -804,8 +812,9 @@ def grouped_matmuls(
                          None if second is None else tuple(second), x_words, row_experts)  # fmt: skip
 
 
-def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, cfg) -> int:
-    """Check `grouped_matmuls`' second stacks against the first ones -> E1, the first's experts."""
+def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, cfg, row_experts=False) -> int:
+    """Check `grouped_matmuls`' second stacks against the first ones -> E1, the first's experts
+    (row_experts: group_sizes holds the rows' experts, checked by `_check_row_experts`)."""
     if cfg.variant in STREAMED_VARIANTS:
         raise ValueError(f"second stacks are not for the streamed variant {cfg.variant!r}")
     e1, e2 = weights[0][0].shape[0], second[0][0].shape[0]
@@ -814,7 +823,7 @@ def _validate_two_sources(x, weights, second, group_sizes, *, fmt, block_size, c
         raise ValueError("second stacks must match the first ones but for the expert count")
     if len({w[0].shape[0] for w in second}) != 1:
         raise ValueError("second stacks must have one expert count")
-    if group_sizes.ndim != 1 or group_sizes.shape[0] != e1 + e2:
+    if not row_experts and (group_sizes.ndim != 1 or group_sizes.shape[0] != e1 + e2):
         raise ValueError(f"group_sizes must be [E1 + E2 = {e1 + e2}]; got shape {group_sizes.shape}")
     for stack in (*weights, *second):
         sizes = jax.ShapeDtypeStruct((stack[0].shape[0],), group_sizes.dtype)
@@ -842,14 +851,15 @@ def _grouped_call(
     cfg = resolve_config(fmt, m, **options)
     first_experts = None
     if row_experts:
-        _check_row_experts(group_sizes, m, cfg, second)
+        _check_row_experts(group_sizes, m, cfg, None if second is None else second[0][0].shape[0])
+    if second is not None:
+        first_experts = _validate_two_sources(x, weights, second, group_sizes, fmt=fmt, block_size=block_size,
+                                              cfg=cfg, row_experts=row_experts)  # fmt: skip
+    elif row_experts:
         e_total = weights[0][0].shape[0]
         for weight in weights:
             sizes = jax.ShapeDtypeStruct((e_total,), group_sizes.dtype)
             validate_grouped_matmul(x, weight, sizes, fmt=fmt, block_size=block_size, cfg=cfg)
-    elif second is not None:
-        first_experts = _validate_two_sources(x, weights, second, group_sizes, fmt=fmt, block_size=block_size,
-                                              cfg=cfg)  # fmt: skip
     else:
         for weight in weights:
             validate_grouped_matmul(x, weight, group_sizes, fmt=fmt, block_size=block_size, cfg=cfg)
@@ -928,11 +938,13 @@ def _grouped_call(
     return [y] if segments == 1 else [y[:, s * n : (s + 1) * n] for s in range(segments)]
 
 
-def _check_row_experts(row_experts, m: int, cfg: GroupedConfig, second) -> None:
-    """Raise ValueError unless `grouped_matmuls(row_experts=True)` can take these inputs."""
-    if second is not None or cfg.variant in STREAMED_VARIANTS:
-        raise ValueError(f"row_experts is not for second stacks nor the streamed variants; got variant={cfg.variant!r}")
-    if row_experts.shape != (m,) or not jnp.issubdtype(row_experts.dtype, jnp.integer):
+def _check_row_experts(row_experts, m: int, cfg: GroupedConfig, second_experts: int | None) -> None:
+    """Raise ValueError unless `grouped_matmuls(row_experts=True)` can take these inputs (with a
+    second stack of E2 experts, the last E2 rows may go unnamed: they name its experts in order)."""
+    if cfg.variant in STREAMED_VARIANTS:
+        raise ValueError(f"row_experts is not for the streamed variants; got variant={cfg.variant!r}")
+    counts = (m,) if second_experts is None or m <= second_experts else (m, m - second_experts)
+    if row_experts.ndim != 1 or row_experts.shape[0] not in counts or not jnp.issubdtype(row_experts.dtype, jnp.integer):
         raise ValueError(f"row_experts needs each row's expert, integers [M={m}]; got {row_experts.dtype} {row_experts.shape}")
 
 

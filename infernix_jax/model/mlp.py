@@ -51,6 +51,7 @@ from infernix_jax.weights.quant import (
     row_experts_ready,
     swiglu_words,
     take,
+    with_expert_rows,
 )
 
 # With few (token, expert) pairs, gather each pair's expert weights: it reads only the chosen experts
@@ -75,12 +76,14 @@ ROUTER_TOP_K_WAYS = ("compare", "sort")
 # (pallas_kernels/moe_routing.py, up to its MAX_TOKENS tokens; slower than what it replaces so
 # far: docs/pallas.md); "xla": XLA's ~8 small launches.
 MOE_ROUTING_WAYS = ("xla", "kernel")
+ON_OFF = ("on", "off")
 # read while tracing: "compare" (comparisons up to TOP_K_BY_COMPARING_MAX tokens) or "sort"
 # (lax.top_k at every size); INFERNIX_ROUTER_TOP_K, or a `router_top_k` block
 _modes = {
     "router_top_k": env_mode("INFERNIX_ROUTER_TOP_K", "compare", ROUTER_TOP_K_WAYS),
     "slot_reads": env_mode("INFERNIX_SLOT_READS", "copy", SLOT_READS),
     "moe_routing": env_mode("INFERNIX_MOE_ROUTING", "xla", MOE_ROUTING_WAYS),
+    "shared_expert_rows": env_mode("INFERNIX_SHARED_EXPERT_ROWS", "on", ON_OFF),
 }
 
 
@@ -116,6 +119,15 @@ def moe_routing(way: str) -> contextlib.AbstractContextManager[None]:
     a call at one token and 35.5 us at eight, where XLA's launches take 11.6 and 15.9 us in all,
     docs/gpu_runs.md row 6w)."""
     return switched(_modes, "moe_routing", way, MOE_ROUTING_WAYS, "MoE routing")
+
+
+def shared_expert_rows(way: str) -> contextlib.AbstractContextManager[None]:
+    """Whether a MoE layer's shared expert runs, at one token with resident experts on the grouped
+    kernel, as one more row of the routed experts' launches ("on": `_shared_expert_rows`) or in
+    launches of its own ("off"), in programs traced inside this block (default:
+    INFERNIX_SHARED_EXPERT_ROWS, "on": 80B-A3B 707 -> 635 launches a decode step by
+    `bench.deviceless`; the outputs agree to the kernels' rounding, not bit for bit)."""
+    return switched(_modes, "shared_expert_rows", way, ON_OFF, "shared expert rows")
 
 
 def mlp(p: MLPParams, x: jax.Array, norm: NormSource | None = None) -> jax.Array:
@@ -267,20 +279,27 @@ def _takes_grouped_kernel(stacks: tuple[Any, Any, Any]) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in stacks) and grouped_kernel_ready(*stacks)
 
 
-def _experts_by_pair(p: MoEParams, x: jax.Array, ids: jax.Array, norm: NormSource | None = None) -> jax.Array:
+def _experts_by_pair(
+    p: MoEParams, x: jax.Array, ids: jax.Array, norm: NormSource | None = None, stacks: tuple[Any, ...] | None = None
+) -> jax.Array:
     """One token's per-pair outputs [1, k, D] through the grouped kernel with each pair naming its
     expert (`grouped_expert_matmuls(row_experts=True)`): at one token every pair has an expert of
     its own, so the pairs need no count, sort, gather of their rows or unsort (four launches a
     layer fewer than `_experts_grouped` on the 80B-A3B shape); the half2 gemv reads the token's
-    word row from its norm for all of its pairs. The same outputs as `_experts_grouped`."""
+    word row from its norm for all of its pairs. The same outputs as `_experts_grouped`.
+    stacks: the (gate, up, down) pairs of `_shared_expert_rows`: each token gets one more row, after
+    its pairs, naming the shared expert (expert E of the pairs) -> [1, k + 1, D]."""
     n, k = ids.shape
-    pair_experts = ids.reshape(-1)
+    pair_experts = ids.reshape(-1)  # with the shared row: it goes unnamed (the pairs' second stack)
+    if stacks is None:
+        stacks = (p.gate_proj, p.up_proj, p.down_proj)
+    else:
+        k += 1
     xs = jnp.repeat(x, k, axis=0)  # [N*k, D]: read only where no words are given
     x_words = pair_norm_words(norm, x, (p.gate_proj, p.up_proj), k)
-    gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), pair_experts, tokens=n, x_words=x_words,
-                                      row_experts=True)  # fmt: skip
+    gate, up = grouped_expert_matmuls(xs, stacks[:2], pair_experts, tokens=n, x_words=x_words, row_experts=True)
     h_words = swiglu_words(gate, up, p.down_proj, n)
-    down = grouped_expert_matmul(jax.nn.silu(gate) * up, p.down_proj, pair_experts, tokens=n, x_words=h_words,
+    down = grouped_expert_matmul(jax.nn.silu(gate) * up, stacks[2], pair_experts, tokens=n, x_words=h_words,
                                  row_experts=True)  # fmt: skip
     return down.reshape(n, k, -1)
 
@@ -337,7 +356,11 @@ def moe(
     shape = x.shape
     xf = x.reshape(-1, shape[-1])
     valid = None if valid is None else valid.reshape(-1)
-    shared = None if p.shared is None else mlp(p.shared, xf, norm)  # first: it may launch the norm's kernel
+    slotted = isinstance(p.gate_proj, SlottedExperts)
+    shared_rows = None if slotted else _shared_expert_rows(p, xf, cfg)
+    if shared_rows is not None:  # the norm's words first: the router then reads the norm's output
+        pair_norm_words(norm, xf, (p.gate_proj, p.up_proj), cfg.num_experts_per_tok + 1)
+    shared = None if p.shared is None or shared_rows is not None else mlp(p.shared, xf, norm)  # first: it may launch the norm's kernel
     kernel_normed = None if norm is None else norm.kernel_output()
     if kernel_normed is not None and kernel_normed.dtype == xf.dtype:
         xf = kernel_normed.reshape(xf.shape)
@@ -348,15 +371,31 @@ def moe(
     weights, ids = route(p.router, xf, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if valid is not None and xf.shape[0] > 1:  # one row is its own first row
         ids = jnp.where(valid[:, None], ids, ids[jnp.argmax(valid)])
-    slotted = isinstance(p.gate_proj, SlottedExperts)
     prefetched = _take_prefetched(p.gate_proj) if slotted else None
     if slotted:  # the next layer's likely misses are copied after this layer's own (`then`)
         then = functools.partial(_prefetch_next_layer, xf, valid, cfg)
         per_pair = _experts_slotted(p.gate_proj, xf, ids, cfg.num_experts, valid, prefetched, then)
     else:
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
+        if shared_rows is not None:  # the shared expert's output is each token's last row
+            per_pair = _experts_by_pair(p, xf, ids, norm, shared_rows)
+            return _combine(p, xf, weights, per_pair[:, :-1], per_pair[:, -1]).reshape(shape)
         per_pair = _experts_resident(p, xf, ids, cfg.num_experts, norm)
     return _combine(p, xf, weights, per_pair, shared).reshape(shape)
+
+
+def _shared_expert_rows(p: MoEParams, xf: jax.Array, cfg: ModelConfig) -> tuple[Any, ...] | None:
+    """The (gate, up, down) stacks paired with the shared expert as one more expert
+    (`quant.with_expert_rows`) where one token's resident experts run as rows naming their experts
+    and the shared expert can ride in those launches as the token's last row; else None. Three
+    launches a MoE layer fewer than its own projections and SwiGLU (`shared_expert_rows`)."""
+    if (
+        _modes["shared_expert_rows"] != "on" or p.shared is None or xf.shape[0] != 1
+        or _routes_in_kernel(p, 1, cfg) or not _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj))
+    ):  # fmt: skip
+        return None
+    shared = (p.shared.gate_proj, p.shared.up_proj, p.shared.down_proj)
+    return with_expert_rows((p.gate_proj, p.up_proj, p.down_proj), shared, 1, cfg.num_experts_per_tok + 1, xf.dtype)
 
 
 def _combine(

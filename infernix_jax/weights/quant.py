@@ -1117,6 +1117,25 @@ def row_experts_ready(stacks: tuple[Any, ...], tokens: int, rows: int, x_dtype: 
     return True
 
 
+def with_expert_rows(stacks: tuple[Any, ...], extra: tuple[Any, ...], tokens: int, rows: int, x_dtype: Any):
+    """Each expert stack [E, N, K] of `stacks` paired with the [N, K] weight of `extra` at its place
+    as a one-expert stack (`ExpertStackPair`: expert E names it), where the grouped kernel reads the
+    pairs in place with `rows` rows naming their experts; None elsewhere. A MoE layer's shared
+    expert, shaped like a routed one, so runs as one more row of its token in the routed experts'
+    launches (`mlp._experts_by_pair`), not in launches of its own."""
+    if len(stacks) != len(extra) or not row_experts_ready(stacks, tokens, rows, x_dtype):
+        return None
+    pairs = []
+    for stack, w in zip(stacks, extra, strict=True):
+        if type(w) is not type(stack) or tuple(w.shape) != tuple(stack.shape[1:]):
+            return None
+        one = jax.tree.map(lambda a: a[None], w)  # every leaf gains the expert axis (a scalar scale: [1])
+        pairs.append(ExpertStackPair(stack, one))
+    if not pairs_read_in_place(tuple(pairs), tokens, rows, x_dtype):
+        return None
+    return tuple(pairs)
+
+
 def routing_kernel_takes(tokens: int, num_experts: int, top_k: int) -> bool:
     """Whether `grouped_routing` takes a step of `tokens` tokens (the routing kernel's sizes) in the
     kernel mode of programs traced now (the grouped kernel's: "auto" on a GPU, "interpret" /
@@ -1405,9 +1424,7 @@ def grouped_expert_matmuls(
     xs already as the word kernels take it (`grouped_routing`), or None. row_experts: see
     `grouped_expert_matmul`."""
     if any(isinstance(w, ExpertStackPair) for w in ws):
-        if row_experts:
-            raise ValueError("row_experts is not for expert stack pairs")
-        return _pair_matmuls(xs, ws, group_sizes, tokens=tokens)
+        return _pair_matmuls(xs, ws, group_sizes, tokens=tokens, x_words=x_words, row_experts=row_experts)
     use_kernel, interpret = _expert_kernel_choice()
     operands = [_grouped_kernel_operands(w) for w in ws] if _modes["fused_experts"] == "on" and use_kernel else [None]
     if len(ws) < 2 or None in operands or len({(o[0], o[2], tuple(a.shape for a in o[1])) for o in operands}) > 1:
@@ -1446,18 +1463,33 @@ def pairs_read_in_place(stacks: tuple[Any, ...], tokens: int, rows: int, x_dtype
     return True
 
 
-def _pair_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int) -> list[Array]:
+def _pair_matmuls(
+    xs: Array,
+    ws: tuple[Any, ...],
+    group_sizes: Array,
+    *,
+    tokens: int,
+    x_words: tuple[Array, Array] | None = None,
+    row_experts: bool = False,
+) -> list[Array]:
     """`grouped_expert_matmuls` where stacks are `ExpertStackPair`s: the grouped kernel reads each
     pair's two stacks in place (`grouped_matmuls(second=...)`; one launch for all of `ws` when
     `fused_experts` is on and they share format and shapes) where `pairs_read_in_place`;
     otherwise the pairs are concatenated and take the one-stack path (a copy of both stacks
-    whole: callers check `pairs_read_in_place` first)."""
+    whole: callers check `pairs_read_in_place` first). x_words, row_experts: as for
+    `grouped_expert_matmuls`; with row_experts the last rows may go unnamed, naming the second
+    stacks' experts in order (`grouped_matmuls`)."""
     rows = xs.shape[0]
+    named = group_sizes
+    if row_experts and group_sizes.shape[0] < rows:
+        first = ws[0].first.shape[0] if isinstance(ws[0], ExpertStackPair) else ws[0].shape[0]
+        tail = jnp.arange(first, first + rows - group_sizes.shape[0], dtype=group_sizes.dtype)
+        named = jnp.concatenate([group_sizes, tail])
     if not all(isinstance(w, ExpertStackPair) for w in ws) or not pairs_read_in_place(ws, tokens, rows, xs.dtype):
         joined = tuple(w.joined() if isinstance(w, ExpertStackPair) else w for w in ws)
-        return grouped_expert_matmuls(xs, joined, group_sizes, tokens=tokens)
+        return grouped_expert_matmuls(xs, joined, named, tokens=tokens, x_words=x_words, row_experts=row_experts)
     for w in ws:
-        _check_grouped_shapes(xs, w, group_sizes)
+        _check_grouped_shapes(xs, w, named, row_experts)
     _, interpret = _expert_kernel_choice()
     operands = [(_grouped_kernel_operands(w.first), _grouped_kernel_operands(w.second)) for w in ws]
 
@@ -1465,7 +1497,8 @@ def _pair_matmuls(xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens:
         fmt, _, block_size = pairs[0][0]
         tiles = grouped_tiles(fmt, tokens, rows, block_size, xs.dtype)
         return grouped_matmuls(xs, tuple(f[1] for f, _ in pairs), group_sizes, second=tuple(s[1] for _, s in pairs),
-                               fmt=fmt, block_size=block_size, interpret=interpret, **tiles)  # fmt: skip
+                               fmt=fmt, block_size=block_size, x_words=x_words, row_experts=row_experts,
+                               interpret=interpret, **tiles)  # fmt: skip
 
     shared = {(f[0], f[2], tuple(a.shape for a in f[1]), tuple(a.shape for a in s[1])) for f, s in operands}
     if _modes["fused_experts"] == "on" and len(shared) == 1:
@@ -1504,9 +1537,7 @@ def grouped_expert_matmul(
     row_experts: group_sizes is instead each row's expert [M], the rows in any order
     (`grouped_matmuls(row_experts=True)`; off the kernel each row's expert is gathered)."""
     if isinstance(w, ExpertStackPair):
-        if row_experts:
-            raise ValueError("row_experts is not for expert stack pairs")
-        return _pair_matmuls(xs, (w,), group_sizes, tokens=tokens)[0]
+        return _pair_matmuls(xs, (w,), group_sizes, tokens=tokens, x_words=x_words, row_experts=row_experts)[0]
     _check_grouped_shapes(xs, w, group_sizes, row_experts)
     use_kernel, interpret = _expert_kernel_choice()
     operands = _grouped_kernel_operands(w)

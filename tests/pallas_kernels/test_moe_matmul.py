@@ -916,10 +916,40 @@ def test_pairs_of_one_token_read_its_word_row_once():
                         **common)  # fmt: skip
 
 
+@pytest.mark.parametrize("variant,block_m", [("gemv_h2w", 1), ("dot_w", 16)])
+def test_rows_naming_experts_of_a_second_stack_equal_the_joined_stacks(variant, block_m):
+    """row_experts with `second`: a token's pairs and one more row naming the second stack's one
+    expert (a MoE layer's shared expert), the token's word row read by all of them, give the joined
+    stacks' rows bit for bit, the last row named or left to name the second stack's expert."""
+    from pallas_kernels import _e2m1_half2 as h2
+    from pallas_kernels import _quant_common as qc
+
+    rng = np.random.default_rng(13)
+    e, n, k, top = 16, 40, 256, 4
+    firsts = _nvfp4_stack(rng, e, n, k), _nvfp4_stack(rng, e, n, k)
+    seconds = _nvfp4_stack(rng, 1, n, k), _nvfp4_stack(rng, 1, n, k)
+    token = _x(rng, 1, k) * 40
+    experts = jnp.asarray([*rng.permutation(e)[:top], e], jnp.int32)  # the shared row last
+    x = jnp.repeat(token, top + 1, axis=0)
+    common = {"fmt": "nvfp4", "variant": variant, "block_m": block_m, "out_dtype": jnp.float32, "interpret": True,
+              "row_experts": True}  # fmt: skip
+    want = grouped_matmuls(x, tuple(_joined(a, b) for a, b in zip(firsts, seconds, strict=True)), experts, **common)
+    x16, inverse = qc.f16_rows(token)
+    words = h2.word_x_pairs(x16) if variant == "gemv_h2w" else None
+    for named in (experts, experts[:top]):
+        got = grouped_matmuls(x, firsts, named, second=seconds, x_words=None if words is None else (words, inverse),
+                              **common)  # fmt: skip
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+            assert np.abs(np.asarray(w)[-1]).max() > 0
+    with pytest.raises(ValueError, match="needs each row's expert"):  # two rows unnamed, one second expert
+        grouped_matmuls(x, firsts, experts[: top - 1], second=seconds, **common)
+
+
 @pytest.mark.parametrize(
     "experts,options,match",
     [((9,), {"variant": "gemv_h2w"}, r"row_experts needs each row's expert, integers \[M=10\]"),
-     ((10,), {"variant": "gemv_ws", "block_m": 1}, "not for second stacks nor the streamed")],
+     ((10,), {"variant": "gemv_ws", "block_m": 1}, "not for the streamed variants")],
 )  # fmt: skip
 def test_rows_naming_their_experts_refuse_what_they_cannot_serve(experts, options, match):
     rng = np.random.default_rng(2)

@@ -529,3 +529,50 @@ def test_rows_naming_their_experts_off_the_kernel_gather_each_rows_expert():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match=r"row experts must be \[M=3\]"):
         grouped_expert_matmul(xs, p.gate_proj, ids[:2], tokens=1, row_experts=True)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_the_shared_expert_as_the_tokens_last_row_gives_the_block_output(monkeypatch, fmt):
+    """At one token the shared expert (shaped like a routed one) runs as one more row of the routed
+    experts' grouped launches, a one-expert second stack (`mlp.shared_expert_rows`): no launch of
+    its own, the block's output that of its own projections within the kernels' rounding, with
+    the norm's word rows (made once) or without a norm."""
+    from infernix_jax.model.norm import rms_norm
+    from infernix_jax.model.params import MLPParams
+    from infernix_jax.weights.quant import NormSource
+
+    keys = jax.random.split(jax.random.key(41), 4)
+    quantize = QUANTIZERS[fmt]
+    shared = MLPParams(*(quantize(0.2 * jax.random.normal(k, s)) for k, s in zip(keys[:3], ((I, D), (I, D), (D, I)))))
+    p = dataclasses.replace(_block(fmt, seed=40), shared=shared,
+                            shared_gate=jax.random.normal(keys[3], (1, D), jnp.bfloat16))  # fmt: skip
+    cfg = _config()
+    source = jax.random.normal(jax.random.key(42), (1, D), jnp.bfloat16) * 5.0
+    weight = jax.random.normal(jax.random.key(43), (D,), jnp.bfloat16) * 0.2
+    seconds, made = [], []
+    real_grouped, real_mlp, real_words = quant.grouped_matmuls, mlp.mlp, quant.rms_norm_words
+    monkeypatch.setattr(quant, "grouped_matmuls", lambda *a, second=None, **kw: seconds.append(second is not None)
+                        or real_grouped(*a, second=second, **kw))  # fmt: skip
+    monkeypatch.setattr(mlp, "mlp", lambda *a, **kw: seconds.append("own") or real_mlp(*a, **kw))
+    monkeypatch.setattr(quant, "rms_norm_words", lambda x, w, **kw: made.append(kw["layout"]) or real_words(x, w, **kw))
+    out = {}
+    for way in ("on", "off"):
+        for with_norm in (True, False):
+            seconds.clear(), made.clear()
+            with kernel_mode("interpret"), quant.norm_rows("source"), mlp.shared_expert_rows(way):
+
+                def block(p, source, weight, with_norm=with_norm):
+                    x = rms_norm(source, weight, cfg.rms_norm_eps, True)
+                    norm = NormSource(source, weight, cfg.rms_norm_eps, True) if with_norm else None
+                    return mlp.moe(p, x, cfg, norm=norm)
+
+                out[way, with_norm] = np.asarray(jax.jit(block)(p, source, weight), np.float32)
+            if way == "on":
+                assert seconds == [True, True]  # gate / up and down, each with the shared expert's stack
+                assert made == (["pairs"] if with_norm and fmt == "nvfp4" else [])
+            else:
+                assert seconds[0] == "own" and not any(s is True for s in seconds)
+    for with_norm in (True, False):
+        _close(out["on", with_norm], out["off", with_norm])
+    with pytest.raises(ValueError, match="shared expert rows"), mlp.shared_expert_rows("sometimes"):
+        pass
