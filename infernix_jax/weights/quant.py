@@ -1464,13 +1464,7 @@ def pairs_read_in_place(stacks: tuple[Any, ...], tokens: int, rows: int, x_dtype
 
 
 def _pair_matmuls(
-    xs: Array,
-    ws: tuple[Any, ...],
-    group_sizes: Array,
-    *,
-    tokens: int,
-    x_words: tuple[Array, Array] | None = None,
-    row_experts: bool = False,
+    xs: Array, ws: tuple[Any, ...], group_sizes: Array, *, tokens: int, x_words=None, row_experts: bool = False
 ) -> list[Array]:
     """`grouped_expert_matmuls` where stacks are `ExpertStackPair`s: the grouped kernel reads each
     pair's two stacks in place (`grouped_matmuls(second=...)`; one launch for all of `ws` when

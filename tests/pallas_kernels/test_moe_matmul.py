@@ -971,3 +971,11 @@ def test_rows_naming_their_experts_lower_for_cuda_as_one_call():
         jax.ShapeDtypeStruct((1, 1024), jnp.uint32), jax.ShapeDtypeStruct((1,), jnp.float32),
     )  # fmt: skip
     assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_gemv_h2w" in text
+    shared = _nvfp4_shapes(1, 512, 2048)  # and the shared expert as an eleventh row, left unnamed
+    text = compat.lower_for_cuda(
+        jax.jit(lambda x, a, b, c, d, ids, w, inv: fn(x, (a, b), ids, second=(c, d), x_words=(w, inv))),
+        jax.ShapeDtypeStruct((11, 2048), jnp.bfloat16), stack, stack, shared, shared,
+        jax.ShapeDtypeStruct((10,), jnp.int32), jax.ShapeDtypeStruct((1, 1024), jnp.uint32),
+        jax.ShapeDtypeStruct((1,), jnp.float32),
+    )  # fmt: skip
+    assert text.count("xla.gpu.triton") == 1 and "grouped_nvfp4_matmul_gemv_h2w" in text
