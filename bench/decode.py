@@ -48,7 +48,13 @@ from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.model.mlp import MOE_ROUTING_WAYS, moe_routing, moe_routing_mode, router_top_k
+from infernix_jax.model.mlp import (
+    MOE_ROUTING_WAYS,
+    moe_routing,
+    moe_routing_mode,
+    router_top_k,
+    shared_expert_rows_mode,
+)
 from infernix_jax.weights.quant import (
     GROUPED_DOTS,
     GROUPED_ROWS,
@@ -314,6 +320,7 @@ def main(argv: list[str] | None = None):
                         record.details[v.key] = value or current_modes()[v.key]
                     record.details["router_top_k"] = top_k
                     record.details["moe_routing"] = routing or moe_routing_mode()
+                    record.details["shared_expert_rows"] = shared_expert_rows_mode()
                     record.details["loop_graphs"] = loops
                     if os.environ.get("XLA_FLAGS"):
                         record.details["xla_flags"] = os.environ["XLA_FLAGS"]

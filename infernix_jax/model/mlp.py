@@ -121,6 +121,11 @@ def moe_routing(way: str) -> contextlib.AbstractContextManager[None]:
     return switched(_modes, "moe_routing", way, MOE_ROUTING_WAYS, "MoE routing")
 
 
+def shared_expert_rows_mode() -> str:
+    """Whether shared experts ride in the routed experts' launches in programs traced now (ON_OFF)."""
+    return _modes["shared_expert_rows"]
+
+
 def shared_expert_rows(way: str) -> contextlib.AbstractContextManager[None]:
     """Whether a MoE layer's shared expert runs, at one token with resident experts on the grouped
     kernel, as one more row of the routed experts' launches ("on": `_shared_expert_rows`) or in
