@@ -34,6 +34,7 @@ from infernix_jax.model.host_copy import GATHER_BLOCKS
 from infernix_jax.model.params import MLPParams, MoEParams
 from infernix_jax.switches import env_mode, switched
 from infernix_jax.weights.quant import (
+    GROUPED_DECODE_MAX_TOKENS,
     ExpertStackPair,
     NormSource,
     QuantizedWeight,
@@ -127,11 +128,12 @@ def shared_expert_rows_mode() -> str:
 
 
 def shared_expert_rows(way: str) -> contextlib.AbstractContextManager[None]:
-    """Whether a MoE layer's shared expert runs, at one token with resident experts on the grouped
-    kernel, as one more row of the routed experts' launches ("on": `_shared_expert_rows`) or in
-    launches of its own ("off"), in programs traced inside this block (default:
-    INFERNIX_SHARED_EXPERT_ROWS, "on": 80B-A3B 707 -> 635 launches a decode step by
-    `bench.deviceless`; the outputs agree to the kernels' rounding, not bit for bit)."""
+    """Whether a MoE layer's shared expert runs, at decode sizes with resident experts on the
+    grouped kernel, as one more pair of each token in the routed experts' launches ("on":
+    `_shared_expert_rows`) or in launches of its own ("off"), in programs traced inside this block
+    (default: INFERNIX_SHARED_EXPERT_ROWS, "on": 80B-A3B decode steps 707 -> 635 launches at one
+    token, 1,011 -> 819 at eight by `bench.deviceless`; the outputs agree to the kernels'
+    rounding, not bit for bit)."""
     return switched(_modes, "shared_expert_rows", way, ON_OFF, "shared expert rows")
 
 
@@ -245,18 +247,28 @@ def _unsort_pairs(
 
 
 def _experts_grouped(
-    p: MoEParams, x: jax.Array, ids: jax.Array, num_experts: int, norm: NormSource | None = None
+    p: MoEParams,
+    x: jax.Array,
+    ids: jax.Array,
+    num_experts: int,
+    norm: NormSource | None = None,
+    stacks: tuple[Any, ...] | None = None,
 ) -> jax.Array:
     """Sort the (token, expert) pairs by expert and run one grouped matmul per projection
     (`grouped_expert_matmul`: the grouped kernel where it runs, else dequantize + ragged_dot)
     -> per-pair outputs [N, k, D]. norm: x is that RMSNorm's output; the grouped kernel may take
-    the pairs' rows from its tokens' rows (`grouped_norm_words`)."""
+    the pairs' rows from its tokens' rows (`grouped_norm_words`). stacks: the (gate, up, down)
+    pairs of `_shared_expert_rows`: each token gets one more pair, naming the shared expert
+    (expert E, the last group) -> [N, k + 1, D]."""
+    if stacks is not None:
+        ids = jnp.concatenate([ids, jnp.full((ids.shape[0], 1), num_experts, ids.dtype)], axis=1)
+        num_experts += 1
     k = ids.shape[1]
     order, group_sizes, rank = _sort_pairs(ids, num_experts)
     token = order // k
     xs = jnp.take(x, token, axis=0)  # [N*k, D] grouped by expert
     x_words = grouped_norm_words(norm, x, (p.gate_proj, p.up_proj), token)
-    return _grouped_outputs(p, xs, ids, order, group_sizes, rank, x_words)
+    return _grouped_outputs(p, xs, ids, order, group_sizes, rank, x_words, stacks)
 
 
 def _grouped_outputs(
@@ -267,14 +279,17 @@ def _grouped_outputs(
     group_sizes: jax.Array,
     rank: jax.Array | None,
     x_words: tuple[jax.Array, jax.Array] | None = None,
+    stacks: tuple[Any, ...] | None = None,
 ) -> jax.Array:
     """The grouped matmuls over the pairs' rows sorted by expert, xs [N*k, D] (and, made before, as
-    the word kernels take them: `x_words`) -> per-pair outputs [N, k, D] in (token, slot) order."""
+    the word kernels take them: `x_words`) -> per-pair outputs [N, k, D] in (token, slot) order.
+    stacks: (gate, up, down) in place of p's (`_experts_grouped`)."""
     n = ids.shape[0]
-    gate, up = grouped_expert_matmuls(xs, (p.gate_proj, p.up_proj), group_sizes, tokens=n, x_words=x_words)
+    gate_w, up_w, down_w = (p.gate_proj, p.up_proj, p.down_proj) if stacks is None else stacks
+    gate, up = grouped_expert_matmuls(xs, (gate_w, up_w), group_sizes, tokens=n, x_words=x_words)
     h = jax.nn.silu(gate) * up  # [N*k, I]
     h_words = swiglu_words(gate, up, p.down_proj, n)  # h's rows from one launch, where that runs
-    down = grouped_expert_matmul(h, p.down_proj, group_sizes, tokens=n, x_words=h_words)
+    down = grouped_expert_matmul(h, down_w, group_sizes, tokens=n, x_words=h_words)
     return _unsort_pairs(down, order, ids, rank)
 
 
@@ -383,7 +398,10 @@ def moe(
     else:
         _prefetch_next_layer(xf, valid, cfg)  # nothing of this layer's own crosses PCIe
         if shared_rows is not None:  # the shared expert's output is each token's last row
-            per_pair = _experts_by_pair(p, xf, ids, norm, shared_rows)
+            if xf.shape[0] == 1:
+                per_pair = _experts_by_pair(p, xf, ids, norm, shared_rows)
+            else:
+                per_pair = _experts_grouped(p, xf, ids, cfg.num_experts, norm, shared_rows)
             return _combine(p, xf, weights, per_pair[:, :-1], per_pair[:, -1]).reshape(shape)
         per_pair = _experts_resident(p, xf, ids, cfg.num_experts, norm)
     return _combine(p, xf, weights, per_pair, shared).reshape(shape)
@@ -391,16 +409,18 @@ def moe(
 
 def _shared_expert_rows(p: MoEParams, xf: jax.Array, cfg: ModelConfig) -> tuple[Any, ...] | None:
     """The (gate, up, down) stacks paired with the shared expert as one more expert
-    (`quant.with_expert_rows`) where one token's resident experts run as rows naming their experts
-    and the shared expert can ride in those launches as the token's last row; else None. Three
+    (`quant.with_expert_rows`) where a decode step's resident experts run on the grouped kernel
+    and the shared expert can ride in those launches as each token's last pair; else None. Three
     launches a MoE layer fewer than its own projections and SwiGLU (`shared_expert_rows`)."""
+    tokens = xf.shape[0]
     if (
-        _modes["shared_expert_rows"] != "on" or p.shared is None or xf.shape[0] != 1
-        or _routes_in_kernel(p, 1, cfg) or not _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj))
+        _modes["shared_expert_rows"] != "on" or p.shared is None or tokens > GROUPED_DECODE_MAX_TOKENS
+        or _routes_in_kernel(p, tokens, cfg) or not _takes_grouped_kernel((p.gate_proj, p.up_proj, p.down_proj))
     ):  # fmt: skip
         return None
     shared = (p.shared.gate_proj, p.shared.up_proj, p.shared.down_proj)
-    return with_expert_rows((p.gate_proj, p.up_proj, p.down_proj), shared, 1, cfg.num_experts_per_tok + 1, xf.dtype)
+    rows = tokens * (cfg.num_experts_per_tok + 1)
+    return with_expert_rows((p.gate_proj, p.up_proj, p.down_proj), shared, tokens, rows, xf.dtype)
 
 
 def _combine(

@@ -531,12 +531,13 @@ def test_rows_naming_their_experts_off_the_kernel_gather_each_rows_expert():
         grouped_expert_matmul(xs, p.gate_proj, ids[:2], tokens=1, row_experts=True)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_the_shared_expert_as_the_tokens_last_row_gives_the_block_output(monkeypatch, fmt):
-    """At one token the shared expert (shaped like a routed one) runs as one more row of the routed
-    experts' grouped launches, a one-expert second stack (`mlp.shared_expert_rows`): no launch of
-    its own, the block's output that of its own projections within the kernels' rounding, with
-    the norm's word rows (made once) or without a norm."""
+@pytest.mark.parametrize(("fmt", "tokens"), [("nvfp4", 1), ("fp8", 1), ("nvfp4", 3)])
+def test_the_shared_expert_as_the_tokens_last_row_gives_the_block_output(monkeypatch, fmt, tokens):
+    """At decode sizes the shared expert (shaped like a routed one) runs as one more pair of each
+    token in the routed experts' grouped launches, a one-expert second stack
+    (`mlp.shared_expert_rows`; one token: its last row, several: the last group of the sorted
+    pairs): no launch of its own, the block's output that of its own projections within the
+    kernels' rounding, with the norm's word rows (made once) or without a norm."""
     from infernix_jax.model.norm import rms_norm
     from infernix_jax.model.params import MLPParams
     from infernix_jax.weights.quant import NormSource
@@ -547,7 +548,7 @@ def test_the_shared_expert_as_the_tokens_last_row_gives_the_block_output(monkeyp
     p = dataclasses.replace(_block(fmt, seed=40), shared=shared,
                             shared_gate=jax.random.normal(keys[3], (1, D), jnp.bfloat16))  # fmt: skip
     cfg = _config()
-    source = jax.random.normal(jax.random.key(42), (1, D), jnp.bfloat16) * 5.0
+    source = jax.random.normal(jax.random.key(42), (tokens, D), jnp.bfloat16) * 5.0
     weight = jax.random.normal(jax.random.key(43), (D,), jnp.bfloat16) * 0.2
     seconds, made = [], []
     real_grouped, real_mlp, real_words = quant.grouped_matmuls, mlp.mlp, quant.rms_norm_words
@@ -569,7 +570,8 @@ def test_the_shared_expert_as_the_tokens_last_row_gives_the_block_output(monkeyp
                 out[way, with_norm] = np.asarray(jax.jit(block)(p, source, weight), np.float32)
             if way == "on":
                 assert seconds == [True, True]  # gate / up and down, each with the shared expert's stack
-                assert made == (["pairs"] if with_norm and fmt == "nvfp4" else [])
+                want = "pairs" if tokens == 1 else "columns"  # the half2 gemv at one token, dot_w past it
+                assert made == ([want] if with_norm and fmt == "nvfp4" else [])
             else:
                 assert seconds[0] == "own" and not any(s is True for s in seconds)
     for with_norm in (True, False):
