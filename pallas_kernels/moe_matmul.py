@@ -945,7 +945,9 @@ def _check_row_experts(row_experts, m: int, cfg: GroupedConfig, second_experts: 
         raise ValueError(f"row_experts is not for the streamed variants; got variant={cfg.variant!r}")
     counts = (m,) if second_experts is None or m <= second_experts else (m, m - second_experts)
     if row_experts.ndim != 1 or row_experts.shape[0] not in counts or not jnp.issubdtype(row_experts.dtype, jnp.integer):
-        raise ValueError(f"row_experts needs each row's expert, integers [M={m}]; got {row_experts.dtype} {row_experts.shape}")
+        raise ValueError(
+            f"row_experts needs each row's expert, integers [M={m}]; got {row_experts.dtype} {row_experts.shape}"
+        )
 
 
 def _x_words_div(x_words, x, m: int, layout: str, variant: str, row_experts: bool) -> int:

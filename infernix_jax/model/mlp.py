@@ -380,7 +380,8 @@ def moe(
     shared_rows = None if slotted else _shared_expert_rows(p, xf, cfg)
     if shared_rows is not None:  # the norm's words first: the router then reads the norm's output
         pair_norm_words(norm, xf, (p.gate_proj, p.up_proj), cfg.num_experts_per_tok + 1)
-    shared = None if p.shared is None or shared_rows is not None else mlp(p.shared, xf, norm)  # first: it may launch the norm's kernel
+    # the shared expert's own launches first: they may launch the norm's kernel
+    shared = None if p.shared is None or shared_rows is not None else mlp(p.shared, xf, norm)
     kernel_normed = None if norm is None else norm.kernel_output()
     if kernel_normed is not None and kernel_normed.dtype == xf.dtype:
         xf = kernel_normed.reshape(xf.shape)

@@ -1121,8 +1121,8 @@ def with_expert_rows(stacks: tuple[Any, ...], extra: tuple[Any, ...], tokens: in
     """Each expert stack [E, N, K] of `stacks` paired with the [N, K] weight of `extra` at its place
     as a one-expert stack (`ExpertStackPair`: expert E names it), where the grouped kernel reads the
     pairs in place with `rows` rows naming their experts; None elsewhere. A MoE layer's shared
-    expert, shaped like a routed one, so runs as one more row of its token in the routed experts'
-    launches (`mlp._experts_by_pair`), not in launches of its own."""
+    expert, shaped like a routed one, so runs as one more pair of each token in the routed experts'
+    launches (`mlp._shared_expert_rows`), not in launches of its own."""
     if len(stacks) != len(extra) or not row_experts_ready(stacks, tokens, rows, x_dtype):
         return None
     pairs = []
