@@ -338,6 +338,7 @@ def _grouped_kernel(
     row_max: bool = False,  # word variants: x's second ref holds each row's max |x|, not its inverse factor
     row_experts: bool = False,  # group_sizes_ref holds each row's expert [M]: program row t works on row t
     x_div: int = 1,  # gemv_h2w: row r reads x's row r // x_div (the pairs of one token read its row)
+    inverse_col: int | None = None,  # x's second ref holds the inverse factors' bits at this column
 ):
     x_refs, out_ref = refs[:n_x], refs[-1]
     sources = 1 if first_experts is None else 2
@@ -380,7 +381,7 @@ def _grouped_kernel(
             w_row0=w_row0, n_mask=n_mask, split=split, t=t, fmt=fmt, variant=variant, gemv=gemv, word=word,
             raw_rows=raw_rows, compute_dtype=compute_dtype, m_size=m_size, num_experts=num_experts, bm=bm, bn=bn, bw=bw,
             n_size=n_size, k_width=k_width, steps=steps, scale_block=scale_block, even_k=even_k, interpret=interpret,
-            row_max=row_max, row_experts=row_experts, x_div=x_div,
+            row_max=row_max, row_experts=row_experts, x_div=x_div, inverse_col=inverse_col,
         )  # fmt: skip
 
     if segments == 1 and sources == 1:
@@ -404,7 +405,7 @@ def _grouped_kernel(
 def _grouped_tile(
     expert_scale_ref, in_refs, out_ref, *, e, r0, r1, sizes, col0, out_col0, w_row0, n_mask, split, t, fmt, variant,
     gemv, word, raw_rows, compute_dtype, m_size, num_experts, bm, bn, bw, n_size, k_width, steps, scale_block,
-    even_k, interpret=False, row_max=False, row_experts=False, x_div=1,
+    even_k, interpret=False, row_max=False, row_experts=False, x_div=1, inverse_col=None,
 ):  # fmt: skip
     """One program's work on one weight (`_grouped_kernel`): its work item's rows times its N tile,
     and on the last item the zeros of rows past the groups (with `row_experts` every row is an
@@ -526,7 +527,11 @@ def _grouped_tile(
 
     out_dtype = out_ref.dtype
 
-    def row_inverse(v):  # a row's inverse factor from what x's second ref holds (`row_max`)
+    def row_inverse(rows, mask):  # rows' inverse factors from what x's second ref holds (`row_max`)
+        if inverse_col is not None:  # uint32 bits in a column of the word pairs' own array
+            return jax.lax.bitcast_convert_type(qc.load(in_refs[1].at[rows, compat.ds(inverse_col, 1)], mask),
+                                                jnp.float32)  # fmt: skip
+        v = qc.load(in_refs[1].at[rows, compat.ds(0, 1)], mask)
         return qc.f16_row_factors(v)[1] if row_max else v
 
     def work():
@@ -541,7 +546,7 @@ def _grouped_tile(
                 y = acc[r].sum(axis=1)[None, :] * expert_scale
                 if word:  # the row's power-of-two factor (qc.f16_rows) undone
                     row_ok = jnp.broadcast_to(r0 + r < r1, (1, 1))
-                    y = y * row_inverse(qc.load(in_refs[1].at[compat.ds(x_row(r0 + r), 1), compat.ds(0, 1)], row_ok))
+                    y = y * row_inverse(compat.ds(x_row(r0 + r), 1), row_ok)
                 compat.store(
                     out_ref.at[split, compat.ds(r0 + r, 1), compat.ds(out_col0, bn)],
                     y.astype(out_dtype),
@@ -559,7 +564,7 @@ def _grouped_tile(
         if raw_rows:
             acc = acc * inverse[:, None]
         elif word:  # each row's power-of-two factor (qc.f16_rows) undone
-            acc = acc * row_inverse(qc.load(in_refs[1].at[compat.ds(r0, bm), compat.ds(0, 1)], rows_ok[:, None]))
+            acc = acc * row_inverse(compat.ds(r0, bm), rows_ok[:, None])
         compat.store(
             out_ref.at[split, compat.ds(r0, bm), compat.ds(out_col0, bn)],
             acc.astype(out_dtype),
@@ -787,7 +792,9 @@ def grouped_matmuls(
     it with the rows; a MoE layer from its norm's rows, `quant.grouped_norm_words`): (float16
     [M, K] in word-column order, or for gemv_h2w uint32 [M, K/2] word pairs, `x_words_layout`;
     inverse row factors [M] float32), what `f16_rows` and the layout's reorder make of x; then no
-    XLA op runs before the launch. Other formulations ignore it and read x.
+    XLA op runs before the launch. Other formulations ignore it and read x. One token's word pairs
+    take its factor into the launch as one more column of their array (its uint32 bits): XLA
+    writes both in one launch, where a factor of its own was a launch of its own.
 
     row_experts: `group_sizes` is instead each row's expert [M] int32, the rows in any order, each
     row an item of its own (a decode token's (token, expert) pairs in slot order: no count, sort
@@ -875,12 +882,18 @@ def _grouped_call(
     xp = x.astype(compute_dtype)  # rows past M are masked: no padding
     word = fmt == "nvfp4" and cfg.variant in WORD_VARIANTS
     row_max = False  # x's second input: inverse row factors (True: the rows' max |x|, `_grouped_kernel`)
+    inverse_col = None  # or the column of x's second input holding them as uint32 bits
     x_div = 1  # rows that read each row of x's inputs (`_x_words_div`)
     if word and cfg.x_rows == "kernel":  # dot_jw scales its rows itself: no op before the kernel
         x_inputs, k_width, step_width = (x,), k // 8, cfg.block_k // 8
     elif word and x_words is not None and (words_layout := x_words_layout(cfg.variant, cfg.x_rows)):  # made before
         x_div = _x_words_div(x_words, x, m, words_layout, cfg.variant, row_experts)
         x_inputs, k_width, step_width = (x_words[0], x_words[1][:, None]), k // 8, cfg.block_k // 8
+        if words_layout == "pairs" and x_words[0].shape[0] == 1:  # one token: its factor rides in its words
+            inverse_col = x_words[0].shape[1]
+            bits = jax.lax.bitcast_convert_type(x_words[1], jnp.uint32)[:, None]
+            joined = jnp.concatenate([x_words[0], bits], axis=1)
+            x_inputs = (joined, joined)
     elif word:  # one XLA op before the kernel: float16 rows (in word order but for dot_jw; word pairs for gemv_h2w)
         # `f16_rows`' bits; the kernel takes each row's max |x| and makes its inverse factor itself, so
         # that XLA launches no op of its own for the factors (the row max feeds the words' fusion anyway)
@@ -921,6 +934,7 @@ def _grouped_call(
         row_max=row_max,
         row_experts=row_experts,
         x_div=x_div,
+        inverse_col=inverse_col,
     )
     # split_k 1: the kernel writes y itself; otherwise float32 partial sums, added here.
     partial_dtype = out_dtype if cfg.split_k == 1 else jnp.float32

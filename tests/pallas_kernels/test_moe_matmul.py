@@ -944,6 +944,10 @@ def test_rows_naming_experts_of_a_second_stack_equal_the_joined_stacks(variant, 
             assert np.abs(np.asarray(w)[-1]).max() > 0
     with pytest.raises(ValueError, match="needs each row's expert"):  # two rows unnamed, one second expert
         grouped_matmuls(x, firsts, experts[: top - 1], second=seconds, **common)
+    if words is not None:  # one token's inverse factor rides in its word row, the launch's one x operand
+        jaxpr = str(jax.make_jaxpr(lambda w, i: grouped_matmuls(x, firsts, experts, second=seconds, x_words=(w, i),
+                                                                **common))(words, inverse))  # fmt: skip
+        assert f"u32[1,{k // 2 + 1}]" in jaxpr
 
 
 @pytest.mark.parametrize(
