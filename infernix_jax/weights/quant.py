@@ -1474,14 +1474,14 @@ def _pair_matmuls(
     `grouped_expert_matmuls`; with row_experts the last rows may go unnamed, naming the second
     stacks' experts in order (`grouped_matmuls`)."""
     rows = xs.shape[0]
-    named = group_sizes
-    if row_experts and group_sizes.shape[0] < rows:
-        first = ws[0].first.shape[0] if isinstance(ws[0], ExpertStackPair) else ws[0].shape[0]
-        tail = jnp.arange(first, first + rows - group_sizes.shape[0], dtype=group_sizes.dtype)
-        named = jnp.concatenate([group_sizes, tail])
+    unnamed = rows - group_sizes.shape[0] if row_experts else 0  # rows naming the second stacks' experts
     if not all(isinstance(w, ExpertStackPair) for w in ws) or not pairs_read_in_place(ws, tokens, rows, xs.dtype):
         joined = tuple(w.joined() if isinstance(w, ExpertStackPair) else w for w in ws)
-        return grouped_expert_matmuls(xs, joined, named, tokens=tokens, x_words=x_words, row_experts=row_experts)
+        if unnamed:  # the joined stacks' ids for them
+            first = ws[0].first.shape[0] if isinstance(ws[0], ExpertStackPair) else ws[0].shape[0]
+            group_sizes = jnp.concatenate([group_sizes, jnp.arange(first, first + unnamed, dtype=group_sizes.dtype)])
+        return grouped_expert_matmuls(xs, joined, group_sizes, tokens=tokens, x_words=x_words, row_experts=row_experts)
+    named = jax.ShapeDtypeStruct((rows,), group_sizes.dtype) if unnamed else group_sizes  # the kernel checks ids
     for w in ws:
         _check_grouped_shapes(xs, w, named, row_experts)
     _, interpret = _expert_kernel_choice()
