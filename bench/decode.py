@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--fp8-decode", default="auto",
                         help="FP8 weights: comma-separated ways of their decode matmuls to measure in turn "
                              "(auto, kernel, xla; weights.quant.fp8_decode_mode)")  # fmt: skip
-    parser.add_argument("--fused-projections", default="on",
-                        help="on, off, rows or several (on,off): one launch for a layer's NVFP4 projections of "
+    parser.add_argument("--fused-projections", default="rows",
+                        help="rows, on, off or several (rows,on): one launch for a layer's NVFP4 projections of "
                              "one input (weights.quant.matmuls; rows: also at 2-16 rows), measured in turn")  # fmt: skip
     parser.add_argument("--fused-experts", default=None,
                         help="on, off or on,off: an expert's gate and up stacks in one grouped launch "
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None):
                                          args.profile_top, args.profile_engine, loops == "on")  # fmt: skip
                     if mode != "auto":
                         record.name += f" fp8-decode-{mode}"
-                    if fused != "on":
+                    if fused != "rows":  # the default's records keep their names
                         record.name += f" fused-projections-{fused}"
                     if fused_x == "on":
                         record.name += " fused-experts"
