@@ -75,6 +75,12 @@ class EngineConfig:
     # per dispatch instead of one per step, so the host could run ahead of the device; on an H100
     # it did not change the 80B-A3B decode rate, so it is off (docs/engine.md)
     decode_loop_graphs: bool = False
+    # how the multi-step decode program picks its sampling branches (engine/sampling.py
+    # SamplingPlan): "static", chosen on the host from the rows' settings (one program per plan and
+    # bucket: every row greedy, or any); "dynamic", on the device (lax.cond: one program, but XLA's
+    # GPU runtime waits for the device at every cond of every step); "auto": static on accelerators,
+    # dynamic on the CPU (whose runtime does not wait, and where compiles cost the most)
+    sampling_plans: str = "auto"
     progress: bool = True  # show the warm-up progress bar
     # prefix cache (docs/prefix_cache.md)
     prefix_cache: bool = True  # reuse KV blocks and recurrent-state snapshots of earlier prompts
@@ -150,6 +156,8 @@ class EngineConfig:
             errors.append(
                 f"prefill_chunk {self.prefill_chunk} is below the smallest bucket {min(self.prefill_buckets)}"
             )
+        if self.sampling_plans not in ("auto", "static", "dynamic"):
+            errors.append(f"sampling_plans must be auto, static or dynamic, got {self.sampling_plans!r}")
         if self.decode_steps_per_dispatch < 1:
             errors.append(f"decode_steps_per_dispatch must be >= 1, got {self.decode_steps_per_dispatch}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -47,7 +47,7 @@ from infernix_jax.engine.protocol import (
 )
 from infernix_jax.engine.request_state import OutputTracker, RequestState, Status
 from infernix_jax.engine.runner import FORCED_WINDOW, Runner, Sampled, enable_compilation_cache
-from infernix_jax.engine.sampling import resolve_seed
+from infernix_jax.engine.sampling import engine_plan, resolve_seed
 from infernix_jax.engine.scheduler import DecodeRow, Scheduler, SchedulerOutput
 from infernix_jax.engine.scoring import Scorer
 from infernix_jax.engine.speculative.step import Speculation
@@ -415,6 +415,7 @@ class EngineCore:
         if feed is None and any(self._needs_host_each_token(r.request) for r in plan.decode):
             return self._run_decode_constrained(plan, events)
         batch = self.runner.empty_decode(plan.decode_batch, plan.decode_steps)
+        batch.sampling = engine_plan([row.request.request.sampling for row in plan.decode])
         for i, row in enumerate(plan.decode):
             state = row.request
             batch.tokens[i] = state.token_at(row.position)
@@ -545,6 +546,7 @@ class EngineCore:
             timed = b in self.config.check_buckets and self._checkable(plan.decode)
             way = self.way_chooser.choose(b) if timed else "split"
         batch = self.runner.empty_decode(b, 1)
+        batch.sampling = engine_plan([row.request.request.sampling for row in plan.decode])
         for i, row in enumerate(plan.decode):
             state = row.request
             batch.tokens[i] = state.token_at(row.position)

@@ -65,8 +65,11 @@ from infernix_jax.engine.constrained import allow_all
 from infernix_jax.engine.mask_feed import MaskFeed, host_mask_step
 from infernix_jax.engine.protocol import SamplingParams
 from infernix_jax.engine.sampling import (
+    ANY_PLAN,
+    GREEDY_PLAN,
     PenaltyState,
     SamplingArrays,
+    SamplingPlan,
     row_keys,
     sample,
     stop_token_hit,
@@ -175,7 +178,7 @@ def prefill_program(
 
 @partial(
     jit,
-    static_argnames=("cfg", "steps", "num_top"),
+    static_argnames=("cfg", "steps", "num_top", "plan"),
     donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
 )
 def decode_program(
@@ -195,10 +198,13 @@ def decode_program(
     cfg: ModelConfig,
     steps: int,
     num_top: int,
+    plan: SamplingPlan | None = None,
 ):
     """`steps` decode steps on the device. With `mask`, every sample is masked and followed by a
     host callback (`mask_feed.host_mask_step`) that follows the sampled tokens through the rows'
-    grammars and returns the next step's masks and the rows it stops (constrained decoding)."""
+    grammars and returns the next step's masks and the rows it stops (constrained decoding).
+    plan: the sampling branches compiled in (covering the rows), or None to choose them on the
+    device every step (EngineConfig.sampling_plans)."""
     if ngram_rows is not None and steps != 1:
         raise ValueError("with an n-gram memory a decode dispatch runs one step (the next rows need the token)")
     b = tokens.shape[0]
@@ -221,6 +227,7 @@ def decode_program(
             row_keys(arrays, penalties.num_generated),
             step_mask,
             num_top_logprobs=num_top,
+            plan=plan,
         )
         penalties = update_penalty_state(penalties, sampled.tokens, active)
         done = done | (active & stop_token_hit(arrays, sampled.tokens))
@@ -539,6 +546,7 @@ class DecodeBatch:
     max_steps: np.ndarray  # i32 [b]
     steps: int
     ngram_rows: np.ndarray | None = None  # [L, b, 1, heads, width]: n-gram memory rows (steps == 1)
+    sampling: SamplingPlan = ANY_PLAN  # the sampling branches the rows need (engine_plan of their settings)
 
 
 class Runner:
@@ -569,6 +577,9 @@ class Runner:
         self.num_snapshot_slots = num_snapshot_slots
         self.snapshots_per_chunk = snapshots_per_chunk if cfg.linear_attention_layers else 0
         self.reset_pools()
+        self.static_sampling_plans = config.sampling_plans == "static" or (
+            config.sampling_plans == "auto" and self.device.platform != "cpu"
+        )
         # the prefix cache's host tier: pinned host memory beside the pools' device where it exists
         self.host_memory = (
             HostMemory.for_device(self.device) if config.prefix_cache else HostMemory(self.device, False)
@@ -767,6 +778,8 @@ class Runner:
             cfg=self.cfg,
             steps=batch.steps,
             num_top=self.num_top,
+            # constrained rows wait for the host every step anyway (the callback): no plan
+            plan=batch.sampling if self.static_sampling_plans and feed is None else None,
         )
         return out
 
@@ -879,23 +892,28 @@ class Runner:
             elif kind == "constrained decode":  # with and without top alternatives
                 out = self.warm_constrained(a)
             else:
-                empty = self.empty_decode(a, b)
-                out = self.decode(empty)
-                if self.config.async_decode and self.ngram_table is None:  # fed from the last one's outputs
-                    # as async_decode.py feeds it: the first follow-up from host positions and budget,
-                    # later ones from device arrays (jit keys its programs on which are committed)
-                    positions, budget = empty.positions, np.zeros(a, np.int32)
-                    for _ in range(2):
-                        tokens, positions, max_steps, budget = next_decode_inputs(
-                            *self.last_feed, out[0], positions, budget, steps=b
-                        )
-                        out = self.decode(
-                            dataclasses.replace(empty, tokens=tokens, positions=positions, max_steps=max_steps)
-                        )
+                for sampling in (GREEDY_PLAN, ANY_PLAN) if self.static_sampling_plans else (ANY_PLAN,):
+                    out = self.warm_decode(dataclasses.replace(self.empty_decode(a, b), sampling=sampling))
             jax.block_until_ready(out)
             bar.update(1)
         bar.close()
         return time.perf_counter() - start
+
+    def warm_decode(self, empty: DecodeBatch):
+        """Compile one decode bucket's program on idle rows, fed as the engine feeds it."""
+        out = self.decode(empty)
+        a, b = empty.tokens.shape[0], empty.steps
+        if self.config.async_decode and self.ngram_table is None:  # fed from the last one's outputs
+            # as async_decode.py feeds it: the first follow-up from host positions and budget,
+            # later ones from device arrays (jit keys its programs on which are committed)
+            positions, budget = empty.positions, np.zeros(a, np.int32)
+            for _ in range(2):
+                tokens, positions, max_steps, budget = next_decode_inputs(
+                    *self.last_feed, out[0], positions, budget, steps=b
+                )
+                fed = dataclasses.replace(empty, tokens=tokens, positions=positions, max_steps=max_steps)
+                out = self.decode(fed)
+        return out
 
     def warm_constrained(self, batch: int) -> list:
         """Compile the constrained decode programs of one batch bucket on idle rows (position -1: no

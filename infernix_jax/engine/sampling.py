@@ -48,6 +48,46 @@ DEFAULT_SEARCH_BITS = 1
 _KEY_IMPL = "threefry2x32"  # fixed so seeds reproduce whatever the default PRNG implementation is
 
 
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which of `sample`'s branches a program compiles in, chosen on the host from the settings of
+    the rows it serves (a static jit argument). Without a plan, `sample` picks its branches on the
+    device (`lax.cond` on "every row greedy", "some row uses top_k / top_p"); XLA's GPU runtime
+    runs such a branch by copying the predicate to the host and waiting for the device, once per
+    cond and decode step, so the host cannot enqueue ahead of the device and every later launch of
+    the step shows as idle device time (docs/sampling.md, "Branches chosen on the host").
+
+    A plan must cover its rows: `draws` False only if every row is greedy, `top_k` / `top_p` False
+    only if no row uses them. A plan that includes more than its rows need gives the same tokens
+    (a search whose limit keeps every token cuts nothing), at the cost of that work."""
+
+    draws: bool = True  # some row samples (temperature > 0): truncation and the Gumbel draw
+    top_k: bool = True  # some sampled row has top_k > 0: its threshold search
+    top_p: bool = True  # some sampled row has top_p < 1: its threshold search
+
+    @staticmethod
+    def covering(params: Sequence[SamplingParams | None]) -> SamplingPlan:
+        """The smallest plan that covers these rows (None: padding)."""
+        sampled = [p for p in params if p is not None and p.temperature >= GREEDY_TEMPERATURE]
+        return SamplingPlan(
+            draws=bool(sampled),
+            top_k=any(p.top_k > 0 for p in sampled),
+            top_p=any(p.top_p < 1.0 for p in sampled),
+        )
+
+
+GREEDY_PLAN = SamplingPlan(draws=False, top_k=False, top_p=False)
+ANY_PLAN = SamplingPlan()  # covers every row
+
+
+def engine_plan(params: Sequence[SamplingParams | None]) -> SamplingPlan:
+    """The engine's plan for a batch: GREEDY_PLAN when every row is greedy, else ANY_PLAN. Two
+    plans, not the eight `covering` could give, so that warm-up compiles each decode bucket twice
+    and a request's settings never wait for a compile; a sampled batch pays both threshold
+    searches even where no row truncates."""
+    return GREEDY_PLAN if not SamplingPlan.covering(params).draws else ANY_PLAN
+
+
 def _register(cls, data_fields: Sequence[str]):
     return jax.tree_util.register_dataclass(cls, data_fields=list(data_fields), meta_fields=[])
 
@@ -350,13 +390,18 @@ def _smallest_key_with_mass_above_below(
 
 
 def truncated_logits(
-    processed: jax.Array, arrays: SamplingArrays, *, search_bits: int = DEFAULT_SEARCH_BITS
+    processed: jax.Array,
+    arrays: SamplingArrays,
+    *,
+    search_bits: int = DEFAULT_SEARCH_BITS,
+    plan: SamplingPlan | None = None,
 ) -> jax.Array:
     """Temperature, then min_p, top_k and top_p (exact): f32 [b, v], -inf outside the kept set.
 
     softmax of the result is the distribution a sampled row draws from (greedy rows: meaningless,
     they take the argmax of `processed`). Ties at a threshold are all kept, as in vLLM and HF.
-    The top-k and top-p searches are skipped (lax.cond) when no row of the batch uses them.
+    The top-k and top-p searches run where `plan` includes them; without a plan they are skipped
+    (lax.cond) when no row of the batch uses them.
     """
     if search_bits not in (1, 2, 4, 8):
         raise ValueError(f"search_bits must be 1, 2, 4 or 8, got {search_bits}")
@@ -368,7 +413,8 @@ def truncated_logits(
     no_cut = jnp.zeros((b,), jnp.uint32)
 
     k_limit = jnp.where(arrays.top_k > 0, arrays.top_k, vocab + 1).astype(jnp.float32)
-    top_k_cut = jax.lax.cond(
+    top_k_cut = _searched(
+        None if plan is None else plan.top_k,
         jnp.any(arrays.top_k > 0),
         lambda: _smallest_key_with_mass_above_below(keys, None, k_limit, search_bits),
         lambda: no_cut,
@@ -377,13 +423,21 @@ def truncated_logits(
     # Top-p over what min_p and top_k kept: keep x iff the kept mass above x < top_p * kept mass.
     weights = jnp.where(keep, jnp.exp(scaled - top), 0.0)
     p_limit = jnp.where(arrays.top_p < 1.0, arrays.top_p * jnp.sum(weights, axis=1), jnp.inf)
-    top_p_cut = jax.lax.cond(
+    top_p_cut = _searched(
+        None if plan is None else plan.top_p,
         jnp.any(arrays.top_p < 1.0),
         lambda: _smallest_key_with_mass_above_below(keys, weights, p_limit, search_bits),
         lambda: no_cut,
     )
     keep &= keys >= top_p_cut[:, None]
     return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _searched(static: bool | None, dynamic: jax.Array, run, skip):
+    """run() or skip(): as the plan says (static), else on the device (lax.cond on `dynamic`)."""
+    if static is None:
+        return jax.lax.cond(dynamic, run, skip)
+    return run() if static else skip()
 
 
 def sample(
@@ -397,6 +451,7 @@ def sample(
     logprobs_mode: str = "raw",
     search_bits: int = DEFAULT_SEARCH_BITS,
     with_unmasked: bool = False,
+    plan: SamplingPlan | None = None,
 ) -> SampleOutput:
     """Pick one token per row from logits f32 [b, v].
 
@@ -405,7 +460,9 @@ def sample(
     logprobs_mode "raw": log_softmax of the model's logits; "processed": of the distribution
     sampled from (greedy rows: log_softmax of the processed logits at temperature 1).
     search_bits (static) tunes the top-k / top-p threshold search (see truncated_logits).
-    When every row is greedy the truncation and the random draw are skipped (lax.cond).
+    plan (static) says which branches to compile in (SamplingPlan: it must cover the rows);
+    without one, the truncation and the random draw are skipped on the device (lax.cond) when
+    every row is greedy, and each threshold search when no row uses it.
     with_unmasked (static) also returns, in SampleOutput.unmasked, the token each row would take
     with no mask: the same processing and Gumbel noise, without top-k, top-p or min-p (rows that
     truncate never take the check way). Where the mask allows that token it is the masked sample
@@ -425,7 +482,7 @@ def sample(
     free_greedy = jnp.argmax(free, axis=1).astype(jnp.int32) if with_unmasked else greedy_tokens
 
     def with_sampling() -> tuple[jax.Array, jax.Array, jax.Array]:
-        final = truncated_logits(processed, arrays, search_bits=search_bits)
+        final = truncated_logits(processed, arrays, search_bits=search_bits, plan=plan)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, final.shape[1:], jnp.float32))(step_keys)
         drawn = jnp.argmax(final + noise, axis=1).astype(jnp.int32)
         tokens = jnp.where(arrays.greedy, greedy_tokens, drawn)
@@ -438,7 +495,10 @@ def sample(
     def greedy_only() -> tuple[jax.Array, jax.Array, jax.Array]:
         return greedy_tokens, processed, free_greedy
 
-    tokens, distribution, unmasked = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
+    if plan is None:
+        tokens, distribution, unmasked = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
+    else:
+        tokens, distribution, unmasked = with_sampling() if plan.draws else greedy_only()
     source = logits if logprobs_mode == "raw" else distribution
     log_probs = jax.nn.log_softmax(source, axis=1)
     token_logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]

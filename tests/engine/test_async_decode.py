@@ -15,6 +15,7 @@ import infernix_jax
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_ABORT, FINISH_STOP, GenerationRequest, SamplingParams
+from infernix_jax.engine.sampling import ANY_PLAN, GREEDY_PLAN
 from tests.conftest import HF_FIXTURES
 
 CONFIG = EngineConfig(
@@ -202,3 +203,36 @@ def test_loop_graphs_give_the_same_tokens(core, model):
                         LetterTokenizer())  # fmt: skip
     assert run(graphs, make("p")) == per_step
     assert_pool_empty(graphs)
+
+
+def test_sampling_plans_chosen_on_the_host_give_the_same_tokens(core, model):
+    """Sampling branches chosen on the host (EngineConfig.sampling_plans "static", the default on
+    accelerators, where a branch the device chooses makes the host wait every step) sample what
+    the device's choice does, greedy and seeded, with asynchronous decode on: an all-greedy batch
+    dispatches GREEDY_PLAN, one with a sampled row ANY_PLAN, the follow-up dispatches too."""
+    ids = prompts((9, 30), seed=7)
+
+    def make(prefix, temperatures):
+        return [
+            GenerationRequest(f"{prefix}{i}", prompt, SamplingParams(max_tokens=13 + 5 * i, temperature=t, top_p=0.9,
+                                                                      seed=4 + i, ignore_eos=True, logprobs=2))
+            for i, (prompt, t) in enumerate(zip(ids, temperatures))
+        ]  # fmt: skip
+
+    static = EngineCore(model.config, model.params, dataclasses.replace(CONFIG, sampling_plans="static"),
+                        LetterTokenizer())  # fmt: skip
+    assert static.runner.static_sampling_plans and not core.runner.static_sampling_plans
+    seen, decode = [], static.runner.decode
+
+    def spy(batch, feed=None):
+        seen.append(batch.sampling)
+        return decode(batch, feed)
+
+    static.runner.decode = spy
+    for temperatures, plan in (((0.0, 0.0), GREEDY_PLAN), ((0.0, 0.7), ANY_PLAN)):
+        seen.clear()
+        core.prefix_cache.clear()
+        static.prefix_cache.clear()
+        assert run(static, make("q", temperatures)) == run(core, make("q", temperatures))
+        assert len(seen) >= 2 and set(seen) == {plan}
+    assert_pool_empty(static)

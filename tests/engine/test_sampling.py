@@ -9,8 +9,12 @@ import pytest
 
 from infernix_jax.engine.protocol import SamplingParams
 from infernix_jax.engine.sampling import (
+    ANY_PLAN,
+    GREEDY_PLAN,
     PenaltyState,
     SamplingArrays,
+    SamplingPlan,
+    engine_plan,
     process_logits,
     row_keys,
     sample,
@@ -417,6 +421,93 @@ def test_new_settings_of_the_same_batch_size_do_not_recompile():
         state,
     )
     assert len(traces) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans: the branches chosen on the host
+
+PLAN_ROWS = {
+    "greedy": [SamplingParams(), None, SamplingParams(repetition_penalty=1.3)],
+    "temperature only": [SamplingParams(temperature=0.8), SamplingParams(), None],
+    "mixed": [
+        SamplingParams(temperature=1.1, top_k=7, top_p=0.85, min_p=0.05),
+        SamplingParams(),
+        SamplingParams(temperature=0.6, top_p=0.3),
+        SamplingParams(temperature=1.0, top_k=2),
+    ],
+}
+
+
+def _plans_covering(params) -> list[SamplingPlan]:
+    """Every plan that covers these rows (each branch the rows need, any others too)."""
+    need = SamplingPlan.covering(params)
+    flags = [(d, k, p) for d in (False, True) for k in (False, True) for p in (False, True)]
+    return [
+        SamplingPlan(d, k, p)
+        for d, k, p in flags
+        if d >= need.draws and k >= need.top_k and p >= need.top_p and (d or not (k or p))
+    ]
+
+
+@pytest.mark.parametrize("rows", sorted(PLAN_ROWS))
+def test_a_plan_that_covers_the_rows_samples_what_the_device_branches_sample(rows):
+    """Tokens, logprobs (raw and processed) and top alternatives under every plan that covers the
+    rows equal those of the branches chosen on the device, bit for bit."""
+    params = PLAN_ROWS[rows]
+    arrays = _arrays(params)
+    state = PenaltyState.zeros(len(params), VOCAB)
+    logits = jax.random.normal(jax.random.key(3), (len(params), VOCAB)) * 2
+    plans = _plans_covering(params)
+
+    @jax.jit
+    def run(logits, arrays, state):
+        keys = row_keys(arrays, state.num_generated)
+        return {
+            mode: [
+                sample(logits, arrays, state, keys, num_top_logprobs=3, logprobs_mode=mode, plan=plan)
+                for plan in [None, *plans]
+            ]
+            for mode in ("raw", "processed")
+        }
+
+    for mode, (device, *planned) in run(logits, arrays, state).items():
+        for plan, out in zip(plans, planned):
+            for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+                got, want = np.asarray(getattr(out, name)), np.asarray(getattr(device, name))
+                np.testing.assert_array_equal(got, want, err_msg=f"{mode} {plan} {name}")
+
+
+def test_plans_cover_the_rows_they_are_made_for():
+    assert SamplingPlan.covering(PLAN_ROWS["greedy"]) == GREEDY_PLAN
+    assert SamplingPlan.covering(PLAN_ROWS["temperature only"]) == SamplingPlan(True, False, False)
+    assert SamplingPlan.covering(PLAN_ROWS["mixed"][2:]) == SamplingPlan(True, True, True)
+    assert SamplingPlan.covering(PLAN_ROWS["mixed"][1:3]) == SamplingPlan(True, False, True)
+    assert SamplingPlan.covering(PLAN_ROWS["mixed"][3:]) == SamplingPlan(True, True, False)
+    assert SamplingPlan.covering(PLAN_ROWS["mixed"]) == ANY_PLAN
+    # a greedy row's top_k / top_p are never used: it takes the argmax
+    assert SamplingPlan.covering([SamplingParams(top_k=3, top_p=0.5)]) == GREEDY_PLAN
+    # the engine keeps two plans, so warm-up compiles every plan it will use
+    assert engine_plan(PLAN_ROWS["greedy"]) == GREEDY_PLAN
+    assert engine_plan([None, None]) == GREEDY_PLAN
+    assert {engine_plan(PLAN_ROWS[r]) for r in PLAN_ROWS if r != "greedy"} == {ANY_PLAN}
+
+
+def _branches(plan) -> int:
+    """Data-dependent branches (stablehlo case / if) in the lowered sample of a mixed batch."""
+    arrays = _arrays(PLAN_ROWS["mixed"])
+    state = PenaltyState.zeros(4, VOCAB)
+    keys = row_keys(arrays, state.num_generated)
+    step = jax.jit(lambda logits: sample(logits, arrays, state, keys, plan=plan))
+    text = step.lower(jnp.zeros((4, VOCAB))).as_text()
+    return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+
+def test_a_plan_leaves_no_branch_for_the_device_to_choose():
+    """The point of a plan: XLA's GPU runtime makes the host wait for the device at every
+    data-dependent branch; a planned sample has none (three without a plan)."""
+    assert _branches(None) == 3
+    assert _branches(ANY_PLAN) == 0
+    assert _branches(GREEDY_PLAN) == 0
 
 
 def test_build_rejects_what_does_not_fit_and_unresolved_seeds():
