@@ -72,6 +72,7 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
     from bench.engine_setup import bench_config, build_model
     from infernix_jax.engine.memory_plan import plan_blocks
     from infernix_jax.engine.runner import Runner, decode_program
+    from infernix_jax.engine.sampling import GREEDY_PLAN
 
     made = {}
 
@@ -101,10 +102,11 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
     )
     program = jax.jit(
         decode_program.__wrapped__,
-        static_argnames=("cfg", "steps", "num_top"),
+        static_argnames=("cfg", "steps", "num_top", "plan"),
         donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
     )
-    return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top}
+    # greedy rows, as bench.decode's requests: the plan a GPU engine dispatches them with
+    return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top, "plan": GREEDY_PLAN}
 
 
 def compile_decode(
