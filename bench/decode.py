@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import itertools
 import os
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 
 from bench.ceilings import QUICK, Sizes, measure_hbm_read
 from bench.engine_setup import (
+    QWEN_SAMPLING,
     WEIGHT_FORMATS,
     build_model,
     decode_bytes_per_step,
@@ -88,7 +90,8 @@ def record_name(shape: str, weights: str, kv_dtype: str, batch: int, context: in
 
 
 def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, bandwidth, machine, commit,
-            weights="bf16", profile=False, profile_top=25, profile_engine=False, loop_graphs=False):  # fmt: skip
+            weights="bf16", profile=False, profile_top=25, profile_engine=False, loop_graphs=False,
+            sampling=None):  # fmt: skip
     dtype = params.final_norm.dtype
     engine_traced = 3 if profile_engine else 0
     core = make_core(
@@ -96,7 +99,7 @@ def measure(cfg, params, shape, batch, context, steps, dispatches, kv_dtype, ban
         new_tokens=steps * (dispatches + 3 + engine_traced), warmup=False, prefix_cache=False,  # + the dispatch run ahead
         decode_loop_graphs=loop_graphs,
     )
-    place_prompts_without_compute(core, batch, context)
+    place_prompts_without_compute(core, batch, context, sampling=sampling)
     core.step()  # compile / warm the decode program
     start_metrics = (
         core.metrics.decode_wall_s,
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
     parser.add_argument("--dispatches", type=int, default=8)
     parser.add_argument("--kv-dtype", default="bf16")
+    parser.add_argument("--sampling", default="greedy", choices=("greedy", "qwen"),
+                        help="the requests' sampling: greedy, or Qwen's recommended temperature 0.7, top_p 0.8, "
+                             "top_k 20 (records named 'sampled')")  # fmt: skip
     parser.add_argument("--weights", default="bf16", choices=WEIGHT_FORMATS,
                         help="projections and experts in bf16, or quantized to nvfp4 / fp8 on the device")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (any machine)")
@@ -299,7 +305,11 @@ def main(argv: list[str] | None = None):
                                 variant_ctx.enter_context(v.switch(value))
                         record = measure(cfg, params, shape, batch, context, args.steps, args.dispatches,
                                          args.kv_dtype, bandwidth, machine, commit, args.weights, args.profile,
-                                         args.profile_top, args.profile_engine, loops == "on")  # fmt: skip
+                                         args.profile_top, args.profile_engine, loops == "on",
+                                         QWEN_SAMPLING if args.sampling == "qwen" else None)  # fmt: skip
+                    if args.sampling != "greedy":
+                        record.name += " sampled"
+                        record.details["sampling"] = dataclasses.asdict(QWEN_SAMPLING)
                     if mode != "auto":
                         record.name += f" fp8-decode-{mode}"
                     if fused != "rows":  # the default's records keep their names

@@ -244,18 +244,27 @@ def bench_config(
     return dataclasses.replace(config, **overrides)
 
 
-def place_prompts_without_compute(core: EngineCore, batch: int, context: int, seed: int = 0) -> None:
+# Qwen's recommended sampling for its instruct models (temperature 0.7, top_p 0.8, top_k 20): what a
+# chat client sends; `bench.decode --sampling qwen` decodes with it
+QWEN_SAMPLING = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=0)
+
+
+def place_prompts_without_compute(
+    core: EngineCore, batch: int, context: int, seed: int = 0, sampling: SamplingParams | None = None
+) -> None:
     """Admit `batch` requests of `context` prompt tokens and mark all but the last as cached.
 
     Decode cost does not depend on the KV values, so the decode benchmark skips the prefill: the
-    blocks hold zeros. Uses the scheduler's allocators directly (benchmark only).
+    blocks hold zeros. Uses the scheduler's allocators directly (benchmark only). sampling: the
+    requests' settings (default greedy); they never stop early.
     """
+    settings = (sampling or SamplingParams()).replace(max_tokens=1 << 30, ignore_eos=True)
     rng = np.random.default_rng(seed)
     scheduler = core.scheduler
     for i in range(batch):
         prompt = rng.integers(0, core.cfg.vocab_size, size=context).tolist()
         core.add_request(
-            GenerationRequest(f"bench{i}", prompt, SamplingParams(max_tokens=1 << 30, ignore_eos=True))
+            GenerationRequest(f"bench{i}", prompt, settings)
         )
     while scheduler.waiting:
         state = scheduler.waiting.popleft()
