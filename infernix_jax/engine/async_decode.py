@@ -64,8 +64,9 @@ class InFlight:
 
     rows: list[DecodeRow]  # the requests of rows 0..len-1 (the rest of the batch is padding)
     batch: DecodeBatch
-    out: Any  # device outputs: (count, tokens, logprobs, top ids, top logprobs)
-    feed: Any  # device (last token, stopped) per row: the next dispatch's inputs
+    # the device's packed output (runner.pack_decode): per row its count, last token and stop flag
+    # (the next dispatch's inputs), then its tokens, logprobs and top alternatives
+    out: Any
     budget: Any  # i32 [b]: tokens each row could generate when the dispatch started (host or device)
     budget_bound: np.ndarray  # i32 [b]: the same on the host, or an upper bound of it
     mask_feed: MaskFeed | None = None  # constrained rows: the host side of the dispatch's masks
@@ -110,9 +111,8 @@ class AsyncDecode:
             return None
         if not self._steady(flight) or not self._reserve(flight.rows, 2 * steps):
             return None
-        count = flight.out[0]
         tokens, positions, max_steps, budget = next_decode_inputs(
-            *flight.feed, count, flight.batch.positions, flight.budget, steps=steps
+            flight.out, flight.batch.positions, flight.budget, steps=steps
         )
         block_table = flight.batch.block_table.copy()
         for i, row in enumerate(flight.rows):
@@ -125,7 +125,7 @@ class AsyncDecode:
         if flight.check is not None:  # the states this dispatch starts from, before it moves them
             check = CheckCopies(runner.save_slots(flight.check.slots), flight.check.slots)
         out = runner.decode(batch)
-        return InFlight(flight.rows, batch, out, runner.last_feed, budget, bound, check=check)
+        return InFlight(flight.rows, batch, out, budget, bound, check=check)
 
     def _steady(self, flight: InFlight) -> bool:
         """Every running request is decoding in this batch, none waits, nothing needs the host (a

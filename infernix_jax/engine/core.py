@@ -432,7 +432,7 @@ class EngineCore:
             t0 = time.perf_counter()
             out = self.runner.decode(batch, feed)
             self.metrics.decode_enqueue_s += time.perf_counter() - t0
-            flight = InFlight(plan.decode, batch, out, self.runner.last_feed, budget, budget, feed)
+            flight = InFlight(plan.decode, batch, out, budget, budget, feed)
         except Exception as exc:  # noqa: BLE001
             self._fail_step([r.request for r in plan.decode], exc, events)
             return 0.0
@@ -471,7 +471,7 @@ class EngineCore:
             ahead = self.async_decode.follow(flight)
             self.metrics.decode_enqueue_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            sampled = self.runner.read_decode(flight.out)
+            sampled = self.runner.read_decode(flight.out, flight.batch.steps)
             runs = runs_on(ahead)
             wait = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - one failed dispatch fails its requests, not the engine
@@ -806,7 +806,7 @@ class EngineCore:
         budget = np.zeros(b, np.int32)  # tokens each row may still generate
         budget[: len(rows)] = [row.request.remaining for row in rows]
         out = runner.decode(batch)
-        flight = InFlight(rows, batch, out, runner.last_feed, budget, budget, check=copies)
+        flight = InFlight(rows, batch, out, budget, budget, check=copies)
         return self._read_check(flight, run)
 
     def _checks_on(self, rows: Sequence[DecodeRow], batch: int) -> bool:
@@ -848,7 +848,7 @@ class EngineCore:
         ahead = self.async_decode.follow(flight)
         self.metrics.decode_enqueue_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        sampled = runner.read_decode(flight.out)
+        sampled = runner.read_decode(flight.out, flight.batch.steps)
         wait = time.perf_counter() - t0
         self.ahead = ahead
         self.metrics.async_dispatches += ahead is not None
