@@ -20,7 +20,8 @@ host. A multi-step decode dispatch holds the launching thread for about as long 
 it when every step is launched alone (~1.8 ms a step for the 80B-A3B shape's ~1100 kernels on an
 H100), so the engine's host work between dispatches leaves the device idle (docs/engine.md). On an
 H100 it sampled the same tokens and did not change the 80B-A3B decode rate (286.6 against 288.5
-tok/s at batch 1), so the engine leaves it off (`EngineConfig.decode_loop_graphs`).
+tok/s at batch 1; again with one command buffer a step and no conditional in it, 396.4 against
+428.8), so the engine leaves it off (`EngineConfig.decode_loop_graphs`).
 """
 
 from __future__ import annotations
