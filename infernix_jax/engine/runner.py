@@ -8,8 +8,8 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
   stop-token and length checks, cache writes) entirely on the device; a row that stops feeds
   padding (position -1) for the remaining steps, so nothing more is written for it. Its sampling
   branches are chosen on the host (`SamplingPlan`), and it returns one packed array written after
-  the loop (`pack_decode`): nothing in the loop depends on a buffer that moves between dispatches,
-  so its CUDA graph is recorded once (docs/engine.md).
+  the loop (`pack_decode`): the loop writes no output buffer (new at every dispatch), so its CUDA
+  graph is not re-recorded because the outputs moved (docs/engine.md).
 - `set_slot_program`: install one request's sampling settings and penalty state in its slot.
 - `masked_decode_step_program` [batch]: one decode step (forward and sample) under a packed token
   mask, for batches holding constrained rows (structured output): the host fills each row's mask
