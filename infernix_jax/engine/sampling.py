@@ -413,7 +413,7 @@ def truncated_logits(
     no_cut = jnp.zeros((b,), jnp.uint32)
 
     k_limit = jnp.where(arrays.top_k > 0, arrays.top_k, vocab + 1).astype(jnp.float32)
-    top_k_cut = _searched(
+    top_k_cut = planned_branch(
         None if plan is None else plan.top_k,
         jnp.any(arrays.top_k > 0),
         lambda: _smallest_key_with_mass_above_below(keys, None, k_limit, search_bits),
@@ -423,7 +423,7 @@ def truncated_logits(
     # Top-p over what min_p and top_k kept: keep x iff the kept mass above x < top_p * kept mass.
     weights = jnp.where(keep, jnp.exp(scaled - top), 0.0)
     p_limit = jnp.where(arrays.top_p < 1.0, arrays.top_p * jnp.sum(weights, axis=1), jnp.inf)
-    top_p_cut = _searched(
+    top_p_cut = planned_branch(
         None if plan is None else plan.top_p,
         jnp.any(arrays.top_p < 1.0),
         lambda: _smallest_key_with_mass_above_below(keys, weights, p_limit, search_bits),
@@ -433,11 +433,12 @@ def truncated_logits(
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _searched(static: bool | None, dynamic: jax.Array, run, skip):
-    """run() or skip(): as the plan says (static), else on the device (lax.cond on `dynamic`)."""
+def planned_branch(static: bool | None, dynamic: jax.Array, if_true, if_false):
+    """if_true() or if_false(): as a plan says (static), else chosen on the device by `dynamic`
+    (lax.cond; on a GPU the host then waits for the device here: SamplingPlan)."""
     if static is None:
-        return jax.lax.cond(dynamic, run, skip)
-    return run() if static else skip()
+        return jax.lax.cond(dynamic, if_true, if_false)
+    return if_true() if static else if_false()
 
 
 def sample(
@@ -495,10 +496,9 @@ def sample(
     def greedy_only() -> tuple[jax.Array, jax.Array, jax.Array]:
         return greedy_tokens, processed, free_greedy
 
-    if plan is None:
-        tokens, distribution, unmasked = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
-    else:
-        tokens, distribution, unmasked = with_sampling() if plan.draws else greedy_only()
+    tokens, distribution, unmasked = planned_branch(
+        None if plan is None else not plan.draws, jnp.all(arrays.greedy), greedy_only, with_sampling
+    )
     source = logits if logprobs_mode == "raw" else distribution
     log_probs = jax.nn.log_softmax(source, axis=1)
     token_logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]

@@ -205,3 +205,37 @@ def test_inactive_rows_and_stop_tokens_end_the_window():
     out = verify(jnp.asarray(logits), jnp.full((2, 2), 3, jnp.int32), jnp.array([2, 2]), arrays,
                  PenaltyState.zeros(2, V), jnp.array([True, False]))  # fmt: skip
     assert list(np.asarray(out.counts)) == [1, 0]  # the accepted stop token ends the row
+
+
+@pytest.mark.parametrize("rows", ["greedy", "mixed"])
+def test_a_plan_chosen_on_the_host_verifies_as_the_device_branches_do(rows):
+    """Linear and tree verification under the engine's plan for the rows (GREEDY_PLAN, ANY_PLAN)
+    and under ANY_PLAN emit what the branches chosen on the device emit, bit for bit: the engine
+    passes a plan on accelerators so that no window position waits for the host (SamplingPlan)."""
+    from infernix_jax.engine.sampling import ANY_PLAN, engine_plan
+    from infernix_jax.engine.speculative.tree import verify_tree
+
+    params = [SamplingParams()] * 3 if rows == "greedy" else [PARAMS, SamplingParams(), PARAMS.replace(top_k=0)]
+    b, w = len(params), 4
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(b, w, V)).astype(np.float32) * 2)
+    drafts = jnp.asarray(rng.integers(0, V, size=(b, w)).astype(np.int32))
+    drafts = drafts.at[:, 1:].set(jnp.argmax(logits[:, :-1], axis=-1))  # mostly accepted
+    arrays, penalties = SamplingArrays.build(params, [7, 8, 9], b), PenaltyState.zeros(b, V)
+    active, num_drafts = jnp.ones(b, bool), jnp.array([3, 2, 1], jnp.int32)
+    parents = jnp.broadcast_to(jnp.array([-1, 0, 1, 1], jnp.int32), (b, w))
+
+    plans = [None, engine_plan(params)] + ([ANY_PLAN] if rows == "greedy" else [])
+
+    def both(plan_index):
+        plan = plans[plan_index]
+        linear = verify_window(logits, drafts[:, 1:], num_drafts, arrays, penalties, active,
+                               num_top_logprobs=2, plan=plan)  # fmt: skip
+        tree = verify_tree(logits, drafts, parents, num_drafts + 1, arrays, penalties, active, plan=plan)
+        return linear, tree
+
+    runs = [jax.tree.map(np.asarray, jax.jit(both, static_argnums=0)(i)) for i in range(len(plans))]
+    assert int(runs[0][0].counts.sum()) > b  # some drafts were accepted
+    for run in runs[1:]:
+        for got, want in zip(jax.tree.leaves(run), jax.tree.leaves(runs[0]), strict=True):
+            np.testing.assert_array_equal(got, want)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from infernix_jax.cache import SCRATCH_SLOT, KVPool, StatePool, cache_view, commit_view
 from infernix_jax.config import ModelConfig
-from infernix_jax.engine.sampling import row_keys, sample, update_penalty_state
+from infernix_jax.engine.sampling import SamplingPlan, row_keys, sample, update_penalty_state
 from infernix_jax.engine.speculative.mtp import chain_drafts, shifted_mtp_pass
 from infernix_jax.engine.speculative.rollback import keep_accepted_states
 from infernix_jax.engine.speculative.tree import compact_path_kv, verify_tree
@@ -45,7 +45,7 @@ def _commit_verified(kv_pool, state_pool, slot_sampling, cache, slots, out, draf
     return kv_pool, state_pool, slot_sampling, sampled
 
 
-@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps"), donate_argnames=_DONATED)
+@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "plan"), donate_argnames=_DONATED)
 def verify_program(
     params: Params,
     kv_pool: KVPool,
@@ -62,6 +62,7 @@ def verify_program(
     cfg: ModelConfig,
     num_top: int,
     mtp_steps: int,
+    plan: SamplingPlan | None = None,  # the sampling branches compiled in (verify_window)
 ):
     active = positions[:, 0] >= 0
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
@@ -70,8 +71,9 @@ def verify_program(
     )
     arrays, penalties = slot_sampling.rows(slots)
     out = verify_window(
-        logits, tokens[:, 1:], num_drafts, arrays, penalties, active, masks=masks, num_top_logprobs=num_top
-    )
+        logits, tokens[:, 1:], num_drafts, arrays, penalties, active, masks=masks, num_top_logprobs=num_top,
+        plan=plan,
+    )  # fmt: skip
     cache = keep_accepted_states(cache, out.accepted)
     b, w = tokens.shape
     drafts = jnp.zeros((b, max(mtp_steps, 1)), jnp.int32)
@@ -89,7 +91,7 @@ def verify_program(
     return _commit_verified(kv_pool, state_pool, slot_sampling, cache, slots, out, drafts, cfg)
 
 
-@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "mtp_branches"), donate_argnames=_DONATED)
+@partial(jit, static_argnames=("cfg", "num_top", "mtp_steps", "mtp_branches", "plan"), donate_argnames=_DONATED)
 def tree_verify_program(
     params: Params,
     kv_pool: KVPool,
@@ -106,13 +108,14 @@ def tree_verify_program(
     num_top: int,
     mtp_steps: int,
     mtp_branches: int,
+    plan: SamplingPlan | None = None,  # the sampling branches compiled in (verify_tree)
 ):
     active = positions[:, 0] >= 0
     cache = cache_view(kv_pool, state_pool, block_table, slots, cfg)
     logits, hidden, cache = forward(params, tokens, positions, cache, cfg, tree_parents=parents)
     arrays, penalties = slot_sampling.rows(slots)
     verified = verify_tree(
-        logits, tokens, parents, num_nodes, arrays, penalties, active, num_top_logprobs=num_top
+        logits, tokens, parents, num_nodes, arrays, penalties, active, num_top_logprobs=num_top, plan=plan
     )
     out, path = verified.out, verified.path
     last_node = jnp.take_along_axis(path, out.accepted[:, None], axis=1)[:, 0]

@@ -42,6 +42,8 @@ from infernix_jax.engine.sampling import (
     DEFAULT_SEARCH_BITS,
     PenaltyState,
     SamplingArrays,
+    SamplingPlan,
+    planned_branch,
     process_logits,
     row_keys,
     stop_token_hit,
@@ -113,12 +115,14 @@ def verify_tree(
     *,
     num_top_logprobs: int = 0,
     search_bits: int = DEFAULT_SEARCH_BITS,
+    plan: SamplingPlan | None = None,
 ) -> TreeVerifyOutput:
     """Accept the longest root-to-leaf path verification allows and emit accepted + 1 tokens.
 
     logits f32 [b, w, v] (target, per window node), tokens i32 [b, w] (node 0: the pending token),
     parents i32 [b, w] (node 0: -1), num_nodes i32 [b] (valid nodes, root included; 1 = no drafts),
     active bool [b] (False: padding row, emits nothing). Deterministic drafters (q point masses).
+    plan (static): the sampling branches compiled in, as for `verify_window`.
     """
     b, w, v = logits.shape
     rows = jnp.arange(b)
@@ -146,7 +150,7 @@ def verify_tree(
             return child, found, target_argmax
 
         def with_sampling():
-            final = truncated_logits(processed, arrays, search_bits=search_bits)
+            final = truncated_logits(processed, arrays, search_bits=search_bits, plan=plan)
             p = jax.nn.softmax(final, axis=1)
             p_child = jnp.where(children, jnp.take_along_axis(p, tokens, axis=1), 0.0)  # [b, w]
             before = jnp.cumsum(p_child, axis=1) - p_child  # mass of the earlier siblings
@@ -167,7 +171,9 @@ def verify_tree(
                 jnp.where(greedy, target_argmax, drawn.astype(jnp.int32)),
             )
 
-        child, found, correction = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
+        child, found, correction = planned_branch(
+            None if plan is None else not plan.draws, jnp.all(arrays.greedy), greedy_only, with_sampling
+        )
         token = jnp.where(found, tokens[rows, child], correction)
         penalties = update_penalty_state(penalties, token, live)
         log_probs = jax.nn.log_softmax(raw, axis=1)

@@ -31,6 +31,8 @@ from infernix_jax.engine.sampling import (
     DEFAULT_SEARCH_BITS,
     PenaltyState,
     SamplingArrays,
+    SamplingPlan,
+    planned_branch,
     process_logits,
     row_keys,
     stop_token_hit,
@@ -79,6 +81,7 @@ def verify_window(
     *,
     num_top_logprobs: int = 0,
     search_bits: int = DEFAULT_SEARCH_BITS,
+    plan: SamplingPlan | None = None,
 ) -> VerifyOutput:
     """Accept or reject the drafts of each row and emit accepted + 1 tokens.
 
@@ -87,7 +90,9 @@ def verify_window(
     draft_probs f32 [b, w-1, v] the drafter's distributions (already transformed like the target's),
     or None for deterministic drafters (q one-hot at the draft). masks i32 [b, w, ceil(v / 32)]: the
     packed structured-output mask of each window position (the grammar's state after the drafts
-    before it), applied to the target like `sample` applies it; None: no constraint.
+    before it), applied to the target like `sample` applies it; None: no constraint. plan
+    (static): the sampling branches compiled in, covering the rows (`sample`); None chooses them on
+    the device at every window position.
     """
     b, w, v = logits.shape
     drafts = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1).astype(jnp.int32)  # [b, w]
@@ -108,7 +113,7 @@ def verify_window(
             return draft == target_argmax, target_argmax
 
         def with_sampling():
-            final = truncated_logits(processed, arrays, search_bits=search_bits)
+            final = truncated_logits(processed, arrays, search_bits=search_bits, plan=plan)
             p = jax.nn.softmax(final, axis=1)
             if draft_probs is None:
                 q = jax.nn.one_hot(draft, v, dtype=jnp.float32)
@@ -123,7 +128,9 @@ def verify_window(
             accept = jnp.where(arrays.greedy, draft == target_argmax, accept)
             return accept, jnp.where(arrays.greedy, target_argmax, drawn.astype(jnp.int32))
 
-        accept, correction = jax.lax.cond(jnp.all(arrays.greedy), greedy_only, with_sampling)
+        accept, correction = planned_branch(
+            None if plan is None else not plan.draws, jnp.all(arrays.greedy), greedy_only, with_sampling
+        )
         accept = accept & has_draft
         token = jnp.where(accept, draft, correction)
         penalties = update_penalty_state(penalties, token, live)
