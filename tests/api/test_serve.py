@@ -107,6 +107,22 @@ def test_constrained_decode_reaches_the_engine_only_when_given(tmp_path, monkeyp
         serve.build_parser().parse_args(["--constrained-decode", "fast"])
 
 
+def test_decode_steps_reach_the_engine_only_when_given(tmp_path, monkeypatch):
+    import infernix_jax.engine as engine_package
+
+    calls = []
+    monkeypatch.setattr(
+        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
+    )
+    serve.build_engine(serve.build_parser().parse_args(["--decode-steps", "16"]))
+    serve.build_engine(serve.build_parser().parse_args([]))
+    assert calls[0]["decode_steps_per_dispatch"] == 16
+    assert "decode_steps_per_dispatch" not in calls[1]
+    for bad in ("0", "-2", "eight"):
+        with pytest.raises(SystemExit):
+            serve.build_parser().parse_args(["--decode-steps", bad])
+
+
 def test_expert_prefetch_flags_reach_the_engine_only_when_given(tmp_path, monkeypatch):
     import infernix_jax.engine as engine_package
 
