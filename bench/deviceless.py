@@ -109,6 +109,55 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
     return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top, "plan": GREEDY_PLAN}
 
 
+def body_command_buffers(thunks: str) -> dict:
+    """From XLA's `*.thunk_sequence_after_thunk_passes.txt` of a decode program: the step loop's
+    body's command buffers (CUDA graphs launched one after another each step) and conditionals
+    (each a host wait on the device: XLA:GPU reads a branch's predicate back to the host)."""
+    lines = thunks.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "body:"), None)
+    if start is None:
+        return {"command_buffers": 0, "conditionals": 0}
+    body = []
+    for line in lines[start + 1 :]:
+        if line and not line[0].isspace():  # back at the program's top level
+            break
+        body.append(line)
+    return {
+        "command_buffers": sum(line.startswith("    ") and not line.startswith("     ") and "kCommandBuffer" in line
+                               for line in body),
+        "conditionals": sum("kConditional" in line for line in body),
+    }  # fmt: skip
+
+
+def loop_output_buffers(assignment: str) -> int:
+    """From XLA's `*-buffer-assignment.txt`: the program's output buffers (not a donated
+    parameter's) that hold a loop-carried value (a phi). Each makes the loop body's graph point at
+    a buffer that is new at every dispatch, so XLA re-records the graph each time."""
+    found, allocation, in_output = set(), None, False
+    for line in assignment.splitlines():
+        if line.startswith("allocation "):
+            allocation = line.split(":")[0]
+            in_output = ("maybe-live-out" in line or "output shape" in line) and "parameter" not in line
+        elif in_output and line.lstrip().startswith("value:") and "(phi)" in line:
+            found.add(allocation)
+    return len(found)
+
+
+def host_waits(dump: str, program_file: str) -> dict:
+    """What in the compiled decode program keeps the host from running ahead of the device
+    (docs/engine.md): `body_command_buffers` and `loop_output_buffers` of its dump files."""
+    stem = program_file.split(".sm_")[0]
+    out = {}
+    for pattern, read in (("*.thunk_sequence_after_thunk_passes.txt", body_command_buffers),
+                          ("*-buffer-assignment.txt", lambda text: {"loop_output_buffers":
+                                                                    loop_output_buffers(text)})):  # fmt: skip
+        found = sorted(glob.glob(stem + pattern))
+        if found:
+            with open(found[-1]) as f:
+                out.update(read(f.read()))
+    return out
+
+
 def compile_decode(
     shape: str, weights: str, batch: int, context: int, steps: int, device, as_gpu: bool = True
 ):
@@ -165,8 +214,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{shape} {args.weights} batch {args.batch} ctx {args.context} on {args.target} "
               f"(jax {jax.__version__}): compiled in {seconds:.0f} s, dump {files[-1]}")  # fmt: skip
         rows = hlo_census.main([files[-1], "--top", str(args.top)])
+        waits = host_waits(dump, files[-1])
+        print(f"step loop: {waits.get('command_buffers', '?')} command buffer(s), "
+              f"{waits.get('conditionals', '?')} conditional(s) (host waits), "
+              f"{waits.get('loop_output_buffers', '?')} output buffer(s) written in the loop "
+              "(graph re-recorded every dispatch)")  # fmt: skip
         results.append({"shape": shape, "weights": args.weights, "batch": args.batch, "context": args.context,
-                        "target": args.target, "jax": jax.__version__, "census": rows})  # fmt: skip
+                        "target": args.target, "jax": jax.__version__, "census": rows,
+                        "host_waits": waits})  # fmt: skip
     if args.json:
         import json
 

@@ -33,3 +33,54 @@ def test_the_environment_asks_for_the_cuda_plugin_without_its_driver_checks_and_
     assert os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] == "1"
     assert "--xla_dump_to=/tmp/dump-here" in os.environ["XLA_FLAGS"]
     assert set(deviceless.TARGETS.values()) <= {p.name for p in deviceless.CONFIG_DIR.iterdir()}
+
+
+# Excerpts in the layout of XLA's dumps of a GPU decode program (jax 0.11): the step loop's body
+# as two command buffers around a conditional, and the buffers its loop values live in.
+THUNKS_WITH_A_BRANCH = """\
+000: kCommandBuffer [source       | next=014 (1) ] 
+    001: kCopy         [source       | sink        ] kCopy
+014: kWhile         [prev=000 (1) | next=1063 (1)]   
+condition:
+    015: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source        | next=1025 (1)] 
+        016: kCustomKernel [source       | sink        ] input_reduce_fusion grid: [1, 1, 1]
+    1025: kConditional   [prev=000 (1)  | next=000 (1) ]       
+      false_branch:
+        No thunks.      true_branch:
+        000: kCommandBuffer [source | sink] 
+            825: kCustomKernel [source        | next=826 (1) ] input_reduce_fusion_65 grid: [367, 1, 1]
+    000: kCommandBuffer [prev=1025 (1) | sink         ] 
+        1026: kCustomKernel [source        | next=1030 (4) ] input_reduce_fusion_286 grid: [1, 1, 1]
+1063: kCustomKernel  [prev=014 (1) | sink         ] input_scatter_fusion_34 grid: [1, 1, 1]
+"""
+
+ASSIGNMENT = """\
+allocation 0: size 622329856, parameter 0, shape |bf16[151936,2048]| at ShapeIndex {}:
+ value: <1 params_embed.1 @0> (size=622329856,offset=0): bf16[151936,2048]{1,0}
+allocation 146: size 8519680, parameter 957, shape |bf16[130,64,2,256]| at ShapeIndex {}, maybe-live-out:
+ value: <17767 arg_tuple.6{1} (phi) @0> (size=8519680,offset=0): bf16[130,64,2,256]{3,2,1,0}
+allocation 756: size 640, maybe-live-out:
+ value: <16497 loop_dynamic_update_slice_fusion.32 @0> (size=640,offset=0): s32[8,1,20]{2,1,0}
+ value: <17823 arg_tuple.6{57} (phi) @0> (size=640,offset=0): s32[8,1,20]{2,1,0}
+ value: <19878 while.41{57} (phi) @0> (size=640,offset=0): s32[8,1,20]{2,1,0}
+allocation 757: size 1356, maybe-live-out:
+ value: <20001 concatenate.3 @0> (size=1356,offset=0): s32[1,339]{1,0}
+allocation 2533: size 5304344, preallocated-temp:
+ value: <17900 arg_tuple.6{58} (phi) @0> (size=640,offset=0): f32[8,1,20]{2,1,0}
+"""
+
+
+def test_the_step_loops_host_waits_are_read_from_xlas_dumps():
+    """A conditional in the loop body (the host waits on the device every step) and an output
+    buffer written by the loop (its graph re-recorded every dispatch) are what the engine avoids
+    (docs/engine.md); bench.deviceless reports both without a GPU."""
+    assert deviceless.body_command_buffers(THUNKS_WITH_A_BRANCH) == {"command_buffers": 2, "conditionals": 1}
+    one_graph = "\n".join(
+        line for line in THUNKS_WITH_A_BRANCH.splitlines()[:8] if "kConditional" not in line
+    )
+    assert deviceless.body_command_buffers(one_graph) == {"command_buffers": 1, "conditionals": 0}
+    # the donated pool (a parameter) and the temporaries hold loop values too: only 756 counts
+    assert deviceless.loop_output_buffers(ASSIGNMENT) == 1
+    assert deviceless.loop_output_buffers(ASSIGNMENT.replace("(phi)", "")) == 0
