@@ -35,10 +35,11 @@ jitted function keeps the choice it was traced with.
 
 `matmuls(x, ws)` runs one input through several weights (a layer's q / k / v, its GDN input
 projections, an MLP's gate and up): NVFP4 weights served by a streamed decode kernel run as one
-launch (`nvfp4_matmuls`; at 2-16 rows too, through "dot_ws"), everything else as separate `matmul`s.
-`fused_projections(False)` (or INFERNIX_FUSED_PROJECTIONS=off) keeps them separate, for measuring. `grouped_expert_matmuls` does
-the same for an expert's gate and up stacks in the grouped kernel (`fused_experts`,
-INFERNIX_FUSED_EXPERTS, on: it won end to end on an H100, docs/quant_formats.md).
+launch (`nvfp4_matmuls`; at 2-16 rows too, through "dot_ws"), everything else as separate
+`matmul`s. `fused_projections(False)` (or INFERNIX_FUSED_PROJECTIONS=off) keeps them separate,
+for measuring. `grouped_expert_matmuls` does the same for an expert's gate and up stacks in the
+grouped kernel (`fused_experts`, INFERNIX_FUSED_EXPERTS, on: it won end to end on an H100,
+docs/quant_formats.md).
 
 `matmul(x, w, norm)` / `matmuls(x, ws, norm)`: a `NormSource` says x is an RMSNorm's output (or
 the GDN output norm's); under `norm_rows("kernel")` (INFERNIX_NORM_ROWS) the NVFP4 word kernels
