@@ -7,6 +7,18 @@ import pytest
 from infernix_jax import serve
 
 
+@pytest.fixture
+def calls(monkeypatch) -> list[dict]:
+    """The options each `serve.build_engine` call hands `create_engine` (patched: nothing loads)."""
+    import infernix_jax.engine as engine_package
+
+    made: list[dict] = []
+    monkeypatch.setattr(
+        engine_package, "create_engine", lambda *a, **kw: made.append(kw) or "engine", raising=False
+    )
+    return made
+
+
 def test_help_is_grouped_by_category(capsys):
     with pytest.raises(SystemExit):
         serve.main(["--help"])
@@ -73,13 +85,7 @@ def test_build_engine_passes_engine_flags_to_create_engine(tmp_path, monkeypatch
     ]
 
 
-def test_prefix_cache_flags_reach_the_engine(tmp_path, monkeypatch):
-    import infernix_jax.engine as engine_package
-
-    calls = []
-    monkeypatch.setattr(
-        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
-    )
+def test_prefix_cache_flags_reach_the_engine(tmp_path, calls):
     path = str(tmp_path / "prefix.cache")
     argv = ["--prefix-cache-file", path, "--prefix-cache-save-mins", "5", "--prefix-cache-host-mem", "8GiB"]
     serve.build_engine(serve.build_parser().parse_args(argv + ["--prefix-cache-snapshot-blocks", "0"]))
@@ -92,13 +98,7 @@ def test_prefix_cache_flags_reach_the_engine(tmp_path, monkeypatch):
     assert calls[1]["prefix_cache"] is False
 
 
-def test_constrained_decode_reaches_the_engine_only_when_given(tmp_path, monkeypatch):
-    import infernix_jax.engine as engine_package
-
-    calls = []
-    monkeypatch.setattr(
-        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
-    )
+def test_constrained_decode_reaches_the_engine_only_when_given(calls):
     serve.build_engine(serve.build_parser().parse_args(["--constrained-decode", "check"]))
     serve.build_engine(serve.build_parser().parse_args([]))
     assert calls[0]["constrained_decode"] == "check"
@@ -107,13 +107,7 @@ def test_constrained_decode_reaches_the_engine_only_when_given(tmp_path, monkeyp
         serve.build_parser().parse_args(["--constrained-decode", "fast"])
 
 
-def test_decode_steps_reach_the_engine_only_when_given(tmp_path, monkeypatch):
-    import infernix_jax.engine as engine_package
-
-    calls = []
-    monkeypatch.setattr(
-        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
-    )
+def test_decode_steps_reach_the_engine_only_when_given(calls):
     serve.build_engine(serve.build_parser().parse_args(["--decode-steps", "16"]))
     serve.build_engine(serve.build_parser().parse_args([]))
     assert calls[0]["decode_steps_per_dispatch"] == 16
@@ -123,13 +117,7 @@ def test_decode_steps_reach_the_engine_only_when_given(tmp_path, monkeypatch):
             serve.build_parser().parse_args(["--decode-steps", bad])
 
 
-def test_expert_prefetch_flags_reach_the_engine_only_when_given(tmp_path, monkeypatch):
-    import infernix_jax.engine as engine_package
-
-    calls = []
-    monkeypatch.setattr(
-        engine_package, "create_engine", lambda *a, **kw: calls.append(kw) or "engine", raising=False
-    )
+def test_expert_prefetch_flags_reach_the_engine_only_when_given(calls):
     serve.build_engine(
         serve.build_parser().parse_args(
             ["--expert-prefetch", "--expert-prefetch-blocks", "16", "--expert-prefetch-guesses", "5"]
