@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 import tempfile
 import time
@@ -64,14 +65,14 @@ def target_device(target: str):
 
 
 def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, device):
-    """(jitted decode program, args, static kwargs) of the engine's decode dispatch for `batch` rows
+    """(jitted decode program, args, keyword args) of the engine's decode dispatch for `batch` rows
     at `context`, every argument abstract with `device`'s sharding (weights never materialise)."""
     import jax
     import numpy as np
 
     from bench.engine_setup import bench_config, build_model
     from infernix_jax.engine.memory_plan import plan_blocks
-    from infernix_jax.engine.runner import Runner, decode_program
+    from infernix_jax.engine.runner import Runner, decode_program, decode_width
     from infernix_jax.engine.sampling import GREEDY_PLAN
 
     made = {}
@@ -103,10 +104,12 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
     program = jax.jit(
         decode_program.__wrapped__,
         static_argnames=("cfg", "steps", "num_top", "plan"),
-        donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
+        donate_argnames=("kv_pool", "state_pool", "slot_sampling", "out_buffer"),
     )
+    out_buffer = spec(np.zeros((batch, decode_width(steps, runner.num_top)), np.int32))
     # greedy rows, as bench.decode's requests: the plan a GPU engine dispatches them with
-    return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top, "plan": GREEDY_PLAN}
+    return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top, "plan": GREEDY_PLAN,
+                           "out_buffer": out_buffer}  # fmt: skip
 
 
 def body_command_buffers(thunks: str) -> dict:
@@ -129,17 +132,48 @@ def body_command_buffers(thunks: str) -> dict:
     }  # fmt: skip
 
 
-def loop_output_buffers(assignment: str) -> int:
-    """From XLA's `*-buffer-assignment.txt`: the program's output buffers (not a donated
-    parameter's) that hold a loop-carried value (a phi). Each makes the loop body's graph point at
-    a buffer that is new at every dispatch, so XLA re-records the graph each time."""
+def loop_body_names(hlo: str) -> set[str]:
+    """From XLA's optimized HLO text: the names of the instructions in every while loop's body
+    (nested loops' bodies too): the values a step computes."""
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^%?([\w.\-]+) \(", line)
+        if header and not line.startswith(" "):
+            current = computations.setdefault(header.group(1), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    names, pending = set(), re.findall(r"body=%?([\w.\-]+)", hlo)
+    seen = set()
+    while pending:
+        body = pending.pop()
+        if body in seen:
+            continue
+        seen.add(body)
+        for line in computations.get(body, ()):
+            found = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = ", line)
+            if found:
+                names.add(found.group(1))
+            pending.extend(re.findall(r"body=%?([\w.\-]+)", line))
+    return names
+
+
+def loop_output_buffers(assignment: str, body: set[str] = frozenset()) -> int:
+    """From XLA's `*-buffer-assignment.txt`: the program's output allocations (not a donated
+    parameter's) that hold a loop-carried value (a phi) or a value the loop body computes (`body`,
+    from `loop_body_names`: XLA puts a step's small temporaries in the output's allocation when
+    their live ranges allow). Each makes the loop body's graph point at a buffer that is new at
+    every dispatch, so XLA re-records the graph each time."""
     found, allocation, in_output = set(), None, False
     for line in assignment.splitlines():
         if line.startswith("allocation "):
             allocation = line.split(":")[0]
             in_output = ("maybe-live-out" in line or "output shape" in line) and "parameter" not in line
-        elif in_output and line.lstrip().startswith("value:") and "(phi)" in line:
-            found.add(allocation)
+        elif in_output and line.lstrip().startswith("value:"):
+            name = re.match(r"\s*value: <\d+ ([^ {]+)", line)
+            if "(phi)" in line or (name and name.group(1) in body):
+                found.add(allocation)
     return len(found)
 
 
@@ -147,10 +181,12 @@ def host_waits(dump: str, program_file: str) -> dict:
     """What in the compiled decode program keeps the host from running ahead of the device
     (docs/engine.md): `body_command_buffers` and `loop_output_buffers` of its dump files."""
     stem = program_file.split(".sm_")[0]
+    with open(program_file) as f:
+        body = loop_body_names(f.read())
     out = {}
     for pattern, read in (("*.thunk_sequence_after_thunk_passes.txt", body_command_buffers),
                           ("*-buffer-assignment.txt", lambda text: {"loop_output_buffers":
-                                                                    loop_output_buffers(text)})):  # fmt: skip
+                                                                    loop_output_buffers(text, body)})):  # fmt: skip
         found = sorted(glob.glob(stem + pattern))
         if found:
             with open(found[-1]) as f:
@@ -169,8 +205,8 @@ def compile_decode(
     if as_gpu:
         jax.default_backend = lambda: "gpu"
     try:
-        program, args, static = decode_call(shape, weights, batch, context, steps, device)
-        return program.lower(*args, **static).compile()
+        program, args, kwargs = decode_call(shape, weights, batch, context, steps, device)
+        return program.lower(*args, **kwargs).compile()
     finally:
         jax.default_backend = real_backend
 

@@ -8,8 +8,8 @@ Programs (module-level `jax.jit`s, so engines with the same shapes share compile
   stop-token and length checks, cache writes) entirely on the device; a row that stops feeds
   padding (position -1) for the remaining steps, so nothing more is written for it. Its sampling
   branches are chosen on the host (`SamplingPlan`), and it returns one packed array written after
-  the loop (`pack_decode`): the loop writes no output buffer (new at every dispatch), so its CUDA
-  graph is not re-recorded because the outputs moved (docs/engine.md).
+  the loop (`pack_decode`) into a donated buffer: the loop touches no output buffer (new at every
+  dispatch), so its CUDA graph is not re-recorded because the outputs moved (docs/engine.md).
 - `set_slot_program`: install one request's sampling settings and penalty state in its slot.
 - `masked_decode_step_program` [batch]: one decode step (forward and sample) under a packed token
   mask, for batches holding constrained rows (structured output): the host fills each row's mask
@@ -182,7 +182,7 @@ def prefill_program(
 @partial(
     jit,
     static_argnames=("cfg", "steps", "num_top", "plan"),
-    donate_argnames=("kv_pool", "state_pool", "slot_sampling"),
+    donate_argnames=("kv_pool", "state_pool", "slot_sampling", "out_buffer"),
 )
 def decode_program(
     params: Params,
@@ -197,6 +197,7 @@ def decode_program(
     ngram_rows: jax.Array | None = None,  # [L, b, 1, heads, width]: n-gram memory rows (then steps == 1)
     mask: jax.Array | None = None,  # i32 [b, ceil(v / 32)]: the first step's packed masks (then feed_id)
     feed_id: jax.Array | None = None,  # i32 []: the engine/mask_feed.py MaskFeed of the later masks
+    out_buffer: jax.Array | None = None,  # i32 [b, decode_width(steps, num_top)]: donated, see below
     *,
     cfg: ModelConfig,
     steps: int,
@@ -253,12 +254,27 @@ def decode_program(
     carry = (kv_pool, state_pool, penalties, tokens, jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), out, mask)
     kv_pool, state_pool, penalties, current, done, count, out, _ = jax.lax.fori_loop(0, steps, step, carry)
     slot_sampling = slot_sampling.with_penalties(slots, penalties)
-    # One packed output, written after the loop by a concatenate (a buffer of its own): were the
-    # loop's carry the program's outputs, its body would write into output buffers that are new at
-    # every dispatch, and its CUDA graph would be updated (re-recorded) at the first step of every
-    # dispatch: ~3.7 ms of host time for the 80B-A3B's ~600 kernels against ~14 ms of device time
-    # for its 8 steps (docs/engine.md). The read-back is one transfer too.
-    return kv_pool, state_pool, slot_sampling, pack_decode(count, current, done, *out)
+    # One packed output, written after the loop by a concatenate, into `out_buffer` (donated: the
+    # output aliases it). The loop's CUDA graph is re-recorded whenever a buffer its kernels touch
+    # moves, and the program's own output buffers are new at every dispatch: had the loop carried
+    # its values in them (before 82c16fa), or had XLA placed the loop's small temporaries in the
+    # output's allocation (it does, their live ranges being disjoint), the graph was updated at the
+    # first step of every dispatch: ~5 ms of host time for the 80B-A3B's ~600 kernels against ~14
+    # ms of device time for its 8 steps (docs/engine.md). A donated parameter's allocation holds
+    # nothing else. The read-back is one transfer too.
+    packed = pack_decode(count, current, done, *out)
+    if out_buffer is not None:
+        if out_buffer.shape != packed.shape:
+            raise ValueError(f"out_buffer {out_buffer.shape} must be {packed.shape} (decode_width)")
+        # written into it (an unused argument would be pruned, and its donation with it)
+        packed = jax.lax.dynamic_update_slice(out_buffer, packed, (0, 0))
+    return kv_pool, state_pool, slot_sampling, packed
+
+
+def decode_width(steps: int, num_top: int) -> int:
+    """Columns of decode_program's packed output (pack_decode) for `steps` steps and `num_top`
+    alternatives a step."""
+    return DECODE_HEAD + steps * (2 + 2 * num_top)
 
 
 DECODE_HEAD = 3  # packed decode output: count, current, done, then each row's steps
@@ -790,7 +806,10 @@ class Runner:
         `feed` (constrained rows), every step samples under the masks the feed gives (its first
         ones now, the later ones from the program's host callback)."""
         # host arrays, or device ones from the dispatch before (asynchronous decode): one program
-        fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps), self.device)
+        # with the buffer the packed output is written into (decode_program: a fresh parameter
+        # each dispatch keeps the step loop's graph where it was)
+        out_buffer = np.zeros((len(batch.slots), decode_width(batch.steps, self.num_top)), np.int32)
+        fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps, out_buffer), self.device)
         masked = {}
         if feed is not None:
             if self.ngram_table is not None:
@@ -813,6 +832,7 @@ class Runner:
             fed[2],
             batch.ngram_rows,
             **masked,
+            out_buffer=fed[3],
             cfg=self.cfg,
             steps=batch.steps,
             num_top=self.num_top,

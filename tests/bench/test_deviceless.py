@@ -84,3 +84,34 @@ def test_the_step_loops_host_waits_are_read_from_xlas_dumps():
     # the donated pool (a parameter) and the temporaries hold loop values too: only 756 counts
     assert deviceless.loop_output_buffers(ASSIGNMENT) == 1
     assert deviceless.loop_output_buffers(ASSIGNMENT.replace("(phi)", "")) == 0
+    # a step's temporary that XLA placed in the packed output's allocation (757) counts too
+    body = deviceless.loop_body_names(HLO)
+    assert body == {"arg_tuple.6", "loop_compare_fusion", "tuple.9", "region_inner_fusion"}
+    shared = ASSIGNMENT.replace(
+        " value: <20001 concatenate.3",
+        " value: <1504 loop_compare_fusion @0> (size=1,offset=0): pred[]\n value: <20001 concatenate.3",
+    )
+    assert deviceless.loop_output_buffers(ASSIGNMENT.replace("(phi)", ""), body) == 1  # 756's arg_tuple.6
+    assert deviceless.loop_output_buffers(shared, body) == 2
+    assert deviceless.loop_output_buffers(shared.replace("(phi)", "")) == 0
+
+
+HLO = """\
+%fused_computation.1 (param_0: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  ROOT %compare.1 = pred[] compare(%param_0, %param_0), direction=LT
+}
+
+%region_body (arg_tuple.6: (s32[], s32[1,339])) -> (s32[], s32[1,339]) {
+  %arg_tuple.6 = (s32[], s32[1,339]) parameter(0)
+  %loop_compare_fusion = pred[] fusion(%arg_tuple.6), kind=kLoop, calls=%fused_computation.1
+  %region_inner_fusion = s32[] fusion(%arg_tuple.6), kind=kLoop, calls=%fused_computation.1
+  ROOT %tuple.9 = (s32[], s32[1,339]) tuple(%region_inner_fusion, %arg_tuple.6)
+}
+
+ENTRY %main.321 (p: s32[1,339]) -> s32[1,339] {
+  %p = s32[1,339] parameter(0)
+  %while.41 = (s32[], s32[1,339]) while(%p), condition=%cond, body=%region_body
+  ROOT %concatenate.3 = s32[1,339] concatenate(%p), dimensions={1}
+}
+"""
