@@ -15,6 +15,7 @@ import infernix_jax
 from infernix_jax.engine.config import EngineConfig
 from infernix_jax.engine.core import EngineCore
 from infernix_jax.engine.protocol import FINISH_ABORT, FINISH_STOP, GenerationRequest, SamplingParams
+from infernix_jax.engine.runner import decode_program, decode_width
 from infernix_jax.engine.sampling import ANY_PLAN, GREEDY_PLAN
 from tests.conftest import HF_FIXTURES
 
@@ -236,3 +237,18 @@ def test_sampling_plans_chosen_on_the_host_give_the_same_tokens(core, model):
         assert run(static, make("q", temperatures)) == run(core, make("q", temperatures))
         assert len(seen) >= 2 and set(seen) == {plan}
     assert_pool_empty(static)
+
+
+def test_the_packed_output_goes_into_a_buffer_of_its_width(core):
+    """decode_program writes its packed output into the buffer the runner gives it (donated on a
+    GPU, so that the step loop's graph keeps its buffers: docs/engine.md); one of another width is
+    refused before anything is compiled."""
+    runner = core.runner
+    batch = runner.empty_decode(4, 4)
+    with pytest.raises(ValueError, match="decode_width"):
+        decode_program(
+            runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling, batch.tokens,
+            batch.positions, batch.block_table, batch.slots, batch.max_steps,
+            out_buffer=np.zeros((4, decode_width(4, runner.num_top) + 1), np.int32),
+            cfg=runner.cfg, steps=4, num_top=runner.num_top,
+        )  # fmt: skip

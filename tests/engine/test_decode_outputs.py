@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.engine.runner import next_decode_inputs, pack_decode, unpack_decode
+from infernix_jax.engine.runner import decode_width, next_decode_inputs, pack_decode, unpack_decode
 
 
 def _outputs(steps: int, b: int, k: int, seed: int = 0):
@@ -31,7 +31,7 @@ def _outputs(steps: int, b: int, k: int, seed: int = 0):
 def test_the_host_reads_back_what_the_loop_sampled_bit_for_bit(steps, b, k):
     count, current, done, tokens, logprobs, top_ids, top_logprobs = _outputs(steps, b, k)
     packed = jax.jit(pack_decode)(count, current, done, tokens, logprobs, top_ids, top_logprobs)
-    assert packed.dtype == jnp.int32 and packed.shape == (b, 3 + steps * (2 + 2 * k))
+    assert packed.dtype == jnp.int32 and packed.shape == (b, decode_width(steps, k)) == (b, 3 + steps * (2 + 2 * k))
     read = unpack_decode(jax.device_get(packed), steps)
     np.testing.assert_array_equal(read.counts, count)
     np.testing.assert_array_equal(read.tokens, tokens)
