@@ -21,7 +21,10 @@ it when every step is launched alone (~1.8 ms a step for the 80B-A3B shape's ~11
 H100), so the engine's host work between dispatches leaves the device idle (docs/engine.md). On an
 H100 it sampled the same tokens and did not change the 80B-A3B decode rate (286.6 against 288.5
 tok/s at batch 1; again with one command buffer a step and no conditional in it, 396.4 against
-428.8), so the engine leaves it off (`EngineConfig.decode_loop_graphs`).
+428.8; 332.3 against 394.7 at b1961fb), so the engine leaves it off (`EngineConfig.decode_loop_graphs`):
+the graph holding the loop also holds the inputs' copies and the output's write, whose buffers
+are new at every dispatch, so it is re-recorded each time (docs/engine.md, "Where the 80B-A3B's
+host time went at batch 1, again").
 """
 
 from __future__ import annotations
