@@ -271,13 +271,13 @@ def decode_program(
     return kv_pool, state_pool, slot_sampling, packed
 
 
+DECODE_HEAD = 3  # packed decode output: count, current, done, then each row's steps
+
+
 def decode_width(steps: int, num_top: int) -> int:
     """Columns of decode_program's packed output (pack_decode) for `steps` steps and `num_top`
     alternatives a step."""
     return DECODE_HEAD + steps * (2 + 2 * num_top)
-
-
-DECODE_HEAD = 3  # packed decode output: count, current, done, then each row's steps
 
 
 def pack_decode(count, current, done, tokens, logprobs, top_ids, top_logprobs) -> jax.Array:
