@@ -50,7 +50,7 @@ from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.engine.sampling import engine_plan
+from infernix_jax.engine.sampling import engine_plan, wants_top
 from infernix_jax.model.mlp import (
     MOE_ROUTING_WAYS,
     moe_routing,
@@ -151,7 +151,8 @@ def device_only_dispatch_s(core, batch: int, steps: int, dispatches: int):
     wall time above this is host overhead: scheduling, the launch, reading tokens back, events.
     Runs after the timed loop (it rewrites the rows' next positions; the engine is discarded)."""
     decode = core.runner.empty_decode(batch, steps)
-    decode.sampling = engine_plan([state.request.sampling for state in core.scheduler.running])
+    params = [state.request.sampling for state in core.scheduler.running]
+    decode.sampling, decode.with_top = engine_plan(params), wants_top(params)  # as core._run_decode
     for i, state in enumerate(core.scheduler.running):
         decode.tokens[i] = state.token_at(state.num_computed)
         decode.positions[i] = state.num_computed

@@ -64,7 +64,9 @@ def target_device(target: str):
     return topology.devices[0]
 
 
-def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, device):
+def decode_call(
+    shape: str, weights: str, batch: int, context: int, steps: int, device, top_logprobs: bool = False
+):
     """(jitted decode program, args, keyword args) of the engine's decode dispatch for `batch` rows
     at `context`, every argument abstract with `device`'s sharding (weights never materialise)."""
     import jax
@@ -106,9 +108,11 @@ def decode_call(shape: str, weights: str, batch: int, context: int, steps: int, 
         static_argnames=("cfg", "steps", "num_top", "plan"),
         donate_argnames=("kv_pool", "state_pool", "slot_sampling", "out_buffer"),
     )
-    out_buffer = spec(np.zeros((batch, decode_width(steps, runner.num_top)), np.int32))
-    # greedy rows, as bench.decode's requests: the plan a GPU engine dispatches them with
-    return program, args, {"cfg": cfg, "steps": steps, "num_top": runner.num_top, "plan": GREEDY_PLAN,
+    # greedy rows without logprobs, as bench.decode's requests: the plan a GPU engine dispatches
+    # them with, and no top alternatives (with them: num_top runner.num_top, a vocabulary sort)
+    num_top = runner.num_top if top_logprobs else 0
+    out_buffer = spec(np.zeros((batch, decode_width(steps, num_top)), np.int32))
+    return program, args, {"cfg": cfg, "steps": steps, "num_top": num_top, "plan": GREEDY_PLAN,
                            "out_buffer": out_buffer}  # fmt: skip
 
 
@@ -195,17 +199,19 @@ def host_waits(dump: str, program_file: str) -> dict:
 
 
 def compile_decode(
-    shape: str, weights: str, batch: int, context: int, steps: int, device, as_gpu: bool = True
-):
+    shape: str, weights: str, batch: int, context: int, steps: int, device, as_gpu: bool = True,
+    top_logprobs: bool = False,
+):  # fmt: skip
     """Lower and compile the decode program for `device`; as_gpu: the project's code traces as on a
-    GPU (its kernels, not the CPU's XLA references). Returns the compiled program."""
+    GPU (its kernels, not the CPU's XLA references); top_logprobs: the program of a batch whose rows
+    ask for top alternatives. Returns the compiled program."""
     import jax
 
     real_backend = jax.default_backend
     if as_gpu:
         jax.default_backend = lambda: "gpu"
     try:
-        program, args, kwargs = decode_call(shape, weights, batch, context, steps, device)
+        program, args, kwargs = decode_call(shape, weights, batch, context, steps, device, top_logprobs)
         return program.lower(*args, **kwargs).compile()
     finally:
         jax.default_backend = real_backend
@@ -224,6 +230,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per dispatch")
     parser.add_argument("--top", type=int, default=30, help="sites shown for each computation")
+    parser.add_argument("--top-logprobs", action="store_true",
+                        help="the program of rows asking for top alternatives (a top-k over the vocabulary)")
     parser.add_argument("--dump-dir", default=None, help="keep XLA's dump here (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="write the census (one entry a shape) here")
     args = parser.parse_args(argv)
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results, seen = [], set()
     for shape in args.shapes.split(","):
         start = time.perf_counter()
-        compile_decode(shape, args.weights, args.batch, args.context, args.steps, device)
+        compile_decode(shape, args.weights, args.batch, args.context, args.steps, device,
+                       top_logprobs=args.top_logprobs)  # fmt: skip
         seconds = time.perf_counter() - start
         files = sorted(set(glob.glob(os.path.join(dump, "*decode_program*after_optimizations.txt"))) - seen)
         if not files:

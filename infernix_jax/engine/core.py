@@ -47,7 +47,7 @@ from infernix_jax.engine.protocol import (
 )
 from infernix_jax.engine.request_state import OutputTracker, RequestState, Status
 from infernix_jax.engine.runner import FORCED_WINDOW, Runner, Sampled, enable_compilation_cache
-from infernix_jax.engine.sampling import engine_plan, resolve_seed
+from infernix_jax.engine.sampling import engine_plan, resolve_seed, wants_top
 from infernix_jax.engine.scheduler import DecodeRow, Scheduler, SchedulerOutput
 from infernix_jax.engine.scoring import Scorer
 from infernix_jax.engine.speculative.step import Speculation
@@ -415,7 +415,8 @@ class EngineCore:
         if feed is None and any(self._needs_host_each_token(r.request) for r in plan.decode):
             return self._run_decode_constrained(plan, events)
         batch = self.runner.empty_decode(plan.decode_batch, plan.decode_steps)
-        batch.sampling = engine_plan([row.request.request.sampling for row in plan.decode])
+        params = [row.request.request.sampling for row in plan.decode]
+        batch.sampling, batch.with_top = engine_plan(params), wants_top(params)
         for i, row in enumerate(plan.decode):
             state = row.request
             batch.tokens[i] = state.token_at(row.position)
@@ -546,7 +547,8 @@ class EngineCore:
             timed = b in self.config.check_buckets and self._checkable(plan.decode)
             way = self.way_chooser.choose(b) if timed else "split"
         batch = self.runner.empty_decode(b, 1)
-        batch.sampling = engine_plan([row.request.request.sampling for row in plan.decode])
+        params = [row.request.request.sampling for row in plan.decode]
+        batch.sampling, batch.with_top = engine_plan(params), wants_top(params)
         for i, row in enumerate(plan.decode):
             state = row.request
             batch.tokens[i] = state.token_at(row.position)
@@ -555,8 +557,7 @@ class EngineCore:
             batch.slots[i] = state.slot
             batch.max_steps[i] = row.max_steps
         steps = int(batch.max_steps.max())
-        with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in plan.decode)
-        run = _ConstrainedRun(plan, steps, self.runner.num_top, with_top)
+        run = _ConstrainedRun(plan, steps, self.runner.num_top, batch.with_top)
         try:
             if way == "split":
                 wait = self._constrained_split(run, batch)
@@ -826,7 +827,7 @@ class EngineCore:
         """A step that reads the check dispatch enqueued by the step before (`_step_ahead`)."""
         b = len(flight.batch.slots)
         plan = SchedulerOutput(decode=flight.rows, decode_batch=b)
-        with_top = any((row.request.request.sampling.logprobs or 0) > 0 for row in flight.rows)
+        with_top = wants_top([row.request.request.sampling for row in flight.rows])
         run = _ConstrainedRun(plan, FORCED_WINDOW, self.runner.num_top, with_top)
         try:
             wait = self._read_check(flight, run)

@@ -601,6 +601,7 @@ class DecodeBatch:
     steps: int
     ngram_rows: np.ndarray | None = None  # [L, b, 1, heads, width]: n-gram memory rows (steps == 1)
     sampling: SamplingPlan = ANY_PLAN  # the sampling branches the rows need (engine_plan of their settings)
+    with_top: bool = True  # some row wants top alternatives (wants_top); False: a program without the top-k
 
 
 class Runner:
@@ -808,7 +809,8 @@ class Runner:
         # host arrays, or device ones from the dispatch before (asynchronous decode): one program
         # with the buffer the packed output is written into (decode_program: a fresh parameter
         # each dispatch keeps the step loop's graph where it was)
-        out_buffer = np.zeros((len(batch.slots), decode_width(batch.steps, self.num_top)), np.int32)
+        num_top = self.num_top if batch.with_top else 0
+        out_buffer = np.zeros((len(batch.slots), decode_width(batch.steps, num_top)), np.int32)
         fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps, out_buffer), self.device)
         masked = {}
         if feed is not None:
@@ -835,7 +837,7 @@ class Runner:
             out_buffer=fed[3],
             cfg=self.cfg,
             steps=batch.steps,
-            num_top=self.num_top,
+            num_top=num_top,
             # constrained rows wait for the host every step anyway (the callback): no plan
             plan=batch.sampling if self.static_sampling_plans and feed is None else None,
         )
@@ -949,12 +951,21 @@ class Runner:
             elif kind == "constrained decode":  # with and without top alternatives
                 out = self.warm_constrained(a)
             else:
-                for sampling in (GREEDY_PLAN, ANY_PLAN) if self.static_sampling_plans else (ANY_PLAN,):
-                    out = self.warm_decode(dataclasses.replace(self.empty_decode(a, b), sampling=sampling))
+                for sampling, with_top in self.decode_variants():
+                    empty = dataclasses.replace(self.empty_decode(a, b), sampling=sampling, with_top=with_top)
+                    out = self.warm_decode(empty)
             jax.block_until_ready(out)
             bar.update(1)
         bar.close()
         return time.perf_counter() - start
+
+    def decode_variants(self) -> tuple[tuple[SamplingPlan, bool], ...]:
+        """The (plan, with_top) pairs the engine dispatches a decode bucket with (engine_plan,
+        wants_top): greedy, sampled, and sampled with top alternatives; without static plans the
+        plan is chosen on the device, so only the top alternatives make two programs."""
+        if self.static_sampling_plans:
+            return (GREEDY_PLAN, False), (ANY_PLAN, False), (ANY_PLAN, True)
+        return (ANY_PLAN, False), (ANY_PLAN, True)
 
     def warm_decode(self, empty: DecodeBatch):
         """Compile one decode bucket's program on idle rows, fed as the engine feeds it."""
@@ -977,8 +988,11 @@ class Runner:
         if self.config.constrained_decode == "callback":  # the multi-step program with masks
             feed = MaskFeed([], batch, self.mask_words)
             try:
-                out = self.decode(self.empty_decode(batch, self.config.decode_steps_per_dispatch), feed)
-                return jax.block_until_ready(out)
+                empty = self.empty_decode(batch, self.config.decode_steps_per_dispatch)
+                out = []
+                for top in (True, False):  # one at a time: see core._constrained_callback
+                    out.append(jax.block_until_ready(self.decode(dataclasses.replace(empty, with_top=top), feed)))
+                return out
             finally:
                 feed.close()
         empty = self.empty_decode(batch, 1)

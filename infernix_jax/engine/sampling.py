@@ -81,11 +81,21 @@ ANY_PLAN = SamplingPlan()  # covers every row
 
 
 def engine_plan(params: Sequence[SamplingParams | None]) -> SamplingPlan:
-    """The engine's plan for a batch: GREEDY_PLAN when every row is greedy, else ANY_PLAN. Two
-    plans, not the eight `covering` could give, so that warm-up compiles each decode bucket twice
-    and a request's settings never wait for a compile; a sampled batch pays both threshold
-    searches even where no row truncates."""
-    return GREEDY_PLAN if not SamplingPlan.covering(params).draws else ANY_PLAN
+    """The engine's plan for a batch: GREEDY_PLAN when every row is greedy and none asks for top
+    alternatives (`wants_top`), else ANY_PLAN. Two plans, not the eight `covering` could give, so
+    that warm-up compiles few programs a decode bucket (greedy, sampled, and sampled with top
+    alternatives: a batch with them takes ANY_PLAN, which gives greedy rows their argmax) and a
+    request's settings never wait for a compile; a sampled batch pays both threshold searches even
+    where no row truncates."""
+    greedy = not SamplingPlan.covering(params).draws and not wants_top(params)
+    return GREEDY_PLAN if greedy else ANY_PLAN
+
+
+def wants_top(params: Sequence[SamplingParams | None]) -> bool:
+    """Whether some row asks for top alternatives (logprobs > 0). A dispatch whose rows do not is
+    compiled without the top-k over the vocabulary: past k = 16 XLA's GPU top-k is a sort of the
+    whole vocabulary, every decode step (docs/sampling.md)."""
+    return any(p is not None and (p.logprobs or 0) > 0 for p in params)
 
 
 def _register(cls, data_fields: Sequence[str]):
@@ -502,11 +512,33 @@ def sample(
     source = logits if logprobs_mode == "raw" else distribution
     log_probs = jax.nn.log_softmax(source, axis=1)
     token_logprobs = jnp.take_along_axis(log_probs, tokens[:, None], axis=1)[:, 0]
-    if num_top_logprobs > 0:
-        top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
-    else:
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return SampleOutput(
-        tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs, unmasked if with_unmasked else None
-    )
+    top_logprobs, top_ids = top_alternatives(log_probs, num_top_logprobs)
+    return SampleOutput(tokens, token_logprobs, top_ids, top_logprobs, unmasked if with_unmasked else None)
+
+
+TOP_K_KERNEL_MAX = 16  # XLA's GPU TopK kernel takes k <= 16; past that lax.top_k sorts the whole row
+
+
+def top_alternatives(log_probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(log_probs, k)` over the last axis of [b, v] (values f32 [b, k], ids i32 [b, k];
+    k 0: empty), in passes of at most TOP_K_KERNEL_MAX: on a GPU each pass is XLA's TopK kernel,
+    where one top-k of 20 would be a radix sort of the whole vocabulary (docs/sampling.md). A pass sets
+    the ids it took to -inf, and -inf entries of the input count as the lowest finite float, so a
+    later pass never takes an id twice; ties keep lax.top_k's order (lower id first)."""
+    b = log_probs.shape[0]
+    if k <= 0:
+        return jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
+    if k <= TOP_K_KERNEL_MAX:
+        values, ids = jax.lax.top_k(log_probs, k)
+        return values, ids.astype(jnp.int32)
+    lowest = jnp.finfo(log_probs.dtype).min
+    rest = jnp.where(log_probs == -jnp.inf, lowest, log_probs)
+    rows = jnp.arange(b)[:, None]
+    taken = []
+    for start in range(0, k, TOP_K_KERNEL_MAX):
+        _, ids = jax.lax.top_k(rest, min(TOP_K_KERNEL_MAX, k - start))
+        taken.append(ids.astype(jnp.int32))
+        if start + TOP_K_KERNEL_MAX < k:
+            rest = rest.at[rows, ids].set(-jnp.inf)
+    ids = jnp.concatenate(taken, axis=1)
+    return jnp.take_along_axis(log_probs, ids, axis=1), ids

@@ -58,7 +58,10 @@ def prompts(lengths, seed=0):
 
 
 def run(core: EngineCore, requests, on_step=None) -> dict[str, dict]:
-    results = {r.request_id: {"tokens": [], "logprobs": [], "finish": None, "cached": 0} for r in requests}
+    results = {
+        r.request_id: {"tokens": [], "logprobs": [], "alternatives": [], "finish": None, "cached": 0}
+        for r in requests
+    }
     events = [e for r in requests for e in core.add_request(r)]
     steps = 0
     while True:
@@ -66,6 +69,7 @@ def run(core: EngineCore, requests, on_step=None) -> dict[str, dict]:
             out = results[e.request_id]
             out["tokens"] += e.token_ids
             out["logprobs"] += [round(lp.logprob, 4) for lp in e.logprobs or []]
+            out["alternatives"] += [len(lp.top) for lp in e.logprobs or []]
             out["cached"] = max(out["cached"], e.cached_tokens)
             if e.finished:
                 out["finish"] = e.finish_reason
@@ -210,13 +214,15 @@ def test_sampling_plans_chosen_on_the_host_give_the_same_tokens(core, model):
     """Sampling branches chosen on the host (EngineConfig.sampling_plans "static", the default on
     accelerators, where a branch the device chooses makes the host wait every step) sample what
     the device's choice does, greedy and seeded, with asynchronous decode on: an all-greedy batch
-    dispatches GREEDY_PLAN, one with a sampled row ANY_PLAN, the follow-up dispatches too."""
+    dispatches GREEDY_PLAN, one with a sampled row ANY_PLAN, the follow-up dispatches too. Only a
+    batch whose rows ask for top alternatives runs the program with the top-k over the vocabulary
+    (ANY_PLAN then), and its rows get them."""
     ids = prompts((9, 30), seed=7)
 
-    def make(prefix, temperatures):
+    def make(prefix, temperatures, logprobs):
         return [
             GenerationRequest(f"{prefix}{i}", prompt, SamplingParams(max_tokens=13 + 5 * i, temperature=t, top_p=0.9,
-                                                                      seed=4 + i, ignore_eos=True, logprobs=2))
+                                                                      seed=4 + i, ignore_eos=True, logprobs=logprobs))
             for i, (prompt, t) in enumerate(zip(ids, temperatures))
         ]  # fmt: skip
 
@@ -226,16 +232,24 @@ def test_sampling_plans_chosen_on_the_host_give_the_same_tokens(core, model):
     seen, decode = [], static.runner.decode
 
     def spy(batch, feed=None):
-        seen.append(batch.sampling)
+        seen.append((batch.sampling, batch.with_top))
         return decode(batch, feed)
 
     static.runner.decode = spy
-    for temperatures, plan in (((0.0, 0.0), GREEDY_PLAN), ((0.0, 0.7), ANY_PLAN)):
+    variants = (
+        ((0.0, 0.0), None, (GREEDY_PLAN, False)),
+        ((0.0, 0.0), 2, (ANY_PLAN, True)),
+        ((0.0, 0.7), None, (ANY_PLAN, False)),
+    )
+    for temperatures, logprobs, variant in variants:
         seen.clear()
         core.prefix_cache.clear()
         static.prefix_cache.clear()
-        assert run(static, make("q", temperatures)) == run(core, make("q", temperatures))
-        assert len(seen) >= 2 and set(seen) == {plan}
+        got = run(static, make("q", temperatures, logprobs))
+        assert got == run(core, make("q", temperatures, logprobs))
+        assert len(seen) >= 2 and set(seen) == {variant}
+        alternatives = {n for out in got.values() for n in out["alternatives"]}
+        assert alternatives == (set() if logprobs is None else {logprobs})
     assert_pool_empty(static)
 
 

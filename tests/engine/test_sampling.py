@@ -20,9 +20,11 @@ from infernix_jax.engine.sampling import (
     sample,
     set_penalty_rows,
     stop_token_hit,
+    top_alternatives,
     truncated_logits,
     unpack_token_mask,
     update_penalty_state,
+    wants_top,
 )
 
 VOCAB = 64
@@ -490,6 +492,12 @@ def test_plans_cover_the_rows_they_are_made_for():
     assert engine_plan(PLAN_ROWS["greedy"]) == GREEDY_PLAN
     assert engine_plan([None, None]) == GREEDY_PLAN
     assert {engine_plan(PLAN_ROWS[r]) for r in PLAN_ROWS if r != "greedy"} == {ANY_PLAN}
+    # top alternatives come with ANY_PLAN (a third program a bucket, not a fourth); a token's own
+    # logprob alone needs no top-k
+    assert engine_plan([SamplingParams(logprobs=2), None]) == ANY_PLAN
+    assert engine_plan([SamplingParams(logprobs=0)]) == GREEDY_PLAN
+    assert wants_top([None, SamplingParams(), SamplingParams(logprobs=3)])
+    assert not wants_top([None, SamplingParams(), SamplingParams(logprobs=0)])
 
 
 def _branches(plan) -> int:
@@ -521,3 +529,21 @@ def test_build_rejects_what_does_not_fit_and_unresolved_seeds():
         SamplingArrays.build([SamplingParams(temperature=1.0)], [None], 1)
     with pytest.raises(ValueError, match="batch_size"):
         SamplingArrays.build([SamplingParams()] * 3, [1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("k", [0, 5, 16, 17, 20, 40])
+def test_top_alternatives_in_passes_equal_one_top_k(k):
+    """Top alternatives past 16 come in passes of XLA's TopK kernel (one top-k of 20 is a sort of
+    the vocabulary on a GPU): the same values and ids as lax.top_k, ties (lower id first) and
+    masked (-inf) tokens included, even where fewer than k tokens are finite."""
+    rng = np.random.default_rng(k)
+    logits = rng.normal(size=(3, 300)).astype(np.float32)
+    logits[0, ::7] = logits[0, 3]  # ties
+    logits[1, rng.choice(300, 280, replace=False)] = -np.inf  # 20 finite tokens
+    logits[2, 10:] = -np.inf  # 10 finite tokens: the rest of the top k are -inf ties
+    log_probs = jax.nn.log_softmax(jnp.asarray(logits), axis=1)
+    values, ids = top_alternatives(log_probs, k)
+    want_values, want_ids = jax.lax.top_k(log_probs, k)
+    assert ids.dtype == jnp.int32 and ids.shape == (3, k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))

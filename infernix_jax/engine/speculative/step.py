@@ -25,7 +25,7 @@ import numpy as np
 from infernix_jax.cache import NULL_BLOCK, SCRATCH_SLOT
 from infernix_jax.engine.constrained import allow_all
 from infernix_jax.engine.runner import PrefillBatch, Sampled
-from infernix_jax.engine.sampling import ANY_PLAN, GREEDY_PLAN, SamplingPlan, engine_plan
+from infernix_jax.engine.sampling import ANY_PLAN, SamplingPlan, engine_plan, wants_top
 from infernix_jax.engine.speculative.drafters import make_drafter
 from infernix_jax.engine.speculative.programs import mtp_prefill_program, tree_verify_program, verify_program
 from infernix_jax.engine.speculative.rollback import verify_state_bytes
@@ -47,6 +47,7 @@ class VerifyBatch:
     masks: np.ndarray  # i32 [b, w, words]: linear windows: structured-output mask per position (-1: free)
     ngram_rows: np.ndarray | None = None  # [L, b, w, heads, width]: a model with an n-gram memory
     sampling: SamplingPlan = ANY_PLAN  # the sampling branches the rows need (engine_plan of their settings)
+    with_top: bool = True  # some row wants top alternatives (wants_top); False: a program without the top-k
 
 
 class Speculation:
@@ -127,18 +128,19 @@ class Speculation:
         """One verify dispatch: the tree program when `tree` (default: this drafter's shape)."""
         runner = self.core.runner
         plan = batch.sampling if runner.static_sampling_plans else None  # EngineConfig.sampling_plans
+        num_top = runner.num_top if batch.with_top else 0
         if self.tree if tree is None else tree:
             runner.kv_pool, runner.state_pool, runner.slot_sampling, out = tree_verify_program(
                 runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
                 batch.tokens, batch.positions, batch.parents, batch.block_table, batch.slots,
-                batch.num_drafts + 1, cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps,
+                batch.num_drafts + 1, cfg=runner.cfg, num_top=num_top, mtp_steps=self.mtp_steps,
                 mtp_branches=self.mtp_branches, plan=plan,
             )  # fmt: skip
             return out
         runner.kv_pool, runner.state_pool, runner.slot_sampling, out = verify_program(
             runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
             batch.tokens, batch.positions, batch.block_table, batch.slots, batch.num_drafts, batch.masks,
-            batch.ngram_rows, cfg=runner.cfg, num_top=runner.num_top, mtp_steps=self.mtp_steps, plan=plan,
+            batch.ngram_rows, cfg=runner.cfg, num_top=num_top, mtp_steps=self.mtp_steps, plan=plan,
         )  # fmt: skip
         return out
 
@@ -149,7 +151,8 @@ class Speculation:
         tree = self.tree and not linear
         vocab = core.cfg.vocab_size
         batch = self.empty_batch(plan.decode_batch)
-        batch.sampling = engine_plan([row.request.request.sampling for row in plan.decode])
+        params = [row.request.request.sampling for row in plan.decode]
+        batch.sampling, batch.with_top = engine_plan(params), wants_top(params)
         for i, row in enumerate(plan.decode):
             state = row.request
             limit = min(self.window, row.max_steps) - 1
@@ -230,9 +233,8 @@ class Speculation:
         """Compile the verify program for every decode bucket (and the MTP prefill shapes)."""
         runner = self.core.runner
         linear_too = self.tree and self.verifies_constrained and self.core.config.structured_output
-        plans = (GREEDY_PLAN, ANY_PLAN) if runner.static_sampling_plans else (ANY_PLAN,)
-        for b, sampling in itertools.product(self.core.config.decode_buckets, plans):
-            empty = dataclasses.replace(self.empty_batch(b), sampling=sampling)
+        for b, (sampling, with_top) in itertools.product(self.core.config.decode_buckets, runner.decode_variants()):
+            empty = dataclasses.replace(self.empty_batch(b), sampling=sampling, with_top=with_top)
             jax.block_until_ready(self.dispatch(empty))
             if linear_too:  # constrained batches verify linear windows
                 jax.block_until_ready(self.dispatch(empty, tree=False))

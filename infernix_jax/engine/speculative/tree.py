@@ -47,6 +47,7 @@ from infernix_jax.engine.sampling import (
     process_logits,
     row_keys,
     stop_token_hit,
+    top_alternatives,
     truncated_logits,
     update_penalty_state,
 )
@@ -178,14 +179,11 @@ def verify_tree(
         penalties = update_penalty_state(penalties, token, live)
         log_probs = jax.nn.log_softmax(raw, axis=1)
         token_logprob = log_probs[rows, token]
-        if num_top_logprobs > 0:
-            top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
-        else:
-            top_logprobs, top_ids = jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.int32)
+        top_logprobs, top_ids = top_alternatives(log_probs, num_top_logprobs)
         count = count + live.astype(jnp.int32)
         live_next = live & found & ~stop_token_hit(arrays, token)
         next_node = jnp.where(live_next, child, node)
-        emitted = (token, token_logprob, top_ids.astype(jnp.int32), top_logprobs, node)
+        emitted = (token, token_logprob, top_ids, top_logprobs, node)
         return (penalties, live_next, count, next_node), emitted
 
     carry = (penalties, active, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
