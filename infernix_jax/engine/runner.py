@@ -601,7 +601,7 @@ class DecodeBatch:
     steps: int
     ngram_rows: np.ndarray | None = None  # [L, b, 1, heads, width]: n-gram memory rows (steps == 1)
     sampling: SamplingPlan = ANY_PLAN  # the sampling branches the rows need (engine_plan of their settings)
-    with_top: bool = True  # some row wants top alternatives (wants_top); False: a program without the top-k
+    with_top: bool = True  # a row wants top alternatives (wants_top); False: no top-k (Runner.top_count)
 
 
 class Runner:
@@ -809,7 +809,7 @@ class Runner:
         # host arrays, or device ones from the dispatch before (asynchronous decode): one program
         # with the buffer the packed output is written into (decode_program: a fresh parameter
         # each dispatch keeps the step loop's graph where it was)
-        num_top = self.num_top if batch.with_top else 0
+        num_top = self.top_count(batch.with_top)
         out_buffer = np.zeros((len(batch.slots), decode_width(batch.steps, num_top)), np.int32)
         fed = jax.device_put((batch.tokens, batch.positions, batch.max_steps, out_buffer), self.device)
         masked = {}
@@ -959,13 +959,20 @@ class Runner:
         bar.close()
         return time.perf_counter() - start
 
-    def decode_variants(self) -> tuple[tuple[SamplingPlan, bool], ...]:
+    def decode_variants(self) -> list[tuple[SamplingPlan, bool]]:
         """The (plan, with_top) pairs the engine dispatches a decode bucket with (engine_plan,
-        wants_top): greedy, sampled, and sampled with top alternatives; without static plans the
-        plan is chosen on the device, so only the top alternatives make two programs."""
-        if self.static_sampling_plans:
-            return (GREEDY_PLAN, False), (ANY_PLAN, False), (ANY_PLAN, True)
-        return (ANY_PLAN, False), (ANY_PLAN, True)
+        wants_top), one program each. Without static plans (the CPU: every compile is slow there,
+        and neither a branch nor a top-k costs a wait) one program serves every batch. (Giving top
+        alternatives ANY_PLAN would save a program, but a greedy batch with them would then run
+        both threshold searches every step.)"""
+        if not self.static_sampling_plans:
+            return [(ANY_PLAN, True)]
+        return [(plan, top) for plan in (GREEDY_PLAN, ANY_PLAN) for top in (False, True)]
+
+    def top_count(self, with_top: bool) -> int:
+        """The K of a dispatch's program: max_top_logprobs where a row wants top alternatives (or
+        where programs are not specialised on the rows: `decode_variants`), else 0 (no top-k)."""
+        return self.num_top if with_top or not self.static_sampling_plans else 0
 
     def warm_decode(self, empty: DecodeBatch):
         """Compile one decode bucket's program on idle rows, fed as the engine feeds it."""
@@ -990,8 +997,9 @@ class Runner:
             try:
                 empty = self.empty_decode(batch, self.config.decode_steps_per_dispatch)
                 out = []
-                for top in (True, False):  # one at a time: see core._constrained_callback
-                    out.append(jax.block_until_ready(self.decode(dataclasses.replace(empty, with_top=top), feed)))
+                for top in {self.top_count(True), self.top_count(False)}:  # one at a time (core._constrained_callback)
+                    fed = dataclasses.replace(empty, with_top=top > 0)
+                    out.append(jax.block_until_ready(self.decode(fed, feed)))
                 return out
             finally:
                 feed.close()

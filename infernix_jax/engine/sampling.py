@@ -81,14 +81,11 @@ ANY_PLAN = SamplingPlan()  # covers every row
 
 
 def engine_plan(params: Sequence[SamplingParams | None]) -> SamplingPlan:
-    """The engine's plan for a batch: GREEDY_PLAN when every row is greedy and none asks for top
-    alternatives (`wants_top`), else ANY_PLAN. Two plans, not the eight `covering` could give, so
-    that warm-up compiles few programs a decode bucket (greedy, sampled, and sampled with top
-    alternatives: a batch with them takes ANY_PLAN, which gives greedy rows their argmax) and a
-    request's settings never wait for a compile; a sampled batch pays both threshold searches even
-    where no row truncates."""
-    greedy = not SamplingPlan.covering(params).draws and not wants_top(params)
-    return GREEDY_PLAN if greedy else ANY_PLAN
+    """The engine's plan for a batch: GREEDY_PLAN when every row is greedy, else ANY_PLAN. Two
+    plans, not the eight `covering` could give, so that warm-up compiles each decode bucket twice
+    (four times with the programs for top alternatives, `wants_top`) and a request's settings never
+    wait for a compile; a sampled batch pays both threshold searches even where no row truncates."""
+    return GREEDY_PLAN if not SamplingPlan.covering(params).draws else ANY_PLAN
 
 
 def wants_top(params: Sequence[SamplingParams | None]) -> bool:

@@ -492,10 +492,9 @@ def test_plans_cover_the_rows_they_are_made_for():
     assert engine_plan(PLAN_ROWS["greedy"]) == GREEDY_PLAN
     assert engine_plan([None, None]) == GREEDY_PLAN
     assert {engine_plan(PLAN_ROWS[r]) for r in PLAN_ROWS if r != "greedy"} == {ANY_PLAN}
-    # top alternatives come with ANY_PLAN (a third program a bucket, not a fourth); a token's own
-    # logprob alone needs no top-k
-    assert engine_plan([SamplingParams(logprobs=2), None]) == ANY_PLAN
-    assert engine_plan([SamplingParams(logprobs=0)]) == GREEDY_PLAN
+    # top alternatives make programs of their own (either plan); a token's own logprob alone
+    # needs no top-k
+    assert engine_plan([SamplingParams(logprobs=2), None]) == GREEDY_PLAN
     assert wants_top([None, SamplingParams(), SamplingParams(logprobs=3)])
     assert not wants_top([None, SamplingParams(), SamplingParams(logprobs=0)])
 

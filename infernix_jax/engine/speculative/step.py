@@ -47,7 +47,7 @@ class VerifyBatch:
     masks: np.ndarray  # i32 [b, w, words]: linear windows: structured-output mask per position (-1: free)
     ngram_rows: np.ndarray | None = None  # [L, b, w, heads, width]: a model with an n-gram memory
     sampling: SamplingPlan = ANY_PLAN  # the sampling branches the rows need (engine_plan of their settings)
-    with_top: bool = True  # some row wants top alternatives (wants_top); False: a program without the top-k
+    with_top: bool = True  # a row wants top alternatives (wants_top); False: no top-k (Runner.top_count)
 
 
 class Speculation:
@@ -128,7 +128,7 @@ class Speculation:
         """One verify dispatch: the tree program when `tree` (default: this drafter's shape)."""
         runner = self.core.runner
         plan = batch.sampling if runner.static_sampling_plans else None  # EngineConfig.sampling_plans
-        num_top = runner.num_top if batch.with_top else 0
+        num_top = runner.top_count(batch.with_top)
         if self.tree if tree is None else tree:
             runner.kv_pool, runner.state_pool, runner.slot_sampling, out = tree_verify_program(
                 runner.params, runner.kv_pool, runner.state_pool, runner.slot_sampling,
