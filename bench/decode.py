@@ -50,7 +50,7 @@ from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.engine.sampling import engine_plan, wants_top
+from infernix_jax.engine.sampling import engine_plan, search_width_mode, wants_top
 from infernix_jax.model.mlp import (
     MOE_ROUTING_WAYS,
     moe_routing,
@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None):
                             record.name += f" {v.tag}{value.replace('_', '-')}"
                         record.details[v.key] = value or current_modes()[v.key]
                     record.details["router_top_k"] = top_k
+                    record.details["search_bits"] = search_width_mode()  # INFERNIX_SEARCH_BITS
+                    if search_width_mode() != "auto":
+                        record.name += f" search-bits-{search_width_mode()}"
                     record.details["moe_routing"] = routing or moe_routing_mode()
                     record.details["shared_expert_rows"] = shared_expert_rows_mode()
                     record.details["loop_graphs"] = loops

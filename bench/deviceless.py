@@ -65,8 +65,9 @@ def target_device(target: str):
 
 
 def decode_call(
-    shape: str, weights: str, batch: int, context: int, steps: int, device, top_logprobs: bool = False
-):
+    shape: str, weights: str, batch: int, context: int, steps: int, device, top_logprobs: bool = False,
+    sampled: bool = False,
+):  # fmt: skip
     """(jitted decode program, args, keyword args) of the engine's decode dispatch for `batch` rows
     at `context`, every argument abstract with `device`'s sharding (weights never materialise)."""
     import jax
@@ -75,7 +76,7 @@ def decode_call(
     from bench.engine_setup import bench_config, build_model
     from infernix_jax.engine.memory_plan import plan_blocks
     from infernix_jax.engine.runner import Runner, decode_program, decode_width
-    from infernix_jax.engine.sampling import GREEDY_PLAN
+    from infernix_jax.engine.sampling import ANY_PLAN, GREEDY_PLAN
 
     made = {}
 
@@ -109,11 +110,11 @@ def decode_call(
         donate_argnames=("kv_pool", "state_pool", "slot_sampling", "out_buffer"),
     )
     # greedy rows without logprobs, as bench.decode's requests: the plan a GPU engine dispatches
-    # them with, and no top alternatives (with them: num_top runner.num_top, a vocabulary sort)
+    # them with, and no top alternatives (top_logprobs: K of them; sampled: ANY_PLAN's searches)
     num_top = runner.num_top if top_logprobs else 0
     out_buffer = spec(np.zeros((batch, decode_width(steps, num_top)), np.int32))
-    return program, args, {"cfg": cfg, "steps": steps, "num_top": num_top, "plan": GREEDY_PLAN,
-                           "out_buffer": out_buffer}  # fmt: skip
+    return program, args, {"cfg": cfg, "steps": steps, "num_top": num_top,
+                           "plan": ANY_PLAN if sampled else GREEDY_PLAN, "out_buffer": out_buffer}  # fmt: skip
 
 
 def body_command_buffers(thunks: str) -> dict:
@@ -200,18 +201,19 @@ def host_waits(dump: str, program_file: str) -> dict:
 
 def compile_decode(
     shape: str, weights: str, batch: int, context: int, steps: int, device, as_gpu: bool = True,
-    top_logprobs: bool = False,
+    top_logprobs: bool = False, sampled: bool = False,
 ):  # fmt: skip
     """Lower and compile the decode program for `device`; as_gpu: the project's code traces as on a
     GPU (its kernels, not the CPU's XLA references); top_logprobs: the program of a batch whose rows
-    ask for top alternatives. Returns the compiled program."""
+    ask for top alternatives; sampled: of a batch with sampled rows (ANY_PLAN). Returns the
+    compiled program."""
     import jax
 
     real_backend = jax.default_backend
     if as_gpu:
         jax.default_backend = lambda: "gpu"
     try:
-        program, args, kwargs = decode_call(shape, weights, batch, context, steps, device, top_logprobs)
+        program, args, kwargs = decode_call(shape, weights, batch, context, steps, device, top_logprobs, sampled)
         return program.lower(*args, **kwargs).compile()
     finally:
         jax.default_backend = real_backend
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--top", type=int, default=30, help="sites shown for each computation")
     parser.add_argument("--top-logprobs", action="store_true",
                         help="the program of rows asking for top alternatives (a top-k over the vocabulary)")
+    parser.add_argument("--sampled", action="store_true",
+                        help="the program of a batch with sampled rows (ANY_PLAN: top-k / top-p threshold searches)")
     parser.add_argument("--dump-dir", default=None, help="keep XLA's dump here (default: a temporary folder)")
     parser.add_argument("--json", default=None, help="write the census (one entry a shape) here")
     args = parser.parse_args(argv)
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for shape in args.shapes.split(","):
         start = time.perf_counter()
         compile_decode(shape, args.weights, args.batch, args.context, args.steps, device,
-                       top_logprobs=args.top_logprobs)  # fmt: skip
+                       top_logprobs=args.top_logprobs, sampled=args.sampled)  # fmt: skip
         seconds = time.perf_counter() - start
         files = sorted(set(glob.glob(os.path.join(dump, "*decode_program*after_optimizations.txt"))) - seen)
         if not files:

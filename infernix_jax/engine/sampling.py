@@ -26,6 +26,7 @@ Letters: b batch rows, v vocabulary, k top alternatives, n logit-bias entries, s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 from collections.abc import Sequence
@@ -36,14 +37,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from infernix_jax.engine.protocol import SamplingParams
+from infernix_jax.switches import env_mode, switched
 
 # Temperatures below this are treated as greedy (dividing by them would overflow float32).
 GREEDY_TEMPERATURE = 1e-5
 
 # Threshold search: bits of the 32-bit key settled per reduction pass over the vocabulary. 1 (a
-# bisection, 32 passes) gives plain row reductions that XLA emits well on every backend; 4 (8
-# passes of 15 candidates) reads less memory but was 16x slower on the CPU. Tune per GPU.
-DEFAULT_SEARCH_BITS = 1
+# bisection, 32 passes) gives plain row reductions; 4 (8 passes of 15 candidates) reads a quarter
+# of the memory and makes a quarter of the launches, but was 16x slower on the CPU, where the
+# comparisons are the cost. `search_bits_for_backend` picks per backend (docs/sampling.md).
+CPU_SEARCH_BITS, ACCELERATOR_SEARCH_BITS = 1, 4
+SEARCH_BITS = ("auto", "1", "2", "4", "8")
+# read while tracing: "auto" (4 on accelerators, 1 on the CPU) or a width; INFERNIX_SEARCH_BITS,
+# or a `search_width` block
+_modes = {"search_bits": env_mode("INFERNIX_SEARCH_BITS", "auto", SEARCH_BITS)}
+
+
+def search_width_mode() -> str:
+    """The threshold searches' width in programs traced now (SEARCH_BITS)."""
+    return _modes["search_bits"]
+
+
+def search_width(way: str) -> contextlib.AbstractContextManager[None]:
+    """The top-k / top-p threshold searches' bits a pass in programs traced inside this block
+    (SEARCH_BITS; default: INFERNIX_SEARCH_BITS, "auto"). The thresholds are the same at every
+    width, up to the float32 rounding of a top-p mass that lands on its limit."""
+    return switched(_modes, "search_bits", way, SEARCH_BITS, "search bits")
+
+
+def search_bits_for_backend() -> int:
+    """The width the mode gives on the backend tracing now: "auto" is 4 on accelerators, where at
+    decode sizes each pass is a launch (the 80B-A3B's sampled step: 777 launches with 1 bit a
+    pass, 639 with 4, against 583 greedy; `bench.deviceless`), and 1 on the CPU."""
+    mode = _modes["search_bits"]
+    if mode != "auto":
+        return int(mode)
+    return CPU_SEARCH_BITS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BITS
 
 _KEY_IMPL = "threefry2x32"  # fixed so seeds reproduce whatever the default PRNG implementation is
 
@@ -400,7 +429,7 @@ def truncated_logits(
     processed: jax.Array,
     arrays: SamplingArrays,
     *,
-    search_bits: int = DEFAULT_SEARCH_BITS,
+    search_bits: int | None = None,
     plan: SamplingPlan | None = None,
 ) -> jax.Array:
     """Temperature, then min_p, top_k and top_p (exact): f32 [b, v], -inf outside the kept set.
@@ -408,8 +437,11 @@ def truncated_logits(
     softmax of the result is the distribution a sampled row draws from (greedy rows: meaningless,
     they take the argmax of `processed`). Ties at a threshold are all kept, as in vLLM and HF.
     The top-k and top-p searches run where `plan` includes them; without a plan they are skipped
-    (lax.cond) when no row of the batch uses them.
+    (lax.cond) when no row of the batch uses them. search_bits: the searches' bits a pass (None:
+    `search_bits_for_backend`).
     """
+    if search_bits is None:
+        search_bits = search_bits_for_backend()
     if search_bits not in (1, 2, 4, 8):
         raise ValueError(f"search_bits must be 1, 2, 4 or 8, got {search_bits}")
     b, vocab = processed.shape
@@ -457,7 +489,7 @@ def sample(
     *,
     num_top_logprobs: int = 0,
     logprobs_mode: str = "raw",
-    search_bits: int = DEFAULT_SEARCH_BITS,
+    search_bits: int | None = None,
     with_unmasked: bool = False,
     plan: SamplingPlan | None = None,
 ) -> SampleOutput:
@@ -467,7 +499,8 @@ def sample(
     the K of SampleOutput.top_ids; the host slices each row to its request's own count.
     logprobs_mode "raw": log_softmax of the model's logits; "processed": of the distribution
     sampled from (greedy rows: log_softmax of the processed logits at temperature 1).
-    search_bits (static) tunes the top-k / top-p threshold search (see truncated_logits).
+    search_bits (static) tunes the top-k / top-p threshold search (see truncated_logits; None:
+    `search_bits_for_backend`).
     plan (static) says which branches to compile in (SamplingPlan: it must cover the rows);
     without one, the truncation and the random draw are skipped on the device (lax.cond) when
     every row is greedy, and each threshold search when no row uses it.

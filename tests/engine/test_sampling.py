@@ -18,6 +18,9 @@ from infernix_jax.engine.sampling import (
     process_logits,
     row_keys,
     sample,
+    search_bits_for_backend,
+    search_width,
+    search_width_mode,
     set_penalty_rows,
     stop_token_hit,
     top_alternatives,
@@ -186,7 +189,7 @@ def test_truncated_sampling_draws_only_allowed_tokens_with_the_expected_frequenc
         assert p_value > 1e-3, f"{case}: counts {counts}, expected {np.round(expected_counts)}"
 
 
-@pytest.mark.parametrize("search_bits", [1, 4])
+@pytest.mark.parametrize("search_bits", [1, 2, 4, 8])
 def test_exact_truncation_matches_a_sort_based_reference(search_bits):
     """The threshold search keeps exactly the tokens a full sort keeps, including duplicate logits."""
     rng = np.random.default_rng(0)
@@ -546,3 +549,16 @@ def test_top_alternatives_in_passes_equal_one_top_k(k):
     assert ids.dtype == jnp.int32 and ids.shape == (3, k)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+
+
+def test_the_search_width_is_4_bits_a_pass_on_accelerators_and_1_on_the_cpu(monkeypatch):
+    """The threshold searches settle 4 bits a pass where each pass is a launch (accelerators: a
+    quarter of the launches of a sampled decode step's searches) and 1 on the CPU, where the 15
+    comparisons a pass are the cost; a width can be forced for a block (or INFERNIX_SEARCH_BITS)."""
+    assert search_width_mode() == "auto" and search_bits_for_backend() == 1
+    with search_width("8"):
+        assert search_bits_for_backend() == 8
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert search_bits_for_backend() == 4
+    with pytest.raises(ValueError, match="search bits"), search_width("3"):
+        pass

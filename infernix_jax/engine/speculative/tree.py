@@ -39,7 +39,6 @@ from infernix_jax.cache.allocators import BLOCK_SIZE, NULL_BLOCK
 from infernix_jax.cache.kv_pool import PagedKV
 from infernix_jax.cache.sequence import ContiguousKV, SequenceCache
 from infernix_jax.engine.sampling import (
-    DEFAULT_SEARCH_BITS,
     PenaltyState,
     SamplingArrays,
     SamplingPlan,
@@ -115,7 +114,7 @@ def verify_tree(
     active: jax.Array,
     *,
     num_top_logprobs: int = 0,
-    search_bits: int = DEFAULT_SEARCH_BITS,
+    search_bits: int | None = None,
     plan: SamplingPlan | None = None,
 ) -> TreeVerifyOutput:
     """Accept the longest root-to-leaf path verification allows and emit accepted + 1 tokens.

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from infernix_jax.engine.sampling import (
-    DEFAULT_SEARCH_BITS,
     PenaltyState,
     SamplingArrays,
     SamplingPlan,
@@ -81,7 +80,7 @@ def verify_window(
     masks: jax.Array | None = None,
     *,
     num_top_logprobs: int = 0,
-    search_bits: int = DEFAULT_SEARCH_BITS,
+    search_bits: int | None = None,
     plan: SamplingPlan | None = None,
 ) -> VerifyOutput:
     """Accept or reject the drafts of each row and emit accepted + 1 tokens.
