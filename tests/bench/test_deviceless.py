@@ -8,6 +8,8 @@ import os
 import jax
 
 from bench import deviceless
+from infernix_jax.engine.runner import decode_width
+from infernix_jax.engine.sampling import ANY_PLAN, GREEDY_PLAN
 
 
 def test_the_decode_dispatch_is_built_from_shapes_and_compiles_for_the_given_device():
@@ -21,6 +23,15 @@ def test_the_decode_dispatch_is_built_from_shapes_and_compiles_for_the_given_dev
     assert static["steps"] == 3 and args[4].shape == (2,)  # the rows' first tokens
     text = program.lower(*args, **static).compile().as_text()
     assert "while" in text  # the dispatch's steps run in one loop on the device
+    # greedy rows without logprobs, as the engine dispatches them on a GPU: no top-k, no searches;
+    # the flags give the programs of rows that ask for top alternatives or sample
+    assert static["num_top"] == 0 and static["plan"] == GREEDY_PLAN
+    assert static["out_buffer"].shape == (2, decode_width(3, 0))
+    _, _, other = deviceless.decode_call(
+        "tiny", "nvfp4", batch=2, context=100, steps=3, device=device, top_logprobs=True, sampled=True
+    )
+    assert other["num_top"] > 0 and other["plan"] == ANY_PLAN
+    assert other["out_buffer"].shape == (2, decode_width(3, other["num_top"]))
 
 
 def test_the_environment_asks_for_the_cuda_plugin_without_its_driver_checks_and_dumps_the_program(
