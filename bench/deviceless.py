@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import hlo_census
+
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 CONFIG_DIR = Path(__file__).parent / "target_configs"
 
@@ -139,29 +141,14 @@ def body_command_buffers(thunks: str) -> dict:
 
 def loop_body_names(hlo: str) -> set[str]:
     """From XLA's optimized HLO text: the names of the instructions in every while loop's body
-    (nested loops' bodies too): the values a step computes."""
-    computations, current = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"^%?([\w.\-]+) \(", line)
-        if header and not line.startswith(" "):
-            current = computations.setdefault(header.group(1), [])
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-    names, pending = set(), re.findall(r"body=%?([\w.\-]+)", hlo)
-    seen = set()
-    while pending:
-        body = pending.pop()
-        if body in seen:
-            continue
-        seen.add(body)
-        for line in computations.get(body, ()):
-            found = re.match(r"^\s+(?:ROOT )?%?([\w.\-]+) = ", line)
-            if found:
-                names.add(found.group(1))
-            pending.extend(re.findall(r"body=%?([\w.\-]+)", line))
-    return names
+    (nested loops' bodies too): the values a step computes (`bench.hlo_census`'s parse)."""
+    module = hlo_census.parse(hlo)
+    return {
+        ins.name
+        for name, how in hlo_census.step_computations(module).items()
+        if how.startswith("loop body")
+        for ins in module.computations[name]
+    }
 
 
 def loop_output_buffers(assignment: str, body: set[str] = frozenset()) -> int:
@@ -246,8 +233,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dump = args.dump_dir or tempfile.mkdtemp(prefix="deviceless-")
     prepare_environment(dump)
     import jax
-
-    from bench import hlo_census
 
     device = target_device(args.target)
     results, seen = [], set()

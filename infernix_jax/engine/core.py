@@ -827,8 +827,7 @@ class EngineCore:
         """A step that reads the check dispatch enqueued by the step before (`_step_ahead`)."""
         b = len(flight.batch.slots)
         plan = SchedulerOutput(decode=flight.rows, decode_batch=b)
-        with_top = wants_top([row.request.request.sampling for row in flight.rows])
-        run = _ConstrainedRun(plan, FORCED_WINDOW, self.runner.num_top, with_top)
+        run = _ConstrainedRun(plan, FORCED_WINDOW, self.runner.num_top, flight.batch.with_top)
         try:
             wait = self._read_check(flight, run)
         except Exception as exc:  # noqa: BLE001 - as in _run_decode

@@ -997,8 +997,8 @@ class Runner:
             try:
                 empty = self.empty_decode(batch, self.config.decode_steps_per_dispatch)
                 out = []
-                for top in {self.top_count(True), self.top_count(False)}:  # one at a time (core._constrained_callback)
-                    fed = dataclasses.replace(empty, with_top=top > 0)
+                for with_top in dict.fromkeys(top for _, top in self.decode_variants()):  # one at a time:
+                    fed = dataclasses.replace(empty, with_top=with_top)  # see core._constrained_callback
                     out.append(jax.block_until_ready(self.decode(fed, feed)))
                 return out
             finally:
