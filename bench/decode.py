@@ -50,7 +50,7 @@ from bench.profile_summary import format_summary, profile_device
 from bench.record import context_label, git_commit, machine_name, machine_slug, make_record, write_records
 from infernix_jax.cache import attention_choice
 from infernix_jax.cache.attention_choice import recurrent_update_mode
-from infernix_jax.engine.sampling import engine_plan, search_width_mode, wants_top
+from infernix_jax.engine.sampling import engine_plan, search_bits_for_backend, search_width_mode, wants_top
 from infernix_jax.model.mlp import (
     MOE_ROUTING_WAYS,
     moe_routing,
@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None):
                         record.details[v.key] = value or current_modes()[v.key]
                     record.details["router_top_k"] = top_k
                     record.details["search_bits"] = search_width_mode()  # INFERNIX_SEARCH_BITS
+                    record.details["search_bits_used"] = search_bits_for_backend(batch)  # sampled rows' width
                     if search_width_mode() != "auto":
                         record.name += f" search-bits-{search_width_mode()}"
                     record.details["moe_routing"] = routing or moe_routing_mode()

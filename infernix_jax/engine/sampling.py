@@ -43,10 +43,12 @@ from infernix_jax.switches import env_mode, switched
 GREEDY_TEMPERATURE = 1e-5
 
 # Threshold search: bits of the 32-bit key settled per reduction pass over the vocabulary. 1 (a
-# bisection, 32 passes) gives plain row reductions; 4 (8 passes of 15 candidates) reads a quarter
-# of the memory and makes a quarter of the launches, but was 16x slower on the CPU, where the
-# comparisons are the cost. `search_bits_for_backend` picks per backend (docs/sampling.md).
+# bisection, 32 passes) gives plain row reductions; 4 (8 passes of 15 candidates) makes a quarter
+# of the launches, but was 16x slower on the CPU, where the comparisons are the cost, and 1.7%
+# slower a step at eight rows on an H100 (faster by ~10% at one row). `search_bits_for_backend`
+# picks per backend and batch (docs/sampling.md).
 CPU_SEARCH_BITS, ACCELERATOR_SEARCH_BITS = 1, 4
+WIDE_SEARCH_MAX_ROWS = 4  # accelerators: 4 bits a pass up to this many rows, 1 past it
 SEARCH_BITS = ("auto", "1", "2", "4", "8")
 # read while tracing: "auto" (4 on accelerators, 1 on the CPU) or a width; INFERNIX_SEARCH_BITS,
 # or a `search_width` block
@@ -65,14 +67,18 @@ def search_width(way: str) -> contextlib.AbstractContextManager[None]:
     return switched(_modes, "search_bits", way, SEARCH_BITS, "search bits")
 
 
-def search_bits_for_backend() -> int:
-    """The width the mode gives on the backend tracing now: "auto" is 4 on accelerators, where at
-    decode sizes each pass is a launch (the 80B-A3B's sampled step: 777 launches with 1 bit a
-    pass, 639 with 4, against 583 greedy; `bench.deviceless`), and 1 on the CPU."""
+def search_bits_for_backend(rows: int = 1) -> int:
+    """The width the mode gives on the backend tracing now, for a batch of `rows` (static). "auto"
+    on accelerators: 4 up to WIDE_SEARCH_MAX_ROWS rows, where each pass is a launch whatever its
+    arithmetic (the 80B-A3B's sampled step on an H100: 1.87-1.92 ms of device time against
+    2.06-2.07 with 1 bit at one row), and 1 past it, where the 15 comparisons a key begin to
+    cost (5.40 against 5.30-5.32 ms at eight rows; docs/sampling.md). On the CPU 1."""
     mode = _modes["search_bits"]
     if mode != "auto":
         return int(mode)
-    return CPU_SEARCH_BITS if jax.default_backend() == "cpu" else ACCELERATOR_SEARCH_BITS
+    if jax.default_backend() == "cpu" or rows > WIDE_SEARCH_MAX_ROWS:
+        return CPU_SEARCH_BITS
+    return ACCELERATOR_SEARCH_BITS
 
 _KEY_IMPL = "threefry2x32"  # fixed so seeds reproduce whatever the default PRNG implementation is
 
@@ -438,13 +444,13 @@ def truncated_logits(
     they take the argmax of `processed`). Ties at a threshold are all kept, as in vLLM and HF.
     The top-k and top-p searches run where `plan` includes them; without a plan they are skipped
     (lax.cond) when no row of the batch uses them. search_bits: the searches' bits a pass (None:
-    `search_bits_for_backend`).
+    `search_bits_for_backend` of the batch's rows).
     """
+    b, vocab = processed.shape
     if search_bits is None:
-        search_bits = search_bits_for_backend()
+        search_bits = search_bits_for_backend(b)
     if search_bits not in (1, 2, 4, 8):
         raise ValueError(f"search_bits must be 1, 2, 4 or 8, got {search_bits}")
-    b, vocab = processed.shape
     scaled = processed / arrays.temperature[:, None]
     top = jnp.max(scaled, axis=1, keepdims=True)
     keep = scaled >= top + jnp.log(arrays.min_p)[:, None]  # p >= min_p * p_max; log 0 = -inf keeps all

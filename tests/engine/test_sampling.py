@@ -11,6 +11,7 @@ from infernix_jax.engine.protocol import SamplingParams
 from infernix_jax.engine.sampling import (
     ANY_PLAN,
     GREEDY_PLAN,
+    WIDE_SEARCH_MAX_ROWS,
     PenaltyState,
     SamplingArrays,
     SamplingPlan,
@@ -551,14 +552,16 @@ def test_top_alternatives_in_passes_equal_one_top_k(k):
     np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
 
 
-def test_the_search_width_is_4_bits_a_pass_on_accelerators_and_1_on_the_cpu(monkeypatch):
-    """The threshold searches settle 4 bits a pass where each pass is a launch (accelerators: a
-    quarter of the launches of a sampled decode step's searches) and 1 on the CPU, where the 15
-    comparisons a pass are the cost; a width can be forced for a block (or INFERNIX_SEARCH_BITS)."""
+def test_the_search_width_is_4_bits_a_pass_on_accelerators_at_few_rows_and_1_elsewhere(monkeypatch):
+    """The threshold searches settle 4 bits a pass where each pass is a launch (accelerators, up to
+    WIDE_SEARCH_MAX_ROWS rows: a quarter of the launches of a sampled decode step's searches) and 1
+    on the CPU and on larger batches, where the 15 comparisons a key are the cost; a width can be
+    forced for a block (or INFERNIX_SEARCH_BITS), whatever the rows."""
     assert search_width_mode() == "auto" and search_bits_for_backend() == 1
     with search_width("8"):
-        assert search_bits_for_backend() == 8
+        assert search_bits_for_backend() == 8 and search_bits_for_backend(64) == 8
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert search_bits_for_backend() == 4
+    assert search_bits_for_backend() == 4 and search_bits_for_backend(WIDE_SEARCH_MAX_ROWS) == 4
+    assert search_bits_for_backend(WIDE_SEARCH_MAX_ROWS + 1) == 1 and search_bits_for_backend(8) == 1
     with pytest.raises(ValueError, match="search bits"), search_width("3"):
         pass
