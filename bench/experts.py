@@ -192,6 +192,11 @@ def run_decode(core: EngineCore, batch: int, context: int, dispatches: int, seed
             prefetch_used=s.prefetch_used - before.prefetch_used,  # ... that the next layer missed
             cpu_computed=s.cpu_computed - before.cpu_computed,  # misses the host's CPU computed
             cpu_seconds=s.cpu_seconds - before.cpu_seconds,
+            # the rebalances' host time between steps, by part, and the slot programs they called
+            rebalance_deliver_s=s.rebalance_deliver_seconds - before.rebalance_deliver_seconds,
+            rebalance_plan_s=s.rebalance_plan_seconds - before.rebalance_plan_seconds,
+            rebalance_apply_s=s.rebalance_apply_seconds - before.rebalance_apply_seconds,
+            slot_programs=s.slot_programs - before.slot_programs,
         )
         out["moved_bytes_per_token"] = (out["fetched_bytes"] + out["promoted_bytes"]) / max(tokens, 1)
         # the guesses copied ahead that no layer used crossed PCIe for nothing: without them, the

@@ -51,6 +51,13 @@ class ExpertStats:
     prefetch_used: int = 0  # ... that the next layer missed and took (the rest were moved for nothing)
     cpu_computed: int = 0  # missed experts the host CPU computed (host or disk hits, not fetched)
     cpu_seconds: float = 0.0  # the CPU's time on them (reads included), beside the fetches
+    # host time of the rebalances between steps (ExpertOffload.rebalance), in three parts: routing
+    # reports received (their recording also counts in fetch_seconds), the policy's plan, and the
+    # swaps applied (slot programs enqueued, reads, bookkeeping); and the slot programs called
+    rebalance_deliver_seconds: float = 0.0
+    rebalance_plan_seconds: float = 0.0
+    rebalance_apply_seconds: float = 0.0
+    slot_programs: int = 0
 
     @property
     def cpu_share(self) -> float:

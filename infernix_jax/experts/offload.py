@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,7 @@ def write_slots_program(slots, slot_ids: jax.Array, data):
     return jax.tree.map(lambda x, d: x.at[target].set(d.astype(x.dtype), mode="drop"), slots, data)
 
 
-@partial(jit, donate_argnums=(0,), static_argnames=("method",))
-def promote_from_host_program(
+def _promote_from_host(
     slots,
     slot_ids: jax.Array,
     host_rows: jax.Array,
@@ -90,6 +90,25 @@ def promote_from_host_program(
     rows = copy_missed_rows(method, host_rows, expert_ids, count, rows_ref)
     incoming = expert_rows_to_leaves(rows, leaves)
     return jax.tree.unflatten(treedef, [x.at[target].set(d, mode="drop") for x, d in zip(leaves, incoming)])
+
+
+@partial(jit, donate_argnums=(0,), static_argnames=("method",))
+def promote_layers_from_host_program(
+    layers_slots: tuple,
+    slot_ids: jax.Array,
+    host_rows: tuple,
+    expert_ids: jax.Array,
+    rows_refs: tuple,
+    method: str = "loop",
+) -> tuple:
+    """`_promote_from_host` for every slotted layer in one program: layers_slots, host_rows and
+    rows_refs hold one entry a layer; slot_ids / expert_ids i32 [L, W] (a row of -1: that layer is
+    left as it is). One call a rebalance whatever the layers that swap: the host's cost of a
+    program call is paid once, not once a layer (48 on the 80B-A3B)."""
+    return tuple(
+        _promote_from_host(slots, slot_ids[i], rows, expert_ids[i], ref, method)
+        for i, (slots, rows, ref) in enumerate(zip(layers_slots, host_rows, rows_refs, strict=True))
+    )
 
 
 @jit
@@ -192,6 +211,11 @@ def _committed(a: np.ndarray) -> jax.Array:
     jit keys its compiled programs on whether an argument is committed, so slots built any other
     way would recompile every program that reads them after their first swap."""
     return jax.device_put(a, jax.devices()[0])
+
+
+def _committed_all(arrays: list[np.ndarray]) -> list[jax.Array]:
+    """`_committed` of each, in one transfer call."""
+    return list(jax.device_put(arrays, jax.devices()[0])) if arrays else []
 
 
 def expert_rows(experts: list[Leaves]) -> np.ndarray:
@@ -474,18 +498,30 @@ class ExpertOffload:
         An expert whose read fails is not promoted (the failure is counted and logged); the slots
         and the output stay consistent. The plan uses the routing reports that have arrived
         (`host_report.deliver`): those of a step still running count at the next call."""
+        stats = self.cache.stats
+        t0 = time.perf_counter()
         host_report.deliver()
+        t1 = time.perf_counter()
         by_layer: dict[int, list] = {}
         for swap in self.cache.plan_swaps():
             by_layer.setdefault(swap.layer, []).append(swap)
-        for rank, swaps in by_layer.items():
-            self._apply(rank, swaps)
+        t2 = time.perf_counter()
+        if by_layer and self._all_host_stacks():
+            self._apply_from_host_stacks(by_layer)
+        else:
+            for rank, swaps in by_layer.items():
+                self._apply(rank, swaps)
+        stats.rebalance_deliver_seconds += t1 - t0
+        stats.rebalance_plan_seconds += t2 - t1
+        stats.rebalance_apply_seconds += time.perf_counter() - t2
         return self.params
 
+    def _all_host_stacks(self) -> bool:
+        """Whether every slotted layer also holds its full stacks in pinned host memory (host reads
+        "program"): then one program promotes the swaps of all layers."""
+        return all(self._slotted(rank).host_stacks is not None for rank in range(self.cache.num_layers))
+
     def _apply(self, rank: int, swaps: list) -> None:
-        if self._slotted(rank).host_stacks is not None:
-            self._apply_from_host_stacks(rank, swaps)
-            return
         store, cache, layout = self.store, self.cache, self.layout
         incoming, kept = [], []
         for swap in swaps:
@@ -519,6 +555,7 @@ class ExpertOffload:
             ids[: len(part)] = [s.slot for s in part]
             data = _stack(incoming[start : start + WRITE_WIDTH], layout, WRITE_WIDTH)
             slots = write_slots_program(slots, jnp.asarray(ids), jax.tree.unflatten(layout.treedef, data))
+            cache.stats.slot_programs += 1
         for swap in kept:
             cache.assign(rank, swap.slot, swap.expert)
             cache.stats.promotions += 1
@@ -534,42 +571,44 @@ class ExpertOffload:
             ),
         )
 
-    def _apply_from_host_stacks(self, rank: int, swaps: list) -> None:
-        """Swaps where every expert also sits in pinned host stacks (`host_reads="program"`): the
-        program copies promoted experts from them into their slots, and an evicted expert needs
-        no copy back (its host copy never left). Nothing waits for the device, so the swaps queue
-        behind the running step instead of ending the asynchronous decode pipeline."""
+    def _apply_from_host_stacks(self, by_layer: dict[int, list]) -> None:
+        """Swaps where every expert also sits in pinned host stacks (`host_reads="program"`): one
+        program (`promote_layers_from_host_program`) copies the promoted experts of every layer from
+        them into their slots, WRITE_WIDTH a layer a call, and an evicted expert needs no copy back
+        (its host copy never left). Nothing waits for the device, so the swaps queue behind the
+        running step instead of ending the asynchronous decode pipeline."""
         cache, layout = self.cache, self.layout
-        slotted = self._slotted(rank)
-        slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
-        for start in range(0, len(swaps), WRITE_WIDTH):
-            part = swaps[start : start + WRITE_WIDTH]
-            ids = np.full(WRITE_WIDTH, -1, np.int32)
-            experts = np.full(WRITE_WIDTH, -1, np.int32)
-            ids[: len(part)] = [s.slot for s in part]
-            experts[: len(part)] = [s.expert for s in part]
-            slots = promote_from_host_program(
-                slots,
+        ranks = range(cache.num_layers)
+        slotted = [self._slotted(rank) for rank in ranks]
+        layers_slots = tuple((se.gate_proj, se.up_proj, se.down_proj) for se in slotted)
+        rounds = max((-(-len(swaps) // WRITE_WIDTH) for swaps in by_layer.values()), default=1)
+        for r in range(rounds):
+            ids = np.full((len(ranks), WRITE_WIDTH), -1, np.int32)
+            experts = np.full((len(ranks), WRITE_WIDTH), -1, np.int32)
+            for rank, swaps in by_layer.items():
+                part = swaps[r * WRITE_WIDTH : (r + 1) * WRITE_WIDTH]
+                ids[rank, : len(part)] = [s.slot for s in part]
+                experts[rank, : len(part)] = [s.expert for s in part]
+            layers_slots = promote_layers_from_host_program(
+                layers_slots,
                 jnp.asarray(ids),
-                slotted.host_stacks,
+                tuple(se.host_stacks for se in slotted),
                 jnp.asarray(experts),
-                slotted.host_rows_ref,
-                method=slotted.host_copy,
+                tuple(se.host_rows_ref for se in slotted),
+                method=slotted[0].host_copy,
             )
-        for swap in swaps:
-            cache.assign(rank, swap.slot, swap.expert)
-            cache.stats.promotions += 1
-            cache.stats.promoted_bytes += layout.expert_bytes
-        self._set_slotted(
-            rank,
-            dataclasses.replace(
-                slotted,
-                gate_proj=slots[0],
-                up_proj=slots[1],
-                down_proj=slots[2],
-                slot_map=_committed(cache.slot_map[rank]),
-            ),
-        )
+            cache.stats.slot_programs += 1
+        for rank, swaps in by_layer.items():
+            for swap in swaps:
+                cache.assign(rank, swap.slot, swap.expert)
+                cache.stats.promotions += 1
+                cache.stats.promoted_bytes += layout.expert_bytes
+        maps = dict(zip(by_layer, _committed_all([cache.slot_map[rank] for rank in by_layer]), strict=True))
+        for rank, se, slots in zip(ranks, slotted, layers_slots, strict=True):
+            update = dict(zip(("gate_proj", "up_proj", "down_proj"), slots, strict=True))
+            if rank in maps:
+                update["slot_map"] = maps[rank]
+            self._set_slotted(rank, dataclasses.replace(se, **update))
 
     def warmup(self) -> None:
         """Compile the slot programs now (all-skip writes), so that the first swap compiles nothing."""
@@ -577,18 +616,8 @@ class ExpertOffload:
         slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
         ids = np.full(WRITE_WIDTH, -1, np.int32)
         jax.block_until_ready(read_slots_program(slots, ids))
-        if slotted.host_stacks is not None:
-            slots = promote_from_host_program(
-                slots,
-                jnp.asarray(ids),
-                slotted.host_stacks,
-                jnp.asarray(ids),
-                slotted.host_rows_ref,
-                method=slotted.host_copy,
-            )
-            self._set_slotted(
-                0, dataclasses.replace(slotted, gate_proj=slots[0], up_proj=slots[1], down_proj=slots[2])
-            )
+        if self._all_host_stacks():
+            self._apply_from_host_stacks({})  # one all-skip call: every layer's slots, nothing moved
             return
         data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
         self._set_slotted(

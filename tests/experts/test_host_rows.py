@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infernix_jax.experts.offload import expert_rows, promote_from_host_program
+from infernix_jax.experts.offload import expert_rows, promote_layers_from_host_program
 from infernix_jax.model import host_copy
 from infernix_jax.model.mlp import copy_host_rows, copy_missed_rows, expert_row_bytes, expert_rows_to_leaves
 from tests.cuda_fakes import HostBackedBuffer
@@ -52,21 +52,25 @@ def test_the_program_copies_the_counted_experts_from_pinned_host_memory():
 
 
 @pytest.mark.parametrize("method", ["loop", "dma", "mapped"])
-def test_promotion_writes_host_experts_into_the_listed_slots_only(method):
-    """Promotion copies the way the layer's forward does (`SlottedExperts.host_copy`)."""
-    stacks = nvfp4_like_stacks(6, np.random.default_rng(2))
-    host = jax.device_put(expert_rows([[s[e] for s in stacks] for e in range(6)]), PINNED)
-    rows_ref = {
-        "loop": None,
-        "dma": jnp.int32(host_copy.register_host_rows(host)),
-        "mapped": jnp.asarray(host_copy.host_rows_address(host)),
+def test_promotion_writes_host_experts_into_the_listed_slots_of_the_listed_layers_only(method):
+    """One program promotes the swaps of every layer (a row of ids each; -1 rows leave a layer as
+    it is), copying the way the layer's forward does (`SlottedExperts.host_copy`)."""
+    rng = np.random.default_rng(2)
+    layers = [nvfp4_like_stacks(6, rng), nvfp4_like_stacks(6, rng)]
+    hosts = [jax.device_put(expert_rows([[s[e] for s in stacks] for e in range(6)]), PINNED) for stacks in layers]
+    refs = {
+        "loop": lambda host: None,
+        "dma": lambda host: jnp.int32(host_copy.register_host_rows(host)),
+        "mapped": lambda host: jnp.asarray(host_copy.host_rows_address(host)),
     }[method]
-    slots = tuple(jnp.asarray(s[:3]) for s in stacks)  # slots hold experts 0, 1, 2
-    ids = jnp.asarray([2, -1, 0] + [-1] * 5, jnp.int32)
-    experts = jnp.asarray([5, 3, 4] + [-1] * 5, jnp.int32)
-    new = promote_from_host_program(slots, ids, host, experts, rows_ref, method=method)
-    for got, want in zip(new, stacks):  # slot 0 <- expert 4, slot 1 kept, slot 2 <- expert 5
+    slots = tuple(tuple(jnp.asarray(s[:3]) for s in stacks) for stacks in layers)  # experts 0, 1, 2
+    ids = jnp.asarray([[2, -1, 0] + [-1] * 5, [-1] * 8], jnp.int32)
+    experts = jnp.asarray([[5, 3, 4] + [-1] * 5, [-1] * 8], jnp.int32)
+    new = promote_layers_from_host_program(slots, ids, tuple(hosts), experts, tuple(map(refs, hosts)), method=method)
+    for got, want in zip(new[0], layers[0]):  # slot 0 <- expert 4, slot 1 kept, slot 2 <- expert 5
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want[[4, 1, 5]].view(np.uint8))
+    for got, want in zip(new[1], layers[1]):  # the second layer listed nothing: as it was
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want[:3].view(np.uint8))
 
 
 @pytest.mark.parametrize("method", host_copy.HOST_COPIES)

@@ -419,11 +419,20 @@ def test_async_decode_runs_with_host_reads_in_the_program(model, resident):
     )
     core = EngineCore(cfg, params, config)
     assert core.async_decode.enabled
+    cache, plans = core.experts.cache, []
+    plan = cache.plan_swaps
+    cache.plan_swaps = lambda: plans.append(plan()) or plans[-1]
     out = drive(core, requests())
     assert {k: v["tokens"] for k, v in out.items()} == {k: v["tokens"] for k, v in resident.items()}
     assert core.metrics.async_dispatches > 0
     stats = core.experts.stats
     assert stats.promotions > 0 and stats.host_hits > 0
+    # one slot program a rebalance that swaps, whatever the layers it swaps in (one a layer took
+    # 42-54 ms of host time a rebalance of 12 layers on an H100); its host time is kept by part
+    assert stats.slot_programs == sum(1 for swaps in plans if swaps) > 0
+    assert len({swap.layer for swaps in plans for swap in swaps}) > 1
+    parts = stats.rebalance_deliver_seconds + stats.rebalance_plan_seconds + stats.rebalance_apply_seconds
+    assert 0 < parts <= core.metrics.expert_rebalance_s
     assert stats.gpu_hits + stats.host_hits == stats.lookups
     assert stats.fetched_bytes == stats.misses * expert_bytes(params)
     assert stats.misses == sum(stats.per_layer_misses.values())
