@@ -205,6 +205,14 @@ NVFP4_VARIANT_SWITCHES = (
 )  # fmt: skip
 
 
+def xla_gpu_flags_tag(xla_flags: str) -> str:
+    """" xla[...]" naming the XLA GPU flags a run was given (an XLA variant timed beside the
+    default gets a record name of its own); "" without any. Other XLA flags (the test suite's
+    optimization level, dumps) change no GPU figure and name nothing."""
+    gpu_flags = [f.removeprefix("--xla_gpu_") for f in xla_flags.split() if f.startswith("--xla_gpu_")]
+    return f" xla[{' '.join(gpu_flags)}]" if gpu_flags else ""
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None):
                         record.name += " streamed-experts"
                     if loops == "on":
                         record.name += " loop-graphs"
+                    record.name += xla_gpu_flags_tag(os.environ.get("XLA_FLAGS", ""))
                     if top_k != "compare":
                         record.name += f" top-k-{top_k}"
                     if routing == "kernel":

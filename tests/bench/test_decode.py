@@ -78,6 +78,14 @@ def test_decode_bench_measures_an_nvfp4_model(tiny_nvfp4):
     assert record.details["bytes_per_step"] > weight_bytes_per_token(cfg, params)  # + KV and state
 
 
+def test_an_xla_gpu_variant_gets_a_record_name_of_its_own():
+    from bench.decode import xla_gpu_flags_tag
+
+    flags = "--xla_backend_optimization_level=0 --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    assert xla_gpu_flags_tag(flags) == " xla[command_buffer_update_mode=SKIP_TEMP]"
+    assert xla_gpu_flags_tag("--xla_backend_optimization_level=0") == xla_gpu_flags_tag("") == ""
+
+
 def test_quick_decode_rejects_an_unknown_weight_format():
     with pytest.raises(SystemExit):
         main(["--quick", "--weights", "int3"])
