@@ -454,6 +454,12 @@ def main(argv: list[str] | None = None):
                 )
                 if r.get("cpu_computed"):
                     hit += f", the CPU computed {r['cpu_computed']} misses"
+                if r.get("promotions"):  # the rebalances' host time between steps (the log keeps it)
+                    spent = [r[f"rebalance_{part}_s"] * 1e3 for part in ("deliver", "plan", "apply")]
+                    hit += (
+                        f", {r['promotions']} promotions in {r['slot_programs']} slot programs, rebalance "
+                        "{:.1f} ms (reports {:.1f}, plan {:.1f}, swaps {:.1f})".format(sum(spent), *spent)
+                    )
                 if r.get("prefetched"):
                     hit += f", prefetched {r['prefetched']} experts, {r['prefetch_used'] / r['prefetched']:.0%} of them used"
                     if details.get("needed_bound_tok_s"):
