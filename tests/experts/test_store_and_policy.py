@@ -169,6 +169,33 @@ def test_policy_promotes_hot_experts_with_hysteresis(model):
     assert cache.plan_swaps() == []
 
 
+def test_one_report_and_one_plan_cover_every_layer_each_on_its_own(model):
+    """A report of several layers (in any order) counts each layer's lookups, hits and misses on
+    its own, and a plan proposes per layer: the empty slot first, the hottest outsider first with
+    ties to the lower expert id, nothing for a layer whose routed experts all sit in slots."""
+    cfg, params = model
+    layout = layout_of(cfg, params)
+    cache = ExpertCache(layout, ExpertStore(layout), slots_per_layer=2, swaps_per_layer=2, payback=0.0,
+                        reads_in_program=True)  # fmt: skip
+    for layer, slot, expert in [(0, 0, 1), (0, 1, 2), (1, 0, 3), (2, 0, 4), (2, 1, 5)]:  # layer 1: slot 1 empty
+        cache.assign(layer, slot, expert)
+    signed = np.zeros((3, NUM_EXPERTS), np.int32)
+    signed[0, [6, 9]] = -1  # layer 2 (first row): two misses
+    signed[1, [1, 7, 8]] = [2, -1, -1]  # layer 0: a hit and two misses
+    signed[2, [3, 10]] = [1, -3]  # layer 1: a hit and a miss
+    cache.record_routing((2, 0, 1), signed)
+    s = cache.stats
+    assert (s.layer_steps, s.lookups, s.gpu_hits, s.host_hits) == (3, 7, 2, 5)
+    assert (cache.last_missed[2], cache.last_missed[0], cache.last_missed[1]) == ([6, 9], [7, 8], [10])
+    assert s.per_layer_misses == {2: 2, 0: 2, 1: 1} and cache.routing_counts[1, 10] == 3
+    cache.scores[0, [1, 2, 7, 8]] = [1.0, 1.0, 5.0, 5.0]  # a tie: 7 before 8, and both slots cold
+    cache.scores[1, [3, 10, 11]] = [9.0, 2.0, 2.0]  # the empty slot goes to the lower id of the tie
+    cache.scores[2] = 0.0
+    cache.scores[2, [4, 5]] = 3.0  # layer 2: only its residents were routed
+    swaps = [(w.layer, w.slot, w.expert, w.evicted) for w in cache.plan_swaps()]
+    assert swaps == [(0, 0, 7, 1), (0, 1, 8, 2), (1, 1, 10, -1)]
+
+
 def _routed(experts: list[int]) -> np.ndarray:
     signed = np.zeros((1, NUM_EXPERTS), np.int32)
     signed[0, experts] = -1  # missed (the sign only counts misses; scores see routing)
