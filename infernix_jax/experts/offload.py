@@ -506,7 +506,7 @@ class ExpertOffload:
         for swap in self.cache.plan_swaps():
             by_layer.setdefault(swap.layer, []).append(swap)
         t2 = time.perf_counter()
-        if by_layer and self._all_host_stacks():
+        if by_layer and self.cache.reads_in_program:  # every layer's stacks sit in pinned host memory
             self._apply_from_host_stacks(by_layer)
         else:
             for rank, swaps in by_layer.items():
@@ -515,11 +515,6 @@ class ExpertOffload:
         stats.rebalance_plan_seconds += t2 - t1
         stats.rebalance_apply_seconds += time.perf_counter() - t2
         return self.params
-
-    def _all_host_stacks(self) -> bool:
-        """Whether every slotted layer also holds its full stacks in pinned host memory (host reads
-        "program"): then one program promotes the swaps of all layers."""
-        return all(self._slotted(rank).host_stacks is not None for rank in range(self.cache.num_layers))
 
     def _apply(self, rank: int, swaps: list) -> None:
         store, cache, layout = self.store, self.cache, self.layout
@@ -616,7 +611,7 @@ class ExpertOffload:
         slots = (slotted.gate_proj, slotted.up_proj, slotted.down_proj)
         ids = np.full(WRITE_WIDTH, -1, np.int32)
         jax.block_until_ready(read_slots_program(slots, ids))
-        if self._all_host_stacks():
+        if self.cache.reads_in_program:
             self._apply_from_host_stacks({})  # one all-skip call: every layer's slots, nothing moved
             return
         data = jax.tree.unflatten(self.layout.treedef, _stack([], self.layout, WRITE_WIDTH))
